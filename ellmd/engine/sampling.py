@@ -1,0 +1,108 @@
+"""Sampling: logits processors and samplers as plain callables.
+
+Shapes: logits [V] f32 (one sequence at a time; the batched forward hands out one row per slot).
+Order as vLLM and transformers: penalties, logit bias, temperature, top-k, top-p, min-p, draw.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+
+@dataclasses.dataclass
+class SamplingParams:
+    """What to generate and when to stop. temperature 0 means greedy."""
+
+    max_tokens: int = 256
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] = dataclasses.field(default_factory=dict)
+    seed: int | None = None
+    stop: list[str] = dataclasses.field(default_factory=list)
+    stop_token_ids: list[int] = dataclasses.field(default_factory=list)
+    ignore_eos: bool = False
+
+    def __post_init__(self):
+        checks = [
+            (self.max_tokens >= 0, "max_tokens must be >= 0"),
+            (self.temperature >= 0, "temperature must be >= 0"),
+            (self.top_k >= 0, "top_k must be >= 0"),
+            (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
+            (0 <= self.min_p <= 1, "min_p must be in [0, 1]"),
+            (self.repetition_penalty > 0, "repetition_penalty must be > 0"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+class Sampler:
+    """Picks the next token of one sequence; holds the RNG and the token counts for penalties."""
+
+    def __init__(self, params: SamplingParams, prompt_tokens=()):
+        self.params = params
+        self.rng = np.random.default_rng(params.seed)
+        self.seen = set(int(t) for t in prompt_tokens)  # repetition penalty: prompt and output
+        self.counts: dict[int, int] = {}  # presence/frequency penalties: output only, as OpenAI
+        p = params
+        self.plain_greedy = p.greedy and not p.logit_bias and not self._penalised()
+
+    def _penalised(self) -> bool:
+        p = self.params
+        return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+
+    def __call__(self, logits: np.ndarray) -> int:
+        if self.plain_greedy:
+            return int(np.argmax(logits))
+        logits = self.process(logits.astype(np.float32, copy=True))
+        token = int(np.argmax(logits)) if self.params.greedy else self.draw(logits)
+        return token
+
+    def accept(self, token: int) -> None:
+        """Record a generated token (for the penalties)."""
+        self.seen.add(token)
+        self.counts[token] = self.counts.get(token, 0) + 1
+
+    def process(self, logits: np.ndarray) -> np.ndarray:
+        p = self.params
+        if p.repetition_penalty != 1.0 and self.seen:
+            ids = np.fromiter(self.seen, np.int64)
+            values = logits[ids]
+            logits[ids] = np.where(values > 0, values / p.repetition_penalty, values * p.repetition_penalty)
+        if (p.presence_penalty or p.frequency_penalty) and self.counts:
+            ids = np.fromiter(self.counts.keys(), np.int64)
+            counts = np.fromiter(self.counts.values(), np.float32)
+            logits[ids] -= p.presence_penalty + p.frequency_penalty * counts
+        for token, bias in p.logit_bias.items():
+            logits[int(token)] += bias
+        return logits
+
+    def draw(self, logits: np.ndarray) -> int:
+        p = self.params
+        logits = logits / p.temperature
+        if p.top_k and p.top_k < logits.size:
+            candidates = np.argpartition(-logits, p.top_k - 1)[: p.top_k]
+        else:
+            candidates = np.arange(logits.size)
+        order = candidates[np.argsort(-logits[candidates], kind="stable")]  # most likely first
+        probs = np.exp(logits[order] - logits[order[0]])
+        probs /= probs.sum()
+        keep = probs.size
+        if p.top_p < 1.0:
+            # Keep the smallest prefix whose mass reaches top_p (at least one token).
+            keep = min(keep, int(np.searchsorted(np.cumsum(probs), p.top_p)) + 1)
+        if p.min_p > 0.0:
+            keep = min(keep, int(np.count_nonzero(probs >= p.min_p * probs[0])))
+        probs = probs[:keep] / probs[:keep].sum()
+        return int(order[self.rng.choice(keep, p=probs)])

@@ -1,0 +1,168 @@
+"""Llama (SmolLM2, Llama 2/3): the base decoder that Qwen3 and Qwen3-MoE extend.
+
+Shapes (n tokens in this forward, h hidden, H query heads, G kv heads, d head_dim, I intermediate):
+  x, residual stream     [n, h]       f32
+  qkv_proj               [(H+2G)*d, h]  storage format; q, k and v fused at load
+  gate_up_proj           [2*I, h]     storage format; gate and up fused at load
+  K, V cache of a layer  [slots, G, S, d]
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ellmd import kernels
+from ellmd.kernels import formats
+from ellmd.model.spec import ModelSpec
+
+
+class TensorSource:
+    """Checkpoint tensors by Hugging Face name, in the engine's weight format unless told otherwise."""
+
+    def __init__(self, checkpoint, fmt: int):
+        self.checkpoint, self.fmt = checkpoint, fmt
+        self.names = set(checkpoint.names())
+
+    def __call__(self, name: str, fmt: int | None = None) -> np.ndarray:
+        return self.checkpoint.get(name, self.fmt if fmt is None else fmt)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.names
+
+
+class Llama:
+    """Weights in engine layout plus the forward pass over a Workspace."""
+
+    def __init__(self, spec: ModelSpec, weights: dict, fmt: int):
+        self.spec = spec
+        self.fmt = fmt
+        self.embed_tokens = weights["embed_tokens"]
+        self.norm = weights["norm"]
+        self.lm_head = weights["lm_head"]
+        self.layers = weights["layers"]
+        self.scale = float(spec.head_dim) ** -0.5
+
+    # ---- loading -------------------------------------------------------------------------
+
+    @classmethod
+    def sanitize(cls, checkpoint, spec: ModelSpec, fmt: int, progress=None) -> dict:
+        """Read a checkpoint's tensors and fuse them into engine layout."""
+
+        get = TensorSource(checkpoint, fmt)
+        embed = get("model.embed_tokens.weight")
+        weights = {
+            "embed_tokens": embed,
+            "norm": get("model.norm.weight", formats.F32),
+            "lm_head": embed if spec.tie_word_embeddings else get("lm_head.weight"),
+            "layers": [],
+        }
+        for i in range(spec.num_hidden_layers):
+            weights["layers"].append(cls.sanitize_layer(get, spec, f"model.layers.{i}", i))
+            if progress:
+                progress(i + 1, spec.num_hidden_layers)
+        cls.check_shapes(weights, spec)
+        return weights
+
+    @classmethod
+    def sanitize_layer(cls, get, spec: ModelSpec, prefix: str, index: int) -> dict:
+        attn = f"{prefix}.self_attn"
+        layer = {
+            "input_layernorm": get(f"{prefix}.input_layernorm.weight", formats.F32),
+            "post_attention_layernorm": get(f"{prefix}.post_attention_layernorm.weight", formats.F32),
+            "qkv_proj": np.concatenate([get(f"{attn}.{p}_proj.weight") for p in "qkv"]),
+            "o_proj": np.ascontiguousarray(get(f"{attn}.o_proj.weight")),
+        }
+        if spec.attention_bias:
+            layer["qkv_bias"] = np.concatenate([get(f"{attn}.{p}_proj.bias", formats.F32) for p in "qkv"])
+        layer.update(cls.sanitize_mlp(get, spec, prefix, index))
+        return layer
+
+    @classmethod
+    def sanitize_mlp(cls, get, spec: ModelSpec, prefix: str, index: int) -> dict:
+        mlp = f"{prefix}.mlp"
+        return {
+            "gate_up_proj": np.concatenate([get(f"{mlp}.gate_proj.weight"), get(f"{mlp}.up_proj.weight")]),
+            "down_proj": np.ascontiguousarray(get(f"{mlp}.down_proj.weight")),
+        }
+
+    @staticmethod
+    def check_shapes(weights: dict, spec: ModelSpec) -> None:
+        from ellmd.errors import ModelError
+
+        H, G, d, h = spec.num_attention_heads, spec.num_key_value_heads, spec.head_dim, spec.hidden_size
+        expected = {
+            "embed_tokens": (spec.vocab_size, h),
+            "lm_head": (spec.vocab_size, h),
+            "norm": (h,),
+        }
+        for name, shape in expected.items():
+            if weights[name].shape != shape:
+                raise ModelError(f"tensor {name} has shape {weights[name].shape}, the config implies {shape}")
+        layer_expected = {"qkv_proj": ((H + 2 * G) * d, h), "o_proj": (h, H * d), "input_layernorm": (h,)}
+        for i, layer in enumerate(weights["layers"]):
+            for name, shape in layer_expected.items():
+                if layer[name].shape != shape:
+                    raise ModelError(
+                        f"layer {i} tensor {name} has shape {layer[name].shape}, the config implies {shape}"
+                    )
+
+    # ---- forward -------------------------------------------------------------------------
+
+    def forward(self, ws, kv, n: int, slots: np.ndarray, positions: np.ndarray, decode: bool) -> None:
+        """Run all layers over ws.x[:n]; tokens are already embedded there.
+
+        decode: one token per slot (slots[i], positions[i]); otherwise n consecutive tokens of slots[0].
+        """
+        spec = self.spec
+        x, h = ws.x[:n], ws.h[:n]
+        for index, layer in enumerate(self.layers):
+            kernels.rmsnorm(x, layer["input_layernorm"], spec.rms_norm_eps, h)
+            self.attention(index, layer, ws, kv, n, slots, positions, decode)
+            np.add(x, h, out=x)
+            kernels.rmsnorm(x, layer["post_attention_layernorm"], spec.rms_norm_eps, h)
+            self.mlp(layer, ws, n)
+            np.add(x, h, out=x)
+
+    def attention(self, index, layer, ws, kv, n, slots, positions, decode) -> None:
+        """h[:n] (normed input) -> h[:n] (attention output projected back to hidden)."""
+        spec = self.spec
+        H, G, d = spec.num_attention_heads, spec.num_key_value_heads, spec.head_dim
+        qkv = ws.qkv[:n]
+        kernels.matmul(ws.h[:n], layer["qkv_proj"], self.fmt, qkv, ws.matmul_scratch)
+        if "qkv_bias" in layer:
+            np.add(qkv, layer["qkv_bias"], out=qkv)
+        q = qkv[:, : H * d].reshape(n, H, d)
+        k = qkv[:, H * d : (H + G) * d].reshape(n, G, d)
+        v = qkv[:, (H + G) * d :].reshape(n, G, d)
+        self.qk_norm(layer, q, k)
+        kernels.rope(q, positions[:n], ws.cos, ws.sin)
+        kernels.rope(k, positions[:n], ws.cos, ws.sin)
+        kernels.store_kv(k, v, kv.k[index], kv.v[index], kv.fmt, slots[:n], positions[:n])
+        out = ws.attn[:n].reshape(n, H, d)
+        if decode:
+            np.add(positions[:n], 1, out=ws.lengths[:n])
+            kernels.attention_decode(
+                q, kv.k[index], kv.v[index], kv.fmt, slots[:n], ws.lengths[:n], self.scale, out,
+                ws.partial_m, ws.partial_l, ws.partial_acc,
+            )
+        else:
+            slot = slots[0]
+            kernels.attention_prefill(q, kv.k[index, slot], kv.v[index, slot], kv.fmt, int(positions[0]), self.scale, out)
+        kernels.matmul(ws.attn[:n], layer["o_proj"], self.fmt, ws.h[:n], ws.matmul_scratch)
+
+    def qk_norm(self, layer, q, k) -> None:
+        """Llama has no per-head norm; Qwen3 overrides this."""
+
+    def mlp(self, layer, ws, n) -> None:
+        """h[:n] (normed) -> h[:n] (MLP output)."""
+        kernels.matmul(ws.h[:n], layer["gate_up_proj"], self.fmt, ws.gate_up[:n], ws.matmul_scratch)
+        kernels.silu_mul(ws.gate_up[:n], ws.act[:n])
+        kernels.matmul(ws.act[:n], layer["down_proj"], self.fmt, ws.h[:n], ws.matmul_scratch)
+
+    def logits(self, ws, rows: np.ndarray, out: np.ndarray) -> None:
+        """Final norm and lm_head for the residual rows that need logits."""
+        count = len(rows)
+        hidden = ws.h[:count]
+        np.take(ws.x, rows, axis=0, out=ws.rows_x[:count])
+        kernels.rmsnorm(ws.rows_x[:count], self.norm, self.spec.rms_norm_eps, hidden)
+        kernels.matmul(hidden, self.lm_head, self.fmt, out, ws.matmul_scratch)

@@ -1,0 +1,50 @@
+"""Qwen3-MoE: Qwen3 with a routed mixture of experts in place of the dense MLP.
+
+Shapes (E experts, k experts per token, I moe_intermediate_size):
+  router           [E, h]        f32 (small, and top-k choices are sensitive to its precision)
+  experts_gate_up  [E, 2*I, h]   storage format; gate and up fused at load
+  experts_down     [E, h, I]     storage format
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ellmd import kernels
+from ellmd.kernels import formats
+from ellmd.model.qwen3 import Qwen3
+
+
+class Qwen3Moe(Qwen3):
+    @classmethod
+    def sanitize_mlp(cls, get, spec, prefix, index) -> dict:
+        if not spec.is_moe_layer(index):
+            return super().sanitize_mlp(get, spec, prefix, index)
+        mlp = f"{prefix}.mlp"
+        if f"{mlp}.experts.gate_proj.weight" in get:  # GGUF stacks the experts of a layer in one tensor
+            gate, up = get(f"{mlp}.experts.gate_proj.weight"), get(f"{mlp}.experts.up_proj.weight")
+            down = np.ascontiguousarray(get(f"{mlp}.experts.down_proj.weight"))
+        else:  # Hugging Face keeps one tensor per expert
+            experts = range(spec.num_experts)
+            gate = np.stack([get(f"{mlp}.experts.{e}.gate_proj.weight") for e in experts])
+            up = np.stack([get(f"{mlp}.experts.{e}.up_proj.weight") for e in experts])
+            down = np.stack([get(f"{mlp}.experts.{e}.down_proj.weight") for e in experts])
+        return {
+            "router": get(f"{mlp}.gate.weight", formats.F32),
+            "experts_gate_up": np.concatenate([gate, up], axis=1),
+            "experts_down": down,
+        }
+
+    def mlp(self, layer, ws, n) -> None:
+        if "router" not in layer:
+            return super().mlp(layer, ws, n)
+        spec = self.spec
+        router_logits = ws.router_logits[:n]
+        kernels.matmul(ws.h[:n], layer["router"], formats.F32, router_logits, ws.matmul_scratch)
+        weights, experts = ws.expert_weights[:n], ws.expert_ids[:n]
+        kernels.route(router_logits, spec.num_experts_per_tok, spec.norm_topk_prob, weights, experts)
+        kernels.moe_experts(
+            ws.h[:n], experts, weights, layer["experts_gate_up"], layer["experts_down"], self.fmt,
+            ws.moe_out[:n], ws.moe_scratch,
+        )
+        ws.h[:n] = ws.moe_out[:n]

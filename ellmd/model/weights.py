@@ -1,0 +1,285 @@
+"""Checkpoint readers: safetensors directories (memory-mapped) and GGUF files (dequantized).
+
+Both expose tensors under Hugging Face names, as numpy arrays in a requested storage format
+(ellmd.kernels.formats: F32 float32, BF16/F16 uint16 bit patterns). A tensor already in the
+requested format comes straight from the memory map, so a bf16 checkpoint stays bf16.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+
+from ellmd.errors import ModelError
+from ellmd.kernels import formats
+from ellmd.model.spec import ModelSpec
+
+# safetensors dtype -> (numpy dtype of the raw bytes, storage format or None if unsupported)
+SAFETENSORS_DTYPES = {
+    "F32": (np.float32, formats.F32),
+    "BF16": (np.uint16, formats.BF16),
+    "F16": (np.uint16, formats.F16),
+}
+
+# GGUF tensor name pieces -> Hugging Face names
+GGUF_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+GGUF_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.experts.gate_proj",
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
+}
+GGUF_SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K")
+
+
+def convert(array: np.ndarray, src_fmt: int, dst_fmt: int) -> np.ndarray:
+    """Convert a storage array between formats (no copy when they already agree)."""
+    if src_fmt == dst_fmt:
+        return array
+    return formats.to_storage(formats.to_f32(array, src_fmt), dst_fmt)
+
+
+class SafetensorsCheckpoint:
+    """A Hugging Face checkpoint directory: config.json plus one or many *.safetensors."""
+
+    def __init__(self, directory: Path):
+        self.directory = Path(directory)
+        self.spec = ModelSpec.from_file(self.directory / "config.json")
+        self._tensors: dict[str, tuple[Path, str, list[int], int, int]] = {}
+        files = sorted(self.directory.glob("*.safetensors"))
+        index = self.directory / "model.safetensors.index.json"
+        if index.exists():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError) as e:
+                raise ModelError(f"{index}: not a valid safetensors index ({e})") from None
+            files = sorted({self.directory / f for f in weight_map.values()})
+        if not files:
+            raise ModelError(f"{self.directory}: no *.safetensors file")
+        self._maps: dict[Path, np.memmap] = {}
+        for file in files:
+            self._read_header(file)
+
+    def _read_header(self, file: Path) -> None:
+        # Parsed here because safetensors' numpy backend cannot hand out bf16 tensors as raw bits.
+        if not file.exists():
+            raise ModelError(f"{file}: no such file (listed in model.safetensors.index.json)")
+        size = file.stat().st_size
+        with open(file, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise ModelError(f"{file}: truncated safetensors file (no header)")
+            (header_len,) = struct.unpack("<Q", head)
+            if header_len > size - 8:
+                raise ModelError(f"{file}: corrupt safetensors header (length {header_len} > file size)")
+            try:
+                header = json.loads(f.read(header_len))
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                raise ModelError(f"{file}: corrupt safetensors header (not JSON)") from None
+        data_start = 8 + header_len
+        for name, info in header.items():
+            if name == "__metadata__":
+                continue
+            dtype = info.get("dtype")
+            if dtype not in SAFETENSORS_DTYPES:
+                raise ModelError(f"{file}: tensor {name} has unsupported dtype {dtype} (supported: F32, BF16, F16)")
+            begin, end = info["data_offsets"]
+            np_dtype = SAFETENSORS_DTYPES[dtype][0]
+            expected = int(np.prod(info["shape"], dtype=np.int64)) * np.dtype(np_dtype).itemsize
+            if end - begin != expected:
+                raise ModelError(f"{file}: tensor {name} has {end - begin} bytes, its shape {info['shape']} needs {expected}")
+            if data_start + end > size:
+                raise ModelError(f"{file}: truncated (tensor {name} ends past the end of the file)")
+            self._tensors[name] = (file, dtype, info["shape"], data_start + begin, data_start + end)
+
+    def names(self) -> list[str]:
+        return list(self._tensors)
+
+    def native_format(self) -> int:
+        """The storage format of most 2-D tensors: the checkpoint's own precision."""
+        counts = Counter(dtype for _, dtype, shape, _, _ in self._tensors.values() if len(shape) >= 2)
+        return SAFETENSORS_DTYPES[counts.most_common(1)[0][0]][1]
+
+    def get(self, name: str, fmt: int) -> np.ndarray:
+        if name not in self._tensors:
+            raise ModelError(f"{self.directory}: tensor {name} is missing")
+        file, dtype, shape, begin, end = self._tensors[name]
+        if file not in self._maps:
+            self._maps[file] = np.memmap(file, dtype=np.uint8, mode="r")
+        np_dtype, src_fmt = SAFETENSORS_DTYPES[dtype]
+        array = self._maps[file][begin:end].view(np_dtype).reshape(shape)
+        return convert(array, src_fmt, fmt)
+
+
+class GGUFCheckpoint:
+    """A single GGUF file: metadata, tokenizer and (possibly quantized) tensors."""
+
+    def __init__(self, file: Path):
+        import gguf
+
+        self.file = Path(file)
+        if not self.file.exists():
+            raise ModelError(f"{self.file}: no such file")
+        try:
+            self.reader = gguf.GGUFReader(self.file)
+        except Exception as e:  # the gguf package raises bare ValueError/IndexError on corrupt input
+            raise ModelError(f"{self.file}: not a readable GGUF file ({type(e).__name__}: {e})") from None
+        self.fields = {}
+        for key, field in self.reader.fields.items():
+            try:
+                self.fields[key] = field.contents()
+            except Exception:
+                raise ModelError(f"{self.file}: corrupt GGUF metadata field {key}") from None
+        self.spec = ModelSpec.from_gguf(self.fields)
+        self._tensors = {}
+        for tensor in self.reader.tensors:
+            hf_name = _gguf_to_hf_name(tensor.name)
+            if hf_name is None:
+                continue
+            if tensor.tensor_type.name not in GGUF_SUPPORTED_TYPES:
+                raise ModelError(
+                    f"{self.file}: tensor {tensor.name} has unsupported type {tensor.tensor_type.name} "
+                    f"(supported: {', '.join(GGUF_SUPPORTED_TYPES)})"
+                )
+            self._tensors[hf_name] = tensor
+        self.spec.tie_word_embeddings = "lm_head.weight" not in self._tensors
+
+    def names(self) -> list[str]:
+        return list(self._tensors)
+
+    def native_format(self) -> int:
+        counts = Counter(t.tensor_type.name for t in self._tensors.values() if len(t.shape) >= 2)
+        kind = counts.most_common(1)[0][0]
+        return {"F32": formats.F32, "F16": formats.F16}.get(kind, formats.BF16)
+
+    def get(self, name: str, fmt: int) -> np.ndarray:
+        import gguf
+
+        if name not in self._tensors:
+            raise ModelError(f"{self.file}: tensor {name} is missing")
+        tensor = self._tensors[name]
+        shape = [int(d) for d in reversed(tensor.shape)]  # GGUF lists dimensions innermost first
+        kind = tensor.tensor_type.name
+        try:
+            if kind == "F32":
+                array, src = np.asarray(tensor.data, np.float32).reshape(shape), formats.F32
+            elif kind in ("F16", "BF16"):
+                array = np.asarray(tensor.data).view(np.uint16).reshape(shape)
+                src = formats.F16 if kind == "F16" else formats.BF16
+            else:
+                array = gguf.quants.dequantize(tensor.data, tensor.tensor_type).reshape(shape)
+                src = formats.F32
+        except ValueError as e:
+            raise ModelError(f"{self.file}: tensor {tensor.name} is corrupt ({e})") from None
+        if self.spec.model_type == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = self.spec.num_attention_heads if "q_proj" in name else self.spec.num_key_value_heads
+            array = _unpermute_rope_rows(array, heads)
+        return convert(np.ascontiguousarray(array), src, fmt)
+
+
+def _gguf_to_hf_name(name: str) -> str | None:
+    if name in GGUF_GLOBAL_NAMES:
+        return GGUF_GLOBAL_NAMES[name]
+    parts = name.split(".")
+    if parts[0] != "blk" or len(parts) != 4 or parts[2] not in GGUF_LAYER_NAMES:
+        return None
+    return f"model.layers.{parts[1]}.{GGUF_LAYER_NAMES[parts[2]]}.{parts[3]}"
+
+
+def _unpermute_rope_rows(w: np.ndarray, heads: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row permutation (it interleaves each head's two rope halves)."""
+    rows = w.shape[0]
+    return w.reshape(heads, rows // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def open_checkpoint(path: Path) -> SafetensorsCheckpoint | GGUFCheckpoint:
+    """Open a checkpoint directory or a .gguf file."""
+    path = Path(path)
+    if not path.exists():
+        raise ModelError(f"{path}: no such file or directory")
+    if path.is_dir():
+        return SafetensorsCheckpoint(path)
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != b"GGUF":
+        raise ModelError(f"{path}: not a GGUF file (bad magic) nor a checkpoint directory")
+    return GGUFCheckpoint(path)
+
+
+class RandomCheckpoint:
+    """Random weights at the shapes of a config.json: for benchmarks and memory planning only."""
+
+    def __init__(self, config_file: Path, seed: int = 0, layers: int | None = None):
+        self.spec = ModelSpec.from_file(config_file)
+        if layers:  # a truncated model, so that big configs fit in memory
+            self.spec.num_hidden_layers = min(layers, self.spec.num_hidden_layers)
+        self.seed = seed
+        self._shapes = _hf_shapes(self.spec)
+
+    def names(self) -> list[str]:
+        return list(self._shapes)
+
+    def native_format(self) -> int:
+        return formats.BF16
+
+    def get(self, name: str, fmt: int) -> np.ndarray:
+        shape = self._shapes[name]
+        rng = np.random.default_rng([self.seed, len(name), sum(map(ord, name))])
+        if len(shape) == 1:  # norm weights: near 1, as trained models have them
+            return convert(1.0 + 0.1 * rng.standard_normal(shape, np.float32), formats.F32, fmt)
+        fan_in = shape[-1]
+        return convert(rng.standard_normal(shape, np.float32) * fan_in**-0.5, formats.F32, fmt)
+
+
+def _hf_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
+    """Hugging Face tensor names and shapes implied by a spec."""
+    h, d, V = spec.hidden_size, spec.head_dim, spec.vocab_size
+    H, G = spec.num_attention_heads, spec.num_key_value_heads
+    shapes = {"model.embed_tokens.weight": (V, h), "model.norm.weight": (h,)}
+    if not spec.tie_word_embeddings:
+        shapes["lm_head.weight"] = (V, h)
+    for i in range(spec.num_hidden_layers):
+        p = f"model.layers.{i}"
+        shapes.update({
+            f"{p}.input_layernorm.weight": (h,),
+            f"{p}.post_attention_layernorm.weight": (h,),
+            f"{p}.self_attn.q_proj.weight": (H * d, h),
+            f"{p}.self_attn.k_proj.weight": (G * d, h),
+            f"{p}.self_attn.v_proj.weight": (G * d, h),
+            f"{p}.self_attn.o_proj.weight": (h, H * d),
+        })
+        if spec.model_type != "llama":
+            shapes[f"{p}.self_attn.q_norm.weight"] = (d,)
+            shapes[f"{p}.self_attn.k_norm.weight"] = (d,)
+        if spec.is_moe_layer(i):
+            I = spec.moe_intermediate_size
+            shapes[f"{p}.mlp.gate.weight"] = (spec.num_experts, h)
+            for e in range(spec.num_experts):
+                shapes[f"{p}.mlp.experts.{e}.gate_proj.weight"] = (I, h)
+                shapes[f"{p}.mlp.experts.{e}.up_proj.weight"] = (I, h)
+                shapes[f"{p}.mlp.experts.{e}.down_proj.weight"] = (h, I)
+        else:
+            I = spec.intermediate_size
+            shapes[f"{p}.mlp.gate_proj.weight"] = (I, h)
+            shapes[f"{p}.mlp.up_proj.weight"] = (I, h)
+            shapes[f"{p}.mlp.down_proj.weight"] = (h, I)
+    return shapes
