@@ -206,5 +206,126 @@ def bench(
         Console().print(render_table(rows, title))
 
 
+def daemon_settings(config, flags):
+    from ellmd.server.config import load_settings
+
+    try:
+        return load_settings(config, flags)
+    except EllmError as e:
+        fail(str(e))
+
+
+ConfigFile = typer.Option(None, "--config", help="TOML settings file (see config/ellmd.toml) [default: $XDG_CONFIG_HOME/ellm/ellmd.toml if present]")
+SocketPath = typer.Option(None, "--socket", help="Unix socket [default: $XDG_RUNTIME_DIR/ellm/ellmd.sock]")
+
+
+@app.command()
+def start(
+    model_path: Optional[str] = ModelPath,
+    chunk_size: Optional[int] = typer.Option(None, help="Tokens per prefill forward pass [default: 512]"),
+    sequence_length: Optional[int] = typer.Option(None, help="KV capacity of each slot, in tokens [default: 8192]"),
+    batch_size: Optional[int] = typer.Option(None, help="KV slots: sessions resident at once [default: 4]"),
+    kv_dtype: Optional[str] = typer.Option(None, help="KV cache precision: bf16, f16 or f32 [default: bf16]"),
+    weight_dtype: Optional[str] = WeightDtype,
+    threads: Optional[int] = Threads,
+    socket: Optional[str] = SocketPath,
+    store: Optional[str] = typer.Option(None, help="Session store directory (LMDB) [default: $XDG_DATA_HOME/ellm/store]"),
+    http: Optional[str] = typer.Option(None, help="Also serve the OpenAI-compatible API on HOST:PORT"),
+    skills_dir: Optional[list[str]] = typer.Option(None, help="A skill root directory (repeatable)"),
+    config: Optional[Path] = ConfigFile,
+    detach: bool = typer.Option(False, help="Run in the background (pid and log files beside the socket)"),
+):
+    """Start the daemon: load the model, commit the KV cache, serve sessions on the Unix socket.
+
+    Settings come from the defaults, then the config file, then these flags, then ELLMD_* variables.
+    """
+    import logging
+
+    from ellmd.server import daemon
+
+    flags = dict(model_path=model_path, chunk_size=chunk_size, sequence_length=sequence_length,
+                 batch_size=batch_size, kv_dtype=kv_dtype, weight_dtype=weight_dtype, threads=threads,
+                 socket=socket, store=store, http=http, skills_dir=skills_dir or None)
+    settings = daemon_settings(config, flags)
+    logging.basicConfig(level=settings.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        if detach:
+            argv = [a for a in sys.argv[2:] if a != "--detach"]
+            raise typer.Exit(daemon.detach(argv, settings))
+        progress = progress_logger()
+        raise typer.Exit(daemon.run(settings, progress))
+    except EllmError as e:
+        fail(str(e))
+
+
+def progress_logger():
+    """Start-up progress as log lines (the daemon logs to stderr or its log file)."""
+    import logging
+
+    log, shown = logging.getLogger("ellmd"), {}
+
+    def progress(phase, done, total):
+        step = max(1, total // 4)
+        if done == total or done % step == 0 and shown.get(phase) != done:
+            shown[phase] = done
+            log.info("%s %d/%d", phase, done, total)
+
+    return progress
+
+
+def connect(socket, config):
+    from ellm import Client
+    from ellm.errors import DaemonNotRunning
+
+    settings = daemon_settings(config, {"socket": socket})
+    try:
+        return Client(settings.socket_path)
+    except DaemonNotRunning as e:
+        fail(str(e), 2)
+
+
+@app.command()
+def stop(socket: Optional[str] = SocketPath, config: Optional[Path] = ConfigFile,
+         timeout: float = typer.Option(60.0, help="Seconds to wait for the daemon to exit")):
+    """Stop the daemon gracefully: generations end, every resident session is snapshotted."""
+    from ellmd.server.daemon import cleanup_pid, wait_gone
+
+    settings = daemon_settings(config, {"socket": socket})
+    client = connect(socket, config)
+    client.shutdown()
+    if not wait_gone(settings.socket_path, timeout):
+        fail(f"the daemon did not exit within {timeout:.0f}s")
+    cleanup_pid(settings)
+    typer.echo("ellmd stopped")
+
+
+@app.command()
+def status(socket: Optional[str] = SocketPath, config: Optional[Path] = ConfigFile,
+           json_output: bool = typer.Option(False, "--json", help="Print the raw stats as JSON")):
+    """Model, capacity, sessions resident and stored, uptime."""
+    from rich.console import Console
+    from rich.table import Table
+
+    stats = connect(socket, config).stats()
+    if json_output:
+        print(json.dumps(stats))
+        return
+    mib = 2**20
+    table = Table(show_header=False, title="ellmd")
+    rows = [
+        ("model", f"{stats['model']} ({stats['model_type']})"),
+        ("capacity", f"{stats['slots']} slots x {stats['sequence_length']} tokens"),
+        ("KV", f"{stats['kv_bytes_used'] / mib:.1f} MiB used, {stats['kv_bytes_free'] / mib:.1f} MiB free "
+               f"({stats['kv_bytes_per_token']} B/token)"),
+        ("sessions", f"{stats['sessions_resident']} resident, {stats['sessions_stored']} stored, "
+                     f"{stats['generating']} generating"),
+        ("uptime", f"{stats['uptime_s']:.0f}s"),
+    ]
+    for key, value in rows:
+        table.add_row(key, value)
+    Console().print(table)
+
+
 if __name__ == "__main__":
     app()

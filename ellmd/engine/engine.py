@@ -17,6 +17,7 @@ from ellmd.engine.plan import Plan
 from ellmd.engine.sampling import Sampler, SamplingParams
 from ellmd.errors import CapacityError, ModelError
 from ellmd.kernels import formats
+from ellmd.kernels.matmul import PREFILL_MIN_ROWS
 from ellmd.model import FAMILIES
 from ellmd.model.weights import GGUFCheckpoint, RandomCheckpoint, open_checkpoint
 from ellmd.text import ChatTemplate, Tokenizer
@@ -84,6 +85,7 @@ class Engine:
         self.spec = spec = checkpoint.spec
         self.fmt = formats.FORMAT_NAMES[weight_dtype] if weight_dtype else checkpoint.native_format()
         self.kv_fmt = formats.FORMAT_NAMES[kv_dtype]
+        self.weights_digest = checkpoint.digest()
         self.tokenizer = load_tokenizer(checkpoint)
         has_template = self.tokenizer is not None and self.tokenizer.chat_template
         self.chat_template = ChatTemplate.from_tokenizer(self.tokenizer) if has_template else None
@@ -143,7 +145,8 @@ class Engine:
 
     def warm_up(self) -> None:
         """Compile (or load from numba's cache) every kernel of both paths, then leave slot 0 empty."""
-        self.prefill(0, [0, 0], logits="last")
+        self.prefill(0, [0] * min(self.chunk_size, PREFILL_MIN_ROWS + 1), logits="last")  # the BLAS path
+        self.prefill(0, [0, 0], logits="last")  # the streaming path
         self.decode([0], [0])
         self.kv.lengths[0] = 0
 

@@ -15,13 +15,11 @@ I intermediate, V vocab, E experts, k experts per token):
 
 from __future__ import annotations
 
+import numba
 import numpy as np
 
 from ellmd import kernels
 from ellmd.model.spec import ModelSpec
-
-# Key splits per sequence in decode attention: enough to keep both cores busy on one long session.
-DECODE_SPLITS = 16
 
 
 class Workspace:
@@ -49,10 +47,8 @@ class Workspace:
         self.cos, self.sin = kernels.rope_tables(
             d, spec.rope_theta, spec.rope_scaling, spec.max_position_embeddings, sequence_length
         )
-        m_shape, l_shape, acc_shape = kernels.decode_scratch_shapes(B, H, d, DECODE_SPLITS)
-        self.partial_m = np.zeros(m_shape, f32)
-        self.partial_l = np.zeros(l_shape, f32)
-        self.partial_acc = np.zeros(acc_shape, f32)
+        shapes = kernels.decode_scratch_shapes(B, H, d, numba.get_num_threads())
+        self.attention_scratch = {name: np.zeros(shape, f32) for name, shape in shapes.items()}
         self.matmul_scratch = np.zeros(max(kernels.prefill_scratch_size(m, k) for m, k in weight_shapes), f32)
         if spec.num_experts:
             E, k = spec.num_experts, spec.num_experts_per_tok
@@ -71,8 +67,8 @@ def _arrays(obj):
     for value in vars(obj).values():
         if isinstance(value, np.ndarray):
             yield value
-        elif isinstance(value, (tuple, list)):
-            yield from (a for a in value if isinstance(a, np.ndarray))
+        elif isinstance(value, dict):
+            yield from (a for a in value.values() if isinstance(a, np.ndarray))
 
 
 class Plan:

@@ -142,8 +142,7 @@ class Llama:
         if decode:
             np.add(positions[:n], 1, out=ws.lengths[:n])
             kernels.attention_decode(
-                q, kv.k[index], kv.v[index], kv.fmt, slots[:n], ws.lengths[:n], self.scale, out,
-                ws.partial_m, ws.partial_l, ws.partial_acc,
+                q, kv.k[index], kv.v[index], kv.fmt, slots[:n], ws.lengths[:n], self.scale, out, **ws.attention_scratch
             )
         else:
             slot = slots[0]

@@ -7,6 +7,7 @@ requested format comes straight from the memory map, so a bf16 checkpoint stays 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import struct
 from collections import Counter
@@ -114,6 +115,9 @@ class SafetensorsCheckpoint:
     def names(self) -> list[str]:
         return list(self._tensors)
 
+    def digest(self) -> str:
+        return files_digest({file for file, *_ in self._tensors.values()})
+
     def native_format(self) -> int:
         """The storage format of most 2-D tensors: the checkpoint's own precision."""
         counts = Counter(dtype for _, dtype, shape, _, _ in self._tensors.values() if len(shape) >= 2)
@@ -166,6 +170,9 @@ class GGUFCheckpoint:
     def names(self) -> list[str]:
         return list(self._tensors)
 
+    def digest(self) -> str:
+        return files_digest([self.file])
+
     def native_format(self) -> int:
         counts = Counter(t.tensor_type.name for t in self._tensors.values() if len(t.shape) >= 2)
         kind = counts.most_common(1)[0][0]
@@ -194,6 +201,20 @@ class GGUFCheckpoint:
             heads = self.spec.num_attention_heads if "q_proj" in name else self.spec.num_key_value_heads
             array = _unpermute_rope_rows(array, heads)
         return convert(np.ascontiguousarray(array), src, fmt)
+
+
+def files_digest(files) -> str:
+    """A cheap identity of weight files: sizes plus their first and last MiB (not a full hash,
+    which would cost seconds per GiB at every start)."""
+    digest = hashlib.sha256()
+    for file in sorted(files):
+        size = file.stat().st_size
+        with open(file, "rb") as f:
+            digest.update(f"{file.name}:{size}".encode())
+            digest.update(f.read(1 << 20))
+            f.seek(max(0, size - (1 << 20)))
+            digest.update(f.read(1 << 20))
+    return digest.hexdigest()
 
 
 def _gguf_to_hf_name(name: str) -> str | None:
@@ -240,6 +261,9 @@ class RandomCheckpoint:
 
     def native_format(self) -> int:
         return formats.BF16
+
+    def digest(self) -> str:
+        return hashlib.sha256(repr((self.spec, self.seed)).encode()).hexdigest()
 
     def get(self, name: str, fmt: int) -> np.ndarray:
         shape = self._shapes[name]

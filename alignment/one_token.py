@@ -1,0 +1,41 @@
+"""One token: the engine's logits for a single token at position 0 vs transformers (fp32).
+
+Both entry points: a one-token prefill and a one-token decode into an empty slot. Every tiny
+checkpoint variant; f32 checkpoints run with f32 weights, bf16 ones with their native bf16
+weights (transformers upcasts the same bf16 values to fp32). KV in f32.
+
+Shapes: logits [V].
+"""
+
+from __future__ import annotations
+
+try:
+    from alignment import common
+except ImportError:
+    import pathlib
+    import sys
+
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+    from alignment import common
+
+
+def main(argv=None) -> int:
+    args = common.parser(__doc__.splitlines()[0]).parse_args(argv)
+    common.torch_setup()
+    report = common.Report("one token vs transformers")
+    for name in common.selected_variants(args):
+        path = common.checkpoint(args, name)
+        reference = common.reference_model(path)
+        engine = common.make_engine(path, weight_dtype=common.engine_dtype(name))
+        vocab = engine.spec.vocab_size
+        for token in (0, vocab - 1, *common.random_tokens(2, seed=1, vocab=vocab)):
+            ref = common.reference_logits(reference, [token])[0]
+            engine.rewind(0, 0)
+            report.compare(f"{name}: prefill [{token}]", engine.prefill(0, [token]), ref)
+            engine.rewind(0, 0)
+            report.compare(f"{name}: decode  [{token}]", engine.decode([0], [token])[0], ref)
+    return report.exit_code()
+
+
+if __name__ == "__main__":
+    common.run(main)

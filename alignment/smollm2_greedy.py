@@ -1,0 +1,111 @@
+"""SmolLM2-135M-Instruct (the built-in Q4_1 GGUF): ellm with f32 weights and f32 KV vs
+transformers fp32 loaded from the same GGUF (both dequantize the same Q4_1 blocks).
+
+For each chat prompt, rendered by the model's chat template with the generation prompt:
+  - the prompt ids: the engine's own template + tokenizer vs transformers' apply_chat_template;
+  - the logits of every prompt position (prefill) and of 32 greedy decode steps, vs one
+    transformers forward over prompt + continuation;
+  - the greedy continuation of 32 tokens: ellm's generate() vs transformers' generate(do_sample=False)
+    must be IDENTICAL token ids.
+
+Shapes: logits [n, V], V = 49152.
+"""
+
+from __future__ import annotations
+
+try:
+    from alignment import common
+except ImportError:
+    import pathlib
+    import sys
+
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+    from alignment import common
+
+import numpy as np
+
+NEW_TOKENS = 32
+PROMPTS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "user", "content": "Write a Python function that returns the n-th Fibonacci number."}],
+    [
+        {"role": "system", "content": "You are a terse assistant. Answer in one sentence."},
+        {"role": "user", "content": "Why is the sky blue?"},
+    ],
+    [
+        {"role": "user", "content": "Hi! My name is Ada."},
+        {"role": "assistant", "content": "Hello Ada! How can I help you today?"},
+        {"role": "user", "content": "Give me three ideas for a weekend trip."},
+    ],
+    [{"role": "user", "content": "Translate to French: 'The cat sleeps on the warm windowsill.'"}],
+    [{"role": "user", "content": "List the first ten prime numbers, separated by commas."}],
+]
+
+
+def greedy_loop(engine, prompt):
+    """Greedy decoding through prefill/decode, keeping the logits: (tokens, logits [P + N - 1, V])."""
+    engine.rewind(0, 0)
+    prompt_logits = engine.prefill(0, prompt, logits="all")
+    logits, tokens = [prompt_logits], []
+    last = prompt_logits[-1]
+    eos = set(engine.spec.eos_token_id)
+    for step in range(NEW_TOKENS):
+        token = int(np.argmax(last))
+        tokens.append(token)
+        if token in eos or step + 1 == NEW_TOKENS:
+            break
+        last = engine.decode([0], [token])[0].copy()
+        logits.append(last[None])
+    return tokens, np.concatenate(logits)
+
+
+def main(argv=None) -> int:
+    p = common.parser(__doc__.splitlines()[0], variants=False)
+    p.add_argument("--prompts", type=int, default=len(PROMPTS), help="how many of the prompts to run")
+    args = p.parse_args(argv)
+    common.torch_setup()
+    from ellmd.engine import SamplingParams, builtin_model_path
+    from ellmd.text import ChatTemplate
+
+    path = builtin_model_path()
+    report = common.Report(f"SmolLM2-135M-Instruct ({path.name}) greedy vs transformers")
+    reference = common.reference_model(path)
+    tokenizer = common.reference_tokenizer(path)
+    engine = common.make_engine(path, weight_dtype="f32", kv_dtype="f32", sequence_length=256, chunk_size=64)
+    template = ChatTemplate.from_tokenizer(engine.tokenizer)
+    eos = sorted(set(engine.spec.eos_token_id))
+    report.note(f"eos ids: engine {eos}, transformers {reference.generation_config.eos_token_id}")
+
+    for index, messages in enumerate(PROMPTS[: args.prompts]):
+        tag = f"prompt {index}"
+        ids = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)["input_ids"])
+        ours_ids = engine.tokenizer.encode(template.render(messages, add_generation_prompt=True))
+        report.check(f"{tag}: prompt ids (ellm template+tokenizer)", ours_ids == ids, f"{len(ids)} tokens")
+
+        ref_tokens = common.reference_greedy(reference, ids, NEW_TOKENS, eos_token_id=eos)
+        tokens, logits = greedy_loop(engine, ids)
+        engine.rewind(0, 0)
+        generated = list(engine.generate(0, ids, SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0)))
+        ref_logits = common.reference_logits(reference, ids + tokens[:-1])  # [P + N - 1, V]
+        report.compare(f"{tag}: prompt logits ({len(ids)} positions)", logits[: len(ids)], ref_logits[: len(ids)])
+        report.compare(f"{tag}: decode logits ({len(tokens) - 1} steps)", logits[len(ids) :], ref_logits[len(ids) :])
+        report.check(f"{tag}: greedy tokens, decode loop", tokens == ref_tokens, _diverge(tokens, ref_tokens, ref_logits, len(ids)))
+        report.check(f"{tag}: greedy tokens, generate()", generated == ref_tokens, _diverge(generated, ref_tokens, ref_logits, len(ids)))
+        report.note(f"{tag}: {tokenizer.decode(ref_tokens)!r}")
+    return report.exit_code()
+
+
+def _diverge(ours, ref, ref_logits, prompt_len) -> str:
+    if ours == ref:
+        return f"{len(ref)} identical tokens"
+    at = next((i for i, (a, b) in enumerate(zip(ours, ref)) if a != b), min(len(ours), len(ref)))
+    detail = f"diverge at token {at} of {len(ref)} (ours {ours[at:at + 3]}, reference {ref[at:at + 3]})"
+    row = prompt_len - 1 + at
+    if row < len(ref_logits) and at < len(ours) and at < len(ref):
+        top = np.sort(ref_logits[row])[-2:]
+        detail += f"; reference top-2 margin there {top[1] - top[0]:.2e}"
+    return detail
+
+
+if __name__ == "__main__":
+    common.run(main)

@@ -1,0 +1,445 @@
+"""Causal attention over the resident KV cache: KV store, tiled prefill, split-K decode.
+
+Shape legend:
+  n      query tokens of one prefill chunk
+  B      decode batch (one query token per row)
+  H      query heads; kvh kv heads; g = H // kvh query heads per kv head (GQA group)
+  hd     head_dim; hdp = hd rounded up to NR (tile.py)
+  slots  KV slots; S sequence capacity of a slot
+  KB     keys per tile (TILE_KEYS)
+  R      query rows of a task: (query, head of the group) pairs, row r = qi * g + gi;
+         Rp = R rounded up for the SIMD kernel
+
+Both kernels are flash attention: keys are visited in tiles with an online softmax (running
+max, running sum, rescaled accumulator), the products run on the SIMD kernel of tile.py, and no
+n x n matrix is ever built. Storage: see formats.py (f16 is viewed as int16 inside kernels).
+Loops index from 0 over views: an index that may be negative, like range(lo, n), makes numba
+emit wraparound checks that stop LLVM from vectorizing.
+"""
+
+import numba
+import numpy as np
+from numba import prange
+
+from ellmd.kernels.activations import PARALLEL_MIN, exp_f32
+from ellmd.kernels.formats import F16, decode, encode, to_f32, to_storage
+from ellmd.kernels.tile import MR, NR, gemm_tile
+
+TILE_KEYS = 64  # KB, a multiple of NR
+TASK_ROWS = 128  # R target of a prefill task: query block = TASK_ROWS // g queries
+# Below this many (key, kv head) pairs a decode step runs on the calling thread: launching the
+# parallel region (~10 us with this many arrays) costs more than it saves.
+DECODE_PARALLEL_MIN = 2048
+# Running max before any key: finite, because fastmath assumes no infinities.
+_NO_MAX = np.float32(-1e30)
+
+
+@numba.njit(cache=True, nogil=True, fastmath=True, inline="always")
+def _round_up(x, m):
+    return (x + m - 1) // m * m
+
+
+@numba.njit(cache=True, nogil=True, fastmath=True)
+def _store_rows(k_new, v_new, k_layer, v_layer, slots, positions, lo, hi):
+    for i in range(lo, hi):
+        for h in range(k_new.shape[1]):
+            kd = k_layer[slots[i], h, positions[i]]
+            vd = v_layer[slots[i], h, positions[i]]
+            for d in range(kd.shape[0]):
+                kd[d] = encode(k_new[i, h, d], kd)
+                vd[d] = encode(v_new[i, h, d], vd)
+
+
+@numba.njit(cache=True, nogil=True, fastmath=True, parallel=True)
+def _store(k_new, v_new, k_layer, v_layer, slots, positions):
+    n = k_new.shape[0]
+    if n * k_new.shape[1] * k_new.shape[2] < PARALLEL_MIN:
+        _store_rows(k_new, v_new, k_layer, v_layer, slots, positions, 0, n)
+        return
+    for i in prange(n):
+        _store_rows(k_new, v_new, k_layer, v_layer, slots, positions, i, i + 1)
+
+
+@numba.njit(cache=True, nogil=True, fastmath=True)
+def store_kv(k_new, v_new, k_layer, v_layer, fmt, slots, positions):
+    """Write each token's keys and values into the cache at (slot, head, position).
+
+    k_new, v_new: [n, kvh, hd] float32; k_layer, v_layer: [slots, kvh, S, hd] storage;
+    slots, positions: [n] int64.
+    """
+    if fmt == F16:
+        _store(k_new, v_new, k_layer.view(np.int16), v_layer.view(np.int16), slots, positions)
+    else:
+        _store(k_new, v_new, k_layer, v_layer, slots, positions)
+
+
+def store_kv_ref(k_new, v_new, k_layer, v_layer, fmt, slots, positions):
+    """numpy reference of store_kv (the same rounding: to_storage)."""
+    for i in range(k_new.shape[0]):
+        k_layer[slots[i], :, positions[i]] = to_storage(k_new[i], fmt)
+        v_layer[slots[i], :, positions[i]] = to_storage(v_new[i], fmt)
+
+
+@numba.njit(cache=True, nogil=True, fastmath=True)
+def _load_rows(head, k0, nk, dst):
+    """dst[:nk, :hd] = positions k0..k0+nk of one head as float32.
+
+    head: [S, hd] storage; dst: [KB, >=hd] float32.
+    """
+    hd = head.shape[1]
+    for j in range(nk):
+        src = head[k0 + j]
+        row = dst[j]
+        for d in range(hd):
+            row[d] = decode(src[d])
+
+
+@numba.njit(cache=True, nogil=True, fastmath=True)
+def _max_into(src, s, dst):
+    """dst = max(src, s) elementwise, into another array: an in-place running max compiles
+    to masked stores, which are slow on AMD."""
+    for r in range(dst.shape[0]):
+        dst[r] = max(src[r], s[r])
+
+
+@numba.njit(cache=True, nogil=True, fastmath=True)
+def _exp_into(s, m, total):
+    """s = exp(s - m), total += s, elementwise."""
+    for r in range(s.shape[0]):
+        e = exp_f32(s[r] - m[r])
+        s[r] = e
+        total[r] += e
+
+
+@numba.njit(cache=True, nogil=True, fastmath=True)
+def _prefill_tile(qt, kt, vt, rows, nk, limit, g, st, m, l, acc, m_new, alpha, total):
+    """One online-softmax step of a task's query rows over a tile of nk keys.
+
+    Works on transposed scores so that every softmax loop runs along the rows, elementwise,
+    with no reductions. Key j of the tile is seen by rows r with r // g >= j - limit.
+    qt: [hd, Rp] pre-scaled queries transposed, zero past `rows`; kt, vt: [KB, hdp] keys and
+    values; st: [KB, Rp] scores transposed; m, l: [Rp] running max and sum; acc: [hdp, Rp]
+    output accumulator transposed; m_new, alpha, total: [Rp] scratch.
+    """
+    hd, rows_p = qt.shape
+    hdp = acc.shape[0]
+    gemm_tile(kt, False, qt, st, _round_up(nk, MR), rows_p, hd, False)
+    # new running max, ping-ponging between alpha and m_new so that it ends in m_new
+    src = m
+    for j in range(nk):
+        lo = min(rows, max(0, (j - limit) * g))
+        dst = m_new if (nk - j) % 2 == 1 else alpha
+        dst[:lo] = src[:lo]
+        _max_into(src[lo:rows], st[j, lo:rows], dst[lo:rows])
+        src = dst
+    for r in range(rows):
+        alpha[r] = exp_f32(m[r] - m_new[r])
+        total[r] = np.float32(0.0)
+    for j in range(nk):
+        lo = min(rows, max(0, (j - limit) * g))
+        st[j, :lo] = np.float32(0.0)
+        _exp_into(st[j, lo:rows], m_new[lo:rows], total[lo:rows])
+    for r in range(rows):
+        m[r] = m_new[r]
+        l[r] = l[r] * alpha[r] + total[r]
+    for d in range(hd):
+        a = acc[d]
+        for r in range(rows):
+            a[r] *= alpha[r]
+    # acc[d, r] += sum_j v[j, d] * st[j, r]: vt read transposed in place
+    gemm_tile(vt, True, st, acc, hdp, rows_p, nk, True)
+
+
+@numba.njit(cache=True, nogil=True, fastmath=True, parallel=True)
+def _prefill(q, k_slot, v_slot, start, scale, out):
+    n, heads, hd = q.shape
+    kvh = k_slot.shape[0]
+    g = heads // kvh
+    hdp = _round_up(hd, NR)
+    qb = max(1, TASK_ROWS // g)  # queries per task
+    nqb = (n + qb - 1) // qb
+    for task in prange(kvh * nqb):
+        h = task // nqb
+        t = task % nqb
+        b = t // 2 if t % 2 == 0 else nqb - 1 - t // 2
+        q0 = b * qb
+        nq = min(n, q0 + qb) - q0
+        rows = nq * g
+        rows_p = _round_up(rows, NR)
+        qt = np.zeros((hd, rows_p), np.float32)  # [hd, Rp]
+        kt = np.empty((TILE_KEYS, hdp), np.float32)  # [KB, hdp]
+        vt = np.empty((TILE_KEYS, hdp), np.float32)  # [KB, hdp]
+        st = np.empty((TILE_KEYS, rows_p), np.float32)  # [KB, Rp]
+        acc = np.zeros((hdp, rows_p), np.float32)  # [hdp, Rp]
+        m = np.full(rows_p, _NO_MAX, np.float32)  # [Rp]
+        l = np.zeros(rows_p, np.float32)  # [Rp]
+        m_new = np.empty(rows_p, np.float32)  # [Rp]
+        alpha = np.empty(rows_p, np.float32)  # [Rp]
+        total = np.empty(rows_p, np.float32)  # [Rp]
+        for qi in range(nq):
+            for gi in range(g):
+                for d in range(hd):
+                    qt[d, qi * g + gi] = q[q0 + qi, h * g + gi, d] * np.float32(scale)
+        kend = start + q0 + nq  # keys seen by the block's last query
+        for k0 in range(0, kend, TILE_KEYS):
+            nk = min(TILE_KEYS, kend - k0)
+            _load_rows(k_slot[h], k0, nk, kt)
+            _load_rows(v_slot[h], k0, nk, vt)
+            # query qi sees keys up to start + q0 + qi
+            _prefill_tile(qt, kt, vt, rows, nk, start + q0 - k0, g, st, m, l, acc, m_new, alpha, total)
+        for qi in range(nq):
+            for gi in range(g):
+                r = qi * g + gi
+                inv = np.float32(1.0) / l[r]
+                for d in range(hd):
+                    out[q0 + qi, h * g + gi, d] = acc[d, r] * inv
+
+
+@numba.njit(cache=True, nogil=True, fastmath=True)
+def attention_prefill(q, k_slot, v_slot, fmt, start, scale, out):
+    """Causal attention of n new queries of one slot (flash attention, GQA).
+
+    Query i sits at position start + i and sees keys [0, start + i]; keys [0, start + n) must be
+    stored. q: [n, H, hd] float32; k_slot, v_slot: [kvh, S, hd] storage; out: [n, H, hd] float32.
+    Tasks are (kv head, block of TASK_ROWS // g queries): each converts a key tile once for all
+    g heads of its block. Tasks are ordered short, long, short, ... (causal work grows with the
+    block) so that the contiguous task ranges the threads receive carry equal work.
+    """
+    if fmt == F16:
+        _prefill(q, k_slot.view(np.int16), v_slot.view(np.int16), start, scale, out)
+    else:
+        _prefill(q, k_slot, v_slot, start, scale, out)
+
+
+def attention_prefill_ref(q, k_slot, v_slot, fmt, start, scale, out):
+    """numpy reference of attention_prefill: full causal softmax in float64."""
+    n, heads, _ = q.shape
+    kvh = k_slot.shape[0]
+    g = heads // kvh
+    keys = to_f32(k_slot[:, : start + n], fmt).astype(np.float64)  # [kvh, T, hd]
+    values = to_f32(v_slot[:, : start + n], fmt).astype(np.float64)  # [kvh, T, hd]
+    visible = np.arange(start + n)[None, :] <= (start + np.arange(n))[:, None]  # [n, T]
+    for hq in range(heads):
+        scores = q[:, hq].astype(np.float64) @ keys[hq // g].T * scale  # [n, T]
+        scores = np.where(visible, scores, -np.inf)
+        p = np.exp(scores - scores.max(axis=1, keepdims=True))
+        out[:, hq] = (p @ values[hq // g] / p.sum(axis=1, keepdims=True)).astype(np.float32)
+
+
+def decode_scratch_shapes(max_batch, H, hd, max_splits):
+    """Shapes of attention_decode's float32 scratch arrays, by argument name.
+
+    Every sequence is cut into min(max_splits, threads) key splits: max_splits = the thread
+    count is enough.
+    """
+    hdp = _round_up(hd, NR)
+    rows_p = _round_up(H, MR)  # bounds the padded group size
+    tile = TILE_KEYS * hdp + rows_p * (hd + TILE_KEYS + hdp)
+    return {
+        "partial_m": (max_splits, max_batch, H),
+        "partial_l": (max_splits, max_batch, H),
+        "partial_acc": (max_splits, max_batch, H, hd),
+        "tile": (max_splits, tile),
+    }
+
+
+@numba.njit(cache=True, nogil=True, fastmath=True)
+def _decode_scores(qs, k_head, k0, nk, rows, scores):
+    """scores[r, j] = qs[r] . key k0 + j for r < rows, keys read from storage.
+
+    Dot products along hd, blocks of 4, 2 or 1 rows x 2 keys sharing each key load: with a
+    handful of query rows this beats transposing keys for the SIMD kernel. A block may run
+    into the zero padding rows of qs (3 rows cost less as 4 than as 2 + 1).
+    qs: [Rp, hd]; k_head: [S, hd] storage; scores: [Rp, KB].
+    """
+    hd = qs.shape[1]
+    zero = np.float32(0.0)
+    r = 0
+    while r < rows:
+        step = 4 if rows - r >= 3 else rows - r
+        # a block of fewer rows repeats its last row; the repeats are overwritten alike
+        a0 = qs[r]
+        a1 = qs[r + min(1, step - 1)]
+        a2 = qs[r + min(2, step - 1)]
+        a3 = qs[r + step - 1]
+        for j in range(0, nk, 2):
+            b0 = k_head[k0 + j]
+            b1 = k_head[k0 + min(j + 1, nk - 1)]
+            s00 = s01 = s10 = s11 = s20 = s21 = s30 = s31 = zero
+            if step == 4:
+                for d in range(hd):
+                    u = decode(b0[d])
+                    v = decode(b1[d])
+                    s00 += a0[d] * u
+                    s01 += a0[d] * v
+                    s10 += a1[d] * u
+                    s11 += a1[d] * v
+                    s20 += a2[d] * u
+                    s21 += a2[d] * v
+                    s30 += a3[d] * u
+                    s31 += a3[d] * v
+            elif step == 2:
+                for d in range(hd):
+                    u = decode(b0[d])
+                    v = decode(b1[d])
+                    s00 += a0[d] * u
+                    s01 += a0[d] * v
+                    s10 += a1[d] * u
+                    s11 += a1[d] * v
+                s20, s21, s30, s31 = s10, s11, s10, s11
+            else:
+                for d in range(hd):
+                    s00 += a0[d] * decode(b0[d])
+                    s01 += a0[d] * decode(b1[d])
+                s10, s11, s20, s21, s30, s31 = s00, s01, s00, s01, s00, s01
+            scores[r, j] = s00
+            scores[r + min(1, step - 1), j] = s10
+            scores[r + min(2, step - 1), j] = s20
+            scores[r + step - 1, j] = s30
+            if j + 1 < nk:
+                scores[r, j + 1] = s01
+                scores[r + min(1, step - 1), j + 1] = s11
+                scores[r + min(2, step - 1), j + 1] = s21
+                scores[r + step - 1, j + 1] = s31
+        r += step
+
+
+@numba.njit(cache=True, nogil=True, fastmath=True)
+def _decode_split(q, k_head, v_head, b, h, k0, k1, scale, m, l, acc_out, tile):
+    """Attention of the g query heads of (batch row b, kv head h) over keys [k0, k1).
+
+    Writes this split's partial results m, l: [g] and acc_out: [g, hd]; tile: its scratch.
+    """
+    g, hd = acc_out.shape
+    hdp = _round_up(hd, NR)
+    rows_p = _round_up(g, MR)
+    o1 = TILE_KEYS * hdp
+    o2 = o1 + rows_p * hd
+    o3 = o2 + rows_p * TILE_KEYS
+    vt = tile[:o1].reshape((TILE_KEYS, hdp))  # [KB, hdp], only when hd % NR != 0
+    qs = tile[o1:o2].reshape((rows_p, hd))  # [Rp, hd]
+    scores = tile[o2:o3].reshape((rows_p, TILE_KEYS))  # [Rp, KB]
+    acc = tile[o3 : o3 + rows_p * hdp].reshape((rows_p, hdp))  # [Rp, hdp]
+    scores[:] = np.float32(0.0)  # padding rows stay zero
+    acc[:] = np.float32(0.0)
+    for gi in range(g):
+        m[gi] = _NO_MAX
+        l[gi] = np.float32(0.0)
+        for d in range(hd):
+            qs[gi, d] = q[b, h * g + gi, d] * np.float32(scale)
+    for t0 in range(k0, k1, TILE_KEYS):
+        nk = min(TILE_KEYS, k1 - t0)
+        _decode_scores(qs, k_head, t0, nk, g, scores)
+        for r in range(g):
+            s = scores[r, :nk]
+            mx = m[r]
+            for j in range(nk):
+                mx = max(mx, s[j])
+            alpha = exp_f32(m[r] - mx)
+            total = np.float32(0.0)
+            for j in range(nk):
+                e = exp_f32(s[j] - mx)
+                s[j] = e
+                total += e
+            m[r] = mx
+            l[r] = l[r] * alpha + total
+            a = acc[r]
+            for d in range(hd):
+                a[d] *= alpha
+        if hd % NR == 0:
+            # values straight from storage, converted in registers
+            gemm_tile(scores, False, v_head[t0 : t0 + nk], acc, rows_p, hd, nk, True)
+        else:
+            _load_rows(v_head, t0, nk, vt)
+            gemm_tile(scores, False, vt, acc, rows_p, hdp, nk, True)
+    for gi in range(g):
+        for d in range(hd):
+            acc_out[gi, d] = acc[gi, d]
+
+
+@numba.njit(cache=True, nogil=True, fastmath=True)
+def _decode_part(q, k_layer, v_layer, slots, lengths, scale, partial_m, partial_l, partial_acc, tile, s, nsplit):
+    """Split s of nsplit of every sequence and kv head into partial_*[s]."""
+    heads = q.shape[1]
+    kvh = k_layer.shape[1]
+    g = heads // kvh
+    for b in range(q.shape[0]):
+        length = lengths[b]
+        per = (length + nsplit - 1) // nsplit
+        k0 = min(length, s * per)
+        k1 = min(length, k0 + per)
+        for h in range(kvh):
+            _decode_split(
+                q, k_layer[slots[b], h], v_layer[slots[b], h], b, h, k0, k1, scale,
+                partial_m[s, b, h * g : h * g + g], partial_l[s, b, h * g : h * g + g],
+                partial_acc[s, b, h * g : h * g + g], tile[s],
+            )
+
+
+@numba.njit(cache=True, nogil=True, fastmath=True, parallel=True)
+def _decode_parallel(q, k_layer, v_layer, slots, lengths, scale, partial_m, partial_l, partial_acc, tile, nsplit):
+    for s in prange(nsplit):
+        _decode_part(q, k_layer, v_layer, slots, lengths, scale, partial_m, partial_l, partial_acc, tile, s, nsplit)
+
+
+@numba.njit(cache=True, nogil=True, fastmath=True)
+def _merge_splits(partial_m, partial_l, partial_acc, nsplit, out):
+    """out = the softmax-weighted merge of the nsplit partial results."""
+    batch, heads, hd = out.shape
+    for b in range(batch):
+        for hq in range(heads):
+            mx = _NO_MAX
+            for s in range(nsplit):
+                mx = max(mx, partial_m[s, b, hq])
+            total = np.float32(0.0)
+            o = out[b, hq]
+            o[:] = np.float32(0.0)
+            for s in range(nsplit):
+                w = exp_f32(partial_m[s, b, hq] - mx)
+                total += w * partial_l[s, b, hq]
+                pa = partial_acc[s, b, hq]
+                for d in range(hd):
+                    o[d] += w * pa[d]
+            inv = np.float32(1.0) / total
+            for d in range(hd):
+                o[d] *= inv
+
+
+@numba.njit(cache=True, nogil=True, fastmath=True)
+def _decode_serial(q, k_layer, v_layer, slots, lengths, scale, out, partial_m, partial_l, partial_acc, tile):
+    _decode_part(q, k_layer, v_layer, slots, lengths, scale, partial_m, partial_l, partial_acc, tile, 0, 1)
+    _merge_splits(partial_m, partial_l, partial_acc, 1, out)
+
+
+def attention_decode(q, k_layer, v_layer, fmt, slots, lengths, scale, out, partial_m, partial_l, partial_acc, tile):
+    """One query per batch row attending keys [0, lengths[b]) of slot slots[b] (flash decoding).
+
+    q: [B, H, hd] float32; k_layer, v_layer: [slots, kvh, S, hd] storage; slots, lengths: [B]
+    int64 (lengths >= 1: the new token's k/v are stored first); out: [B, H, hd] float32.
+    Scratch, float32, shapes from decode_scratch_shapes: partial_m, partial_l: [max_splits,
+    >=B, H]; partial_acc: [max_splits, >=B, H, hd]; tile: [max_splits, tile_floats].
+    Every sequence is cut into the same number of key splits, one per thread, so each thread
+    gets an equal share of every sequence whatever the mix of lengths; the splits' partial
+    softmaxes are then merged. Short work runs on the calling thread. Allocates nothing.
+    """
+    if fmt == F16:
+        k_layer, v_layer = k_layer.view(np.int16), v_layer.view(np.int16)
+    nsplit = min(partial_m.shape[0], numba.get_num_threads())
+    if nsplit <= 1 or int(lengths.sum()) * k_layer.shape[1] < DECODE_PARALLEL_MIN:
+        _decode_serial(q, k_layer, v_layer, slots, lengths, scale, out, partial_m, partial_l, partial_acc, tile)
+        return
+    _decode_parallel(q, k_layer, v_layer, slots, lengths, scale, partial_m, partial_l, partial_acc, tile, nsplit)
+    _merge_splits(partial_m, partial_l, partial_acc, nsplit, out)
+
+
+def attention_decode_ref(q, k_layer, v_layer, fmt, slots, lengths, scale, out, partial_m, partial_l, partial_acc, tile):
+    """numpy reference of attention_decode (full softmax in float64; scratch unused)."""
+    batch, heads, _ = q.shape
+    g = heads // k_layer.shape[1]
+    for b in range(batch):
+        keys = to_f32(k_layer[slots[b], :, : lengths[b]], fmt).astype(np.float64)  # [kvh, T, hd]
+        values = to_f32(v_layer[slots[b], :, : lengths[b]], fmt).astype(np.float64)
+        for hq in range(heads):
+            scores = keys[hq // g] @ q[b, hq].astype(np.float64) * scale  # [T]
+            p = np.exp(scores - scores.max())
+            out[b, hq] = (p @ values[hq // g] / p.sum()).astype(np.float32)

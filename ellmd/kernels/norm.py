@@ -1,0 +1,65 @@
+"""RMSNorm, as Hugging Face's LlamaRMSNorm / Qwen3RMSNorm computes it in float32.
+
+Shape legend:
+  n   rows (tokens, or tokens * heads for Qwen3's per-head q/k norm)
+  d   normalized width (hidden size, or head_dim)
+"""
+
+import numba
+import numpy as np
+from numba import prange
+
+from ellmd.kernels.activations import PARALLEL_MIN
+
+
+@numba.njit(cache=True, nogil=True, fastmath=True)
+def _rmsnorm_rows(x, weight, eps, out, lo, hi):
+    d = x.shape[1]
+    for i in range(lo, hi):
+        ss = np.float32(0.0)
+        for j in range(d):
+            ss += x[i, j] * x[i, j]
+        inv = np.float32(1.0) / np.sqrt(ss / np.float32(d) + np.float32(eps))
+        for j in range(d):
+            out[i, j] = weight[j] * (x[i, j] * inv)
+
+
+@numba.njit(cache=True, nogil=True, fastmath=True, parallel=True)
+def rmsnorm(x, weight, eps, out):
+    """out = x / sqrt(mean(x**2) + eps) * weight, row by row.
+
+    x: [n, d] float32; weight: [d] float32; out: [n, d] float32, may be x itself.
+    """
+    n = x.shape[0]
+    if n * x.shape[1] < PARALLEL_MIN:
+        _rmsnorm_rows(x, weight, eps, out, 0, n)
+        return
+    for i in prange(n):
+        _rmsnorm_rows(x, weight, eps, out, i, i + 1)
+
+
+def rmsnorm_ref(x, weight, eps, out):
+    """numpy reference of rmsnorm."""
+    var = np.mean(np.square(x, dtype=np.float64), axis=-1, keepdims=True)
+    out[:] = (x / np.sqrt(var + eps) * weight).astype(np.float32)
+
+
+@numba.njit(cache=True, nogil=True, fastmath=True)
+def rmsnorm_heads(x, weight, eps):
+    """Qwen3's q/k norm: rmsnorm over each head, in place. x: [n, heads, d] float32 (may be a
+    strided view of the fused qkv buffer); weight: [d] float32."""
+    n, heads, d = x.shape
+    for i in range(n):
+        for h in range(heads):
+            ss = np.float32(0.0)
+            for j in range(d):
+                ss += x[i, h, j] * x[i, h, j]
+            inv = np.float32(1.0) / np.sqrt(ss / np.float32(d) + np.float32(eps))
+            for j in range(d):
+                x[i, h, j] = weight[j] * (x[i, h, j] * inv)
+
+
+def rmsnorm_heads_ref(x, weight, eps):
+    """numpy reference of rmsnorm_heads."""
+    var = np.mean(np.square(x, dtype=np.float64), axis=-1, keepdims=True)
+    x[:] = (x / np.sqrt(var + eps) * weight).astype(np.float32)

@@ -1,0 +1,137 @@
+"""Small matrix product for the tiles of attention, written with explicit SIMD.
+
+Shape legend:
+  rows  rows of the product c and of a (a multiple of MR)
+  cols  columns of c and bt (a multiple of NR)
+  depth the contracted dimension: columns of a, rows of bt; a may be stored transposed
+
+LLVM does not register-block a numba loop nest (it vectorizes only the innermost loop, so the
+accumulators go through memory or need horizontal sums), which caps such a product near half
+of peak. This micro-kernel keeps an MR x NR block of c in eight 8-wide registers across the
+whole depth loop, loading one row of bt and broadcasting one value of a per row, as BLAS
+kernels do; it runs near the FMA peak of a core. bt may be storage (bf16 as uint16, f16 viewed
+as int16, see formats.py): its rows are converted in registers, so a stored tile of values
+needs no float32 copy.
+"""
+
+import numba
+import numpy as np
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+MR = 4  # rows of a block
+NR = 16  # columns of a block: two 8-float vectors
+_VEC = 8
+
+
+def _is_matrix(ty, dtypes):
+    return isinstance(ty, types.Array) and ty.dtype in dtypes and ty.ndim == 2 and ty.layout == "C"
+
+
+def _load_vec(builder, ptr, dtype):
+    """Load 8 values of bt at ptr as <8 x float>, converting storage formats."""
+    i16x8 = ir.VectorType(ir.IntType(16), _VEC)
+    f32x8 = ir.VectorType(ir.FloatType(), _VEC)
+    if dtype == types.float32:
+        return builder.load(builder.bitcast(ptr, f32x8.as_pointer()), align=4)
+    bits = builder.load(builder.bitcast(ptr, i16x8.as_pointer()), align=2)
+    if dtype == types.int16:  # f16: vcvtph2ps where the CPU has F16C
+        return builder.fpext(builder.bitcast(bits, ir.VectorType(ir.HalfType(), _VEC)), f32x8)
+    wide = builder.zext(bits, ir.VectorType(ir.IntType(32), _VEC))  # bf16: top half of an f32
+    wide = builder.shl(wide, ir.Constant(ir.VectorType(ir.IntType(32), _VEC), [16] * _VEC))
+    return builder.bitcast(wide, f32x8)
+
+
+@intrinsic
+def _block(typingctx, a, a_off, a_row, a_depth, bt, b_off, c, c_off, depth, accumulate):
+    """c[MR, NR] block (+)= a[MR, depth] @ bt[depth, NR] on C-contiguous matrices.
+
+    Element (i, d) of a (float32) is a.flat[a_off + i * a_row + d * a_depth]; the block of bt
+    (float32 or storage) starts at bt.flat[b_off] and that of c (float32) at c.flat[c_off],
+    their rows one matrix row apart.
+    """
+    f32 = (types.float32,)
+    if not (_is_matrix(a, f32) and _is_matrix(c, f32)):
+        return None
+    if not _is_matrix(bt, (types.float32, types.uint16, types.int16)):
+        return None
+    sig = types.void(
+        a, types.intp, types.intp, types.intp, bt, types.intp, c, types.intp, types.intp, types.boolean
+    )
+
+    def codegen(context, builder, signature, args):
+        a_val, a_off, a_row, a_depth, bt_val, b_off, c_val, c_off, depth, acc_flag = args
+        i64 = ir.IntType(64)
+        vec = ir.VectorType(ir.FloatType(), _VEC)
+        fma = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(vec, [vec, vec, vec]), "llvm.fma.v8f32"
+        )
+
+        def base_and_ld(ty, val, off):
+            ary = context.make_array(ty)(context, builder, val)
+            return builder.gep(ary.data, [off]), cgutils.unpack_tuple(builder, ary.shape)[1]
+
+        a_ptr, _ = base_and_ld(signature.args[0], a_val, a_off)
+        b_ptr, ldb = base_and_ld(signature.args[4], bt_val, b_off)
+        c_ptr, ldc = base_and_ld(signature.args[6], c_val, c_off)
+        b_dtype = signature.args[4].dtype
+
+        def at(ptr, i):
+            return builder.gep(ptr, [ir.Constant(i64, i)])
+
+        nv = NR // _VEC
+        # allocas become registers after mem2reg
+        accs = [cgutils.alloca_once_value(builder, ir.Constant(vec, [0.0] * _VEC)) for _ in range(MR * nv)]
+        splat = ir.Constant(ir.VectorType(ir.IntType(32), _VEC), [0] * _VEC)
+        with cgutils.for_range(builder, depth) as loop:
+            d = loop.index
+            b_row = builder.gep(b_ptr, [builder.mul(d, ldb)])
+            b_vecs = [_load_vec(builder, at(b_row, _VEC * v), b_dtype) for v in range(nv)]
+            a_col = builder.gep(a_ptr, [builder.mul(d, a_depth)])
+            for i in range(MR):
+                a_elt = builder.load(builder.gep(a_col, [builder.mul(ir.Constant(i64, i), a_row)]))
+                a_vec = builder.insert_element(ir.Constant(vec, ir.Undefined), a_elt, ir.Constant(ir.IntType(32), 0))
+                a_vec = builder.shuffle_vector(a_vec, ir.Constant(vec, ir.Undefined), splat)
+                for v in range(nv):
+                    slot = accs[i * nv + v]
+                    builder.store(builder.call(fma, [a_vec, b_vecs[v], builder.load(slot)]), slot)
+        for i in range(MR):
+            c_row = builder.gep(c_ptr, [builder.mul(ir.Constant(i64, i), ldc)])
+            for v in range(nv):
+                ptr = builder.bitcast(at(c_row, _VEC * v), vec.as_pointer())
+                total = builder.load(accs[i * nv + v])
+                with builder.if_else(acc_flag) as (then, otherwise):
+                    with then:
+                        builder.store(builder.fadd(total, builder.load(ptr, align=4)), ptr, align=4)
+                    with otherwise:
+                        builder.store(total, ptr, align=4)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@numba.njit(cache=True, nogil=True, fastmath=True)
+def gemm_tile(a, transpose_a, bt, c, rows, cols, depth, accumulate):
+    """c[:rows, :cols] (+)= A[:rows, :depth] @ bt[:depth, :cols].
+
+    A is a, or a.T when transpose_a (a is then [depth, rows]); a, c: float32, bt: float32 or
+    storage (uint16 bf16, int16 f16); all C-contiguous. rows % MR == 0 and cols % NR == 0
+    (callers pad their scratch); accumulate adds to c instead of overwriting it.
+    """
+    ld = a.shape[1]
+    a_row, a_depth = (1, ld) if transpose_a else (ld, 1)
+    ldc = c.shape[1]
+    for r in range(0, rows, MR):
+        for j in range(0, cols, NR):
+            _block(a, r * a_row, a_row, a_depth, bt, j, c, r * ldc + j, depth, accumulate)
+
+
+def gemm_tile_ref(a, transpose_a, bt, c, rows, cols, depth, accumulate):
+    """numpy reference of gemm_tile (bt given as float32)."""
+    a = a.T if transpose_a else a
+    product = a[:rows, :depth].astype(np.float64) @ bt[:depth, :cols]
+    if accumulate:
+        product += c[:rows, :cols]
+    c[:rows, :cols] = product.astype(np.float32)

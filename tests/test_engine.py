@@ -1,0 +1,214 @@
+"""The engine over slots: no allocation in decode, slot operations, sampling, loading errors, the CLI."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import tracemalloc
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ellmd.engine import Engine, SamplingParams
+from ellmd.engine.sampling import Sampler
+from ellmd.errors import CapacityError, ModelError
+from ellmd.model.weights import RandomCheckpoint
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def llama(alignment_dir):
+    return alignment_dir / "llama"
+
+
+@pytest.fixture(scope="module")
+def engine(llama):
+    return Engine(llama, weight_dtype="bf16", kv_dtype="bf16", sequence_length=128, batch_size=3, chunk_size=16, threads=2)
+
+
+def test_decode_allocates_no_arrays(tmp_path):
+    """A decode step only uses the plan's buffers: the traced peak stays below one activation row."""
+    config = {"model_type": "qwen3", "vocab_size": 512, "hidden_size": 2048, "intermediate_size": 4096,
+              "num_hidden_layers": 1, "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 128}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    engine = Engine(RandomCheckpoint(tmp_path / "config.json"), sequence_length=64, batch_size=2, chunk_size=8)
+    engine.prefill(0, [1, 2, 3])
+    engine.prefill(1, [4, 5])
+    slots, tokens = [0, 1], [7, 8]
+    engine.decode(slots, tokens)
+    row_bytes = config["hidden_size"] * 4  # the smallest activation a decode step could allocate
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        tracemalloc.reset_peak()
+        for _ in range(3):
+            engine.decode(slots, tokens)
+        peak = tracemalloc.get_traced_memory()[1] - before
+    finally:
+        tracemalloc.stop()
+    assert peak < row_bytes // 2, f"decode allocated {peak} bytes"
+
+
+def test_batched_decode_equals_separate_decodes(engine):
+    prompts = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14, 15, 16, 17, 18, 19, 20]]
+    for slot, prompt in enumerate(prompts):
+        engine.rewind(slot, 0)
+        engine.prefill(slot, prompt)
+    batched = engine.decode([0, 1, 2], [1, 2, 3]).copy()
+    for slot, token in zip(range(3), (1, 2, 3)):
+        engine.rewind(slot, len(prompts[slot]))
+        alone = engine.decode([slot], [token])[0]
+        np.testing.assert_allclose(batched[slot], alone, atol=1e-4 * np.abs(alone).max())
+    assert list(engine.lengths) == [len(p) + 1 for p in prompts]
+
+
+def test_rewind_copy_export_import(engine):
+    tokens = list(range(3, 40))
+    engine.rewind(0, 0)
+    engine.prefill(0, tokens)
+    expected = engine.decode([0], [41])[0].copy()
+    engine.rewind(0, len(tokens))
+    assert engine.lengths[0] == len(tokens)
+
+    engine.copy_slot(0, 1)
+    np.testing.assert_array_equal(engine.decode([1], [41])[0], expected)
+
+    data = engine.export_kv(0, 0, len(tokens))
+    assert len(data) == len(tokens) * engine.kv.bytes_per_token
+    engine.rewind(2, 0)
+    engine.import_kv(2, 0, data)
+    np.testing.assert_array_equal(engine.decode([2], [41])[0], expected)
+
+    with pytest.raises(CapacityError):
+        engine.rewind(0, 10_000)
+    with pytest.raises(CapacityError):
+        engine.prefill(0, [1] * 200)  # over the 128-token sequence length
+    with pytest.raises(CapacityError):
+        engine.prefill(0, [10**6])  # outside the vocabulary
+
+
+def test_chunked_prefill_matches_one_forward(llama):
+    engine = Engine(llama, weight_dtype="f32", kv_dtype="f32", sequence_length=128, batch_size=1, chunk_size=64)
+    tokens = list(np.random.default_rng(1).integers(0, 1000, 50))
+    whole = engine.prefill(0, tokens, logits="all")
+    small = Engine(llama, weight_dtype="f32", kv_dtype="f32", sequence_length=128, batch_size=1, chunk_size=7)
+    pieces = np.concatenate([small.prefill(0, tokens[:20], logits="all"), small.prefill(0, tokens[20:], logits="all")])
+    np.testing.assert_allclose(pieces, whole, atol=1e-4 * np.abs(whole).max())
+
+
+def test_sampling_is_reproducible_with_a_seed():
+    logits = np.random.default_rng(0).standard_normal(1000).astype(np.float32)
+    params = SamplingParams(temperature=0.8, top_p=0.9, top_k=50, seed=123)
+    draws = [Sampler(params)(logits) for _ in range(2)]
+    assert draws[0] == draws[1]
+    many = Sampler(SamplingParams(temperature=1.0, seed=5))
+    assert len({many(logits) for _ in range(50)}) > 5  # it really samples
+    assert Sampler(SamplingParams(temperature=1.0, top_k=1, seed=9))(logits) == int(np.argmax(logits))
+    top = np.argsort(-logits)[:3]
+    assert all(Sampler(SamplingParams(temperature=2.0, top_k=3, seed=s))(logits) in top for s in range(20))
+
+
+def test_penalties_and_bias_change_the_choice():
+    logits = np.array([1.0, 3.0, 2.0], np.float32)
+    assert Sampler(SamplingParams())(logits) == 1
+    assert Sampler(SamplingParams(logit_bias={0: 5.0}))(logits) == 0
+    assert Sampler(SamplingParams(repetition_penalty=2.0), prompt_tokens=[1])(logits) == 2
+    sampler = Sampler(SamplingParams(frequency_penalty=1.5))
+    sampler.accept(1)
+    assert sampler(logits) == 2
+
+
+def test_sampling_params_are_validated():
+    for bad in ({"temperature": -1}, {"top_p": 0}, {"top_p": 1.5}, {"min_p": 2}, {"max_tokens": -1}):
+        with pytest.raises(ValueError):
+            SamplingParams(**bad)
+
+
+def test_generate_stops_at_eos_and_max_tokens(engine):
+    engine.rewind(0, 0)
+    tokens = list(engine.generate(0, [3, 4, 5], SamplingParams(max_tokens=5, ignore_eos=True)))
+    assert len(tokens) == 5
+    first = tokens[0]
+    engine.rewind(0, 0)
+    stopped = list(engine.generate(0, [3, 4, 5], SamplingParams(max_tokens=5, stop_token_ids=[first])))
+    assert stopped == [first]
+
+
+def test_weights_keep_their_precision(alignment_dir):
+    bf16 = alignment_dir / "qwen3-yarn-bf16"
+    engine = Engine(bf16, kv_dtype="bf16", sequence_length=16, chunk_size=8)
+    assert engine.fmt == 1  # bf16, as stored
+    assert engine.model.layers[0]["qkv_proj"].dtype == np.uint16
+    assert Engine(bf16, weight_dtype="f32", sequence_length=16, chunk_size=8).model.layers[0]["qkv_proj"].dtype == np.float32
+
+
+def test_kv_budget_over_memory_is_refused(llama):
+    with pytest.raises(CapacityError, match="KV cache needs"):
+        Engine(llama, sequence_length=1 << 30, batch_size=64)
+
+
+def broken_checkpoints(llama: Path, tmp: Path):
+    """(path, expected words in the message) for each kind of bad model input."""
+    cases = []
+    missing = tmp / "nothing-here"
+    cases.append((missing, "no such file"))
+
+    no_config = tmp / "no-config"
+    shutil.copytree(llama, no_config)
+    (no_config / "config.json").unlink()
+    cases.append((no_config, "config.json"))
+
+    bad_type = tmp / "bad-type"
+    shutil.copytree(llama, bad_type)
+    config = json.loads((bad_type / "config.json").read_text())
+    (bad_type / "config.json").write_text(json.dumps({**config, "model_type": "gpt_neox"}))
+    cases.append((bad_type, "unsupported model_type"))
+
+    wrong_shape = tmp / "wrong-shape"
+    shutil.copytree(llama, wrong_shape)
+    (wrong_shape / "config.json").write_text(json.dumps({**config, "hidden_size": config["hidden_size"] * 2}))
+    cases.append((wrong_shape, "shape"))
+
+    truncated = tmp / "truncated"
+    shutil.copytree(llama, truncated)
+    weights = truncated / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    cases.append((truncated, "truncated"))
+
+    garbage = tmp / "garbage.gguf"
+    garbage.write_bytes(b"GGUF" + b"\x03\x00\x00\x00" + b"\xff" * 64)
+    cases.append((garbage, "garbage.gguf"))
+
+    not_gguf = tmp / "weights.bin"
+    not_gguf.write_bytes(b"\x00" * 128)
+    cases.append((not_gguf, "not a GGUF"))
+    return cases
+
+
+def test_bad_model_inputs_get_one_clear_line(llama, tmp_path):
+    for path, words in broken_checkpoints(llama, tmp_path):
+        with pytest.raises(ModelError, match=words):
+            Engine(path, sequence_length=16, chunk_size=8)
+    # and through the CLI: one line on stderr, a non-zero exit, no traceback
+    path, words = broken_checkpoints(llama, tmp_path / "cli")[3]
+    result = subprocess.run([sys.executable, "-m", "ellmd.cli", "generate", "-p", "hi", "--model-path", str(path)],
+                            capture_output=True, text=True, cwd=ROOT)
+    assert result.returncode != 0
+    assert "Traceback" not in result.stderr
+    assert words in result.stderr.strip().splitlines()[-1]
+
+
+def test_generate_json_on_the_builtin_model():
+    result = subprocess.run(
+        [sys.executable, "-m", "ellmd.cli", "generate", "-p", "What is the capital of France?", "--max-tokens", "12",
+         "--json", "--threads", "2"], capture_output=True, text=True, cwd=ROOT, timeout=600,
+    )
+    assert result.returncode == 0, result.stderr
+    out = json.loads(result.stdout)
+    assert out["prompt_token_ids"][:1] == [1]  # <|im_start|>: the chat template was applied
+    assert 0 < len(out["token_ids"]) <= 12
+    assert "Paris" in out["text"]
