@@ -78,7 +78,8 @@ def main(argv=None) -> int:
 
     from ellmd.kernels import formats
 
-    route = common.kernel("route")
+    route, matmul = common.kernel("route"), common.kernel("matmul")
+    prefill_scratch_size = common.kernel("prefill_scratch_size")
     report = common.Report("MoE routing and experts vs transformers Qwen3MoeSparseMoeBlock")
     rng = np.random.default_rng(0)
     for index, (name, h, E, k, inter, normalize, n) in enumerate(CASES):
@@ -91,7 +92,9 @@ def main(argv=None) -> int:
         ref_experts, ref_weights = sort_by_expert(ref_experts.numpy(), ref_weights.numpy())
 
         router = block.gate.weight.numpy()  # [E, h]
-        router_logits = np.ascontiguousarray(x @ router.T, np.float32)  # [n, E]
+        router_logits = np.zeros((n, E), np.float32)  # [n, E], as the engine computes them
+        scratch = np.zeros(prefill_scratch_size(E, h), np.float32)
+        matmul(x, np.ascontiguousarray(router), formats.F32, router_logits, scratch)
         report.compare(f"{name}: router logits", router_logits, ref_logits.numpy(), TOL)
         weights = np.zeros((n, k), np.float32)
         experts = np.zeros((n, k), np.int64)

@@ -3,10 +3,10 @@ transformers fp32 loaded from the same GGUF (both dequantize the same Q4_1 block
 
 For each chat prompt, rendered by the model's chat template with the generation prompt:
   - the prompt ids: the engine's own template + tokenizer vs transformers' apply_chat_template;
-  - the logits of every prompt position (prefill) and of 32 greedy decode steps, vs one
-    transformers forward over prompt + continuation;
-  - the greedy continuation of 32 tokens: ellm's generate() vs transformers' generate(do_sample=False)
-    must be IDENTICAL token ids.
+  - the greedy continuation of up to 32 tokens: ellm's generate() vs transformers'
+    generate(do_sample=False) must be IDENTICAL token ids;
+  - the logits of every prompt position (prefill) and of every decode step that generate() ran,
+    vs one transformers forward over prompt + continuation.
 
 Shapes: logits [n, V], V = 49152.
 """
@@ -42,21 +42,33 @@ PROMPTS = [
 ]
 
 
-def greedy_loop(engine, prompt):
-    """Greedy decoding through prefill/decode, keeping the logits: (tokens, logits [P + N - 1, V])."""
-    engine.rewind(0, 0)
-    prompt_logits = engine.prefill(0, prompt, logits="all")
-    logits, tokens = [prompt_logits], []
-    last = prompt_logits[-1]
-    eos = set(engine.spec.eos_token_id)
-    for step in range(NEW_TOKENS):
-        token = int(np.argmax(last))
-        tokens.append(token)
-        if token in eos or step + 1 == NEW_TOKENS:
-            break
-        last = engine.decode([0], [token])[0].copy()
-        logits.append(last[None])
-    return tokens, np.concatenate(logits)
+class Recorder:
+    """Keeps the logits of every position while engine.generate() runs, without changing it.
+
+    prefill is asked for all positions (generate only needs the last) and decode rows are
+    copied as they come: one pass gives the prompt logits, the decode logits and the ids.
+    """
+
+    def __init__(self, engine):
+        self.engine, self.logits = engine, []
+        self._prefill, self._decode = engine.prefill, engine.decode
+
+    def __enter__(self):
+        self.engine.prefill, self.engine.decode = self.prefill, self.decode
+        return self
+
+    def __exit__(self, *exc):
+        del self.engine.prefill, self.engine.decode  # back to the class's methods
+
+    def prefill(self, slot, tokens, logits="last"):
+        rows = self._prefill(slot, tokens, logits="all")  # [P, V]
+        self.logits.append(rows)
+        return rows[-1].copy() if logits == "last" else rows
+
+    def decode(self, slots, tokens):
+        rows = self._decode(slots, tokens)  # [1, V]
+        self.logits.append(rows.copy())
+        return rows
 
 
 def main(argv=None) -> int:
@@ -83,14 +95,14 @@ def main(argv=None) -> int:
         report.check(f"{tag}: prompt ids (ellm template+tokenizer)", ours_ids == ids, f"{len(ids)} tokens")
 
         ref_tokens = common.reference_greedy(reference, ids, NEW_TOKENS, eos_token_id=eos)
-        tokens, logits = greedy_loop(engine, ids)
         engine.rewind(0, 0)
-        generated = list(engine.generate(0, ids, SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0)))
+        with Recorder(engine) as recorder:
+            tokens = list(engine.generate(0, ids, SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0)))
+        logits = np.concatenate(recorder.logits)  # [P + N - 1, V]
         ref_logits = common.reference_logits(reference, ids + tokens[:-1])  # [P + N - 1, V]
         report.compare(f"{tag}: prompt logits ({len(ids)} positions)", logits[: len(ids)], ref_logits[: len(ids)])
         report.compare(f"{tag}: decode logits ({len(tokens) - 1} steps)", logits[len(ids) :], ref_logits[len(ids) :])
-        report.check(f"{tag}: greedy tokens, decode loop", tokens == ref_tokens, _diverge(tokens, ref_tokens, ref_logits, len(ids)))
-        report.check(f"{tag}: greedy tokens, generate()", generated == ref_tokens, _diverge(generated, ref_tokens, ref_logits, len(ids)))
+        report.check(f"{tag}: greedy tokens, generate()", tokens == ref_tokens, _diverge(tokens, ref_tokens, ref_logits, len(ids)))
         report.note(f"{tag}: {tokenizer.decode(ref_tokens)!r}")
     return report.exit_code()
 

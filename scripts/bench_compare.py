@@ -326,8 +326,8 @@ def measure_ellm(case: ModelCase, dtype: str, tokens: BenchTokens, args) -> dict
             log.print(f"[yellow]warning: ellm runs {numba.get_num_threads()} kernel threads, not {args.threads}[/]")
         first = warm_up(EllmRunner(engine), tokens, args)
         rows = run_bench(engine, args.prefill, args.decode, args.context, args.repetitions)
-        return {"rows": rows, "first_token": first, "settings": {"weights": dtype, "kv": args.kv_dtype,
-                                                                  "chunk_size": args.chunk_size}}
+        return {"rows": rows, "first_token": first, "settings": {
+            "weights": dtype, "kv": args.kv_dtype, "chunk_size": args.chunk_size, "numba": numba.__version__}}
     finally:
         del engine
         gc.collect()
@@ -620,7 +620,8 @@ def main(argv=None) -> int:
     load_after = os.getloadavg()[0]
     report["load_average"] = {"before": load_before, "after": load_after}
     tests = [f"pp{n}" for n in args.prefill] + ([f"tg{args.decode}"] if args.decode else [])
-    console = Console(soft_wrap=True)
+    # piped to a file or a log, rich would assume 80 columns and break table cells: give it room
+    console = Console(soft_wrap=True, width=None if sys.stdout.isatty() else 200)
     console.print()
     for case, results in measured:
         for table in render_tables(case, results, tests, args):

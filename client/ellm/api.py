@@ -19,6 +19,7 @@ class Generation:
     finish_reason: str | None = None  # "stop", "length" or "cancelled"
     tool_calls: list[dict] = field(default_factory=list)
     usage: dict = field(default_factory=dict)  # prompt/prefilled/reused/generated tokens and timings
+    logprobs: list[dict] | None = None  # per token {token, logprob, top: [[id, logprob], ...]} when asked
 
     @classmethod
     def from_result(cls, result: dict) -> Generation:
@@ -28,6 +29,7 @@ class Generation:
             finish_reason=result.get("finish_reason"),
             tool_calls=result.get("tool_calls") or [],
             usage=result.get("usage") or {},
+            logprobs=result.get("logprobs"),
         )
 
 

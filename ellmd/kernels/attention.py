@@ -21,8 +21,8 @@ import numba
 import numpy as np
 from numba import prange
 
-from ellmd.kernels.activations import PARALLEL_MIN, exp_f32
-from ellmd.kernels.formats import F16, decode, encode, to_f32, to_storage
+from ellmd.kernels.activations import exp_f32
+from ellmd.kernels.formats import decode, encode, kernel_view, to_f32, to_storage
 from ellmd.kernels.tile import MR, NR, gemm_tile
 
 TILE_KEYS = 64  # KB, a multiple of NR
@@ -40,8 +40,9 @@ def _round_up(x, m):
 
 
 @numba.njit(cache=True, nogil=True, fastmath=True)
-def _store_rows(k_new, v_new, k_layer, v_layer, slots, positions, lo, hi):
-    for i in range(lo, hi):
+def _store(k_new, v_new, k_layer, v_layer, slots, positions):
+    # serial: a few values per token, memory-bound
+    for i in range(k_new.shape[0]):
         for h in range(k_new.shape[1]):
             kd = k_layer[slots[i], h, positions[i]]
             vd = v_layer[slots[i], h, positions[i]]
@@ -50,27 +51,13 @@ def _store_rows(k_new, v_new, k_layer, v_layer, slots, positions, lo, hi):
                 vd[d] = encode(v_new[i, h, d], vd)
 
 
-@numba.njit(cache=True, nogil=True, fastmath=True, parallel=True)
-def _store(k_new, v_new, k_layer, v_layer, slots, positions):
-    n = k_new.shape[0]
-    if n * k_new.shape[1] * k_new.shape[2] < PARALLEL_MIN:
-        _store_rows(k_new, v_new, k_layer, v_layer, slots, positions, 0, n)
-        return
-    for i in prange(n):
-        _store_rows(k_new, v_new, k_layer, v_layer, slots, positions, i, i + 1)
-
-
-@numba.njit(cache=True, nogil=True, fastmath=True)
 def store_kv(k_new, v_new, k_layer, v_layer, fmt, slots, positions):
     """Write each token's keys and values into the cache at (slot, head, position).
 
     k_new, v_new: [n, kvh, hd] float32; k_layer, v_layer: [slots, kvh, S, hd] storage;
     slots, positions: [n] int64.
     """
-    if fmt == F16:
-        _store(k_new, v_new, k_layer.view(np.int16), v_layer.view(np.int16), slots, positions)
-    else:
-        _store(k_new, v_new, k_layer, v_layer, slots, positions)
+    _store(k_new, v_new, kernel_view(k_layer, fmt), kernel_view(v_layer, fmt), slots, positions)
 
 
 def store_kv_ref(k_new, v_new, k_layer, v_layer, fmt, slots, positions):
@@ -129,7 +116,8 @@ def _prefill_tile(qt, kt, vt, rows, nk, limit, g, st, m, l, acc, m_new, alpha, t
     for j in range(nk):
         lo = min(rows, max(0, (j - limit) * g))
         dst = m_new if (nk - j) % 2 == 1 else alpha
-        dst[:lo] = src[:lo]
+        for r in range(lo):
+            dst[r] = src[r]
         _max_into(src[lo:rows], st[j, lo:rows], dst[lo:rows])
         src = dst
     for r in range(rows):
@@ -137,7 +125,9 @@ def _prefill_tile(qt, kt, vt, rows, nk, limit, g, st, m, l, acc, m_new, alpha, t
         total[r] = np.float32(0.0)
     for j in range(nk):
         lo = min(rows, max(0, (j - limit) * g))
-        st[j, :lo] = np.float32(0.0)
+        s = st[j]
+        for r in range(lo):
+            s[r] = np.float32(0.0)
         _exp_into(st[j, lo:rows], m_new[lo:rows], total[lo:rows])
     for r in range(rows):
         m[r] = m_new[r]
@@ -150,52 +140,54 @@ def _prefill_tile(qt, kt, vt, rows, nk, limit, g, st, m, l, acc, m_new, alpha, t
     gemm_tile(vt, True, st, acc, hdp, rows_p, nk, True)
 
 
+@numba.njit(cache=True, nogil=True, fastmath=True)
+def _prefill_task(q, k_slot, v_slot, start, scale, out, h, q0, nq):
+    """Queries q0..q0+nq of the g heads of kv head h."""
+    heads, hd = q.shape[1], q.shape[2]
+    g = heads // k_slot.shape[0]
+    hdp = _round_up(hd, NR)
+    rows = nq * g
+    rows_p = _round_up(rows, NR)
+    qt = np.zeros((hd, rows_p), np.float32)  # [hd, Rp]
+    kt = np.empty((TILE_KEYS, hdp), np.float32)  # [KB, hdp]
+    vt = np.empty((TILE_KEYS, hdp), np.float32)  # [KB, hdp]
+    st = np.empty((TILE_KEYS, rows_p), np.float32)  # [KB, Rp]
+    acc = np.zeros((hdp, rows_p), np.float32)  # [hdp, Rp]
+    m = np.full(rows_p, _NO_MAX, np.float32)  # [Rp]
+    l = np.zeros(rows_p, np.float32)  # [Rp]
+    m_new = np.empty(rows_p, np.float32)  # [Rp]
+    alpha = np.empty(rows_p, np.float32)  # [Rp]
+    total = np.empty(rows_p, np.float32)  # [Rp]
+    for qi in range(nq):
+        for gi in range(g):
+            for d in range(hd):
+                qt[d, qi * g + gi] = q[q0 + qi, h * g + gi, d] * np.float32(scale)
+    kend = start + q0 + nq  # keys seen by the block's last query
+    for k0 in range(0, kend, TILE_KEYS):
+        nk = min(TILE_KEYS, kend - k0)
+        _load_rows(k_slot[h], k0, nk, kt)
+        _load_rows(v_slot[h], k0, nk, vt)
+        # query qi sees keys up to start + q0 + qi
+        _prefill_tile(qt, kt, vt, rows, nk, start + q0 - k0, g, st, m, l, acc, m_new, alpha, total)
+    for qi in range(nq):
+        for gi in range(g):
+            r = qi * g + gi
+            inv = np.float32(1.0) / l[r]
+            for d in range(hd):
+                out[q0 + qi, h * g + gi, d] = acc[d, r] * inv
+
+
 @numba.njit(cache=True, nogil=True, fastmath=True, parallel=True)
 def _prefill(q, k_slot, v_slot, start, scale, out):
-    n, heads, hd = q.shape
-    kvh = k_slot.shape[0]
-    g = heads // kvh
-    hdp = _round_up(hd, NR)
-    qb = max(1, TASK_ROWS // g)  # queries per task
+    n = q.shape[0]
+    qb = max(1, TASK_ROWS * k_slot.shape[0] // q.shape[1])  # queries per task: TASK_ROWS // g
     nqb = (n + qb - 1) // qb
-    for task in prange(kvh * nqb):
-        h = task // nqb
+    for task in prange(k_slot.shape[0] * nqb):
         t = task % nqb
         b = t // 2 if t % 2 == 0 else nqb - 1 - t // 2
-        q0 = b * qb
-        nq = min(n, q0 + qb) - q0
-        rows = nq * g
-        rows_p = _round_up(rows, NR)
-        qt = np.zeros((hd, rows_p), np.float32)  # [hd, Rp]
-        kt = np.empty((TILE_KEYS, hdp), np.float32)  # [KB, hdp]
-        vt = np.empty((TILE_KEYS, hdp), np.float32)  # [KB, hdp]
-        st = np.empty((TILE_KEYS, rows_p), np.float32)  # [KB, Rp]
-        acc = np.zeros((hdp, rows_p), np.float32)  # [hdp, Rp]
-        m = np.full(rows_p, _NO_MAX, np.float32)  # [Rp]
-        l = np.zeros(rows_p, np.float32)  # [Rp]
-        m_new = np.empty(rows_p, np.float32)  # [Rp]
-        alpha = np.empty(rows_p, np.float32)  # [Rp]
-        total = np.empty(rows_p, np.float32)  # [Rp]
-        for qi in range(nq):
-            for gi in range(g):
-                for d in range(hd):
-                    qt[d, qi * g + gi] = q[q0 + qi, h * g + gi, d] * np.float32(scale)
-        kend = start + q0 + nq  # keys seen by the block's last query
-        for k0 in range(0, kend, TILE_KEYS):
-            nk = min(TILE_KEYS, kend - k0)
-            _load_rows(k_slot[h], k0, nk, kt)
-            _load_rows(v_slot[h], k0, nk, vt)
-            # query qi sees keys up to start + q0 + qi
-            _prefill_tile(qt, kt, vt, rows, nk, start + q0 - k0, g, st, m, l, acc, m_new, alpha, total)
-        for qi in range(nq):
-            for gi in range(g):
-                r = qi * g + gi
-                inv = np.float32(1.0) / l[r]
-                for d in range(hd):
-                    out[q0 + qi, h * g + gi, d] = acc[d, r] * inv
+        _prefill_task(q, k_slot, v_slot, start, scale, out, task // nqb, b * qb, min(n, b * qb + qb) - b * qb)
 
 
-@numba.njit(cache=True, nogil=True, fastmath=True)
 def attention_prefill(q, k_slot, v_slot, fmt, start, scale, out):
     """Causal attention of n new queries of one slot (flash attention, GQA).
 
@@ -205,10 +197,7 @@ def attention_prefill(q, k_slot, v_slot, fmt, start, scale, out):
     g heads of its block. Tasks are ordered short, long, short, ... (causal work grows with the
     block) so that the contiguous task ranges the threads receive carry equal work.
     """
-    if fmt == F16:
-        _prefill(q, k_slot.view(np.int16), v_slot.view(np.int16), start, scale, out)
-    else:
-        _prefill(q, k_slot, v_slot, start, scale, out)
+    _prefill(q, kernel_view(k_slot, fmt), kernel_view(v_slot, fmt), start, scale, out)
 
 
 def attention_prefill_ref(q, k_slot, v_slot, fmt, start, scale, out):
@@ -232,9 +221,10 @@ def decode_scratch_shapes(max_batch, H, hd, max_splits):
     Every sequence is cut into min(max_splits, threads) key splits: max_splits = the thread
     count is enough.
     """
-    hdp = _round_up(hd, NR)
+    if hd % NR:
+        raise ValueError(f"attention_decode needs head_dim % {NR} == 0, got {hd}")
     rows_p = _round_up(H, MR)  # bounds the padded group size
-    tile = TILE_KEYS * hdp + rows_p * (hd + TILE_KEYS + hdp)
+    tile = rows_p * (2 * hd + TILE_KEYS)
     return {
         "partial_m": (max_splits, max_batch, H),
         "partial_l": (max_splits, max_batch, H),
@@ -247,61 +237,48 @@ def decode_scratch_shapes(max_batch, H, hd, max_splits):
 def _decode_scores(qs, k_head, k0, nk, rows, scores):
     """scores[r, j] = qs[r] . key k0 + j for r < rows, keys read from storage.
 
-    Dot products along hd, blocks of 4, 2 or 1 rows x 2 keys sharing each key load: with a
-    handful of query rows this beats transposing keys for the SIMD kernel. A block may run
-    into the zero padding rows of qs (3 rows cost less as 4 than as 2 + 1).
+    Dot products along hd, 4 rows x 2 keys per pass sharing each key load: with a handful of
+    query rows this beats transposing keys for the SIMD kernel. Blocks run into the zero
+    padding rows of qs; a single row (MHA) has its own pass.
     qs: [Rp, hd]; k_head: [S, hd] storage; scores: [Rp, KB].
     """
     hd = qs.shape[1]
     zero = np.float32(0.0)
-    r = 0
-    while r < rows:
-        step = 4 if rows - r >= 3 else rows - r
-        # a block of fewer rows repeats its last row; the repeats are overwritten alike
-        a0 = qs[r]
-        a1 = qs[r + min(1, step - 1)]
-        a2 = qs[r + min(2, step - 1)]
-        a3 = qs[r + step - 1]
-        for j in range(0, nk, 2):
-            b0 = k_head[k0 + j]
-            b1 = k_head[k0 + min(j + 1, nk - 1)]
+    for j in range(0, nk, 2):
+        b0 = k_head[k0 + j]
+        b1 = k_head[k0 + min(j + 1, nk - 1)]  # an odd last key is computed twice
+        if rows == 1:
+            a0 = qs[0]
+            s0 = s1 = zero
+            for d in range(hd):
+                s0 += a0[d] * decode(b0[d])
+                s1 += a0[d] * decode(b1[d])
+            scores[0, j] = s0
+            scores[0, min(j + 1, nk - 1)] = s1
+            continue
+        for r in range(0, rows, 4):
+            a0, a1, a2, a3 = qs[r], qs[r + 1], qs[r + 2], qs[r + 3]
             s00 = s01 = s10 = s11 = s20 = s21 = s30 = s31 = zero
-            if step == 4:
-                for d in range(hd):
-                    u = decode(b0[d])
-                    v = decode(b1[d])
-                    s00 += a0[d] * u
-                    s01 += a0[d] * v
-                    s10 += a1[d] * u
-                    s11 += a1[d] * v
-                    s20 += a2[d] * u
-                    s21 += a2[d] * v
-                    s30 += a3[d] * u
-                    s31 += a3[d] * v
-            elif step == 2:
-                for d in range(hd):
-                    u = decode(b0[d])
-                    v = decode(b1[d])
-                    s00 += a0[d] * u
-                    s01 += a0[d] * v
-                    s10 += a1[d] * u
-                    s11 += a1[d] * v
-                s20, s21, s30, s31 = s10, s11, s10, s11
-            else:
-                for d in range(hd):
-                    s00 += a0[d] * decode(b0[d])
-                    s01 += a0[d] * decode(b1[d])
-                s10, s11, s20, s21, s30, s31 = s00, s01, s00, s01, s00, s01
+            for d in range(hd):
+                u = decode(b0[d])
+                v = decode(b1[d])
+                s00 += a0[d] * u
+                s01 += a0[d] * v
+                s10 += a1[d] * u
+                s11 += a1[d] * v
+                s20 += a2[d] * u
+                s21 += a2[d] * v
+                s30 += a3[d] * u
+                s31 += a3[d] * v
+            j1 = min(j + 1, nk - 1)
             scores[r, j] = s00
-            scores[r + min(1, step - 1), j] = s10
-            scores[r + min(2, step - 1), j] = s20
-            scores[r + step - 1, j] = s30
-            if j + 1 < nk:
-                scores[r, j + 1] = s01
-                scores[r + min(1, step - 1), j + 1] = s11
-                scores[r + min(2, step - 1), j + 1] = s21
-                scores[r + step - 1, j + 1] = s31
-        r += step
+            scores[r + 1, j] = s10
+            scores[r + 2, j] = s20
+            scores[r + 3, j] = s30
+            scores[r, j1] = s01
+            scores[r + 1, j1] = s11
+            scores[r + 2, j1] = s21
+            scores[r + 3, j1] = s31
 
 
 @numba.njit(cache=True, nogil=True, fastmath=True)
@@ -311,22 +288,19 @@ def _decode_split(q, k_head, v_head, b, h, k0, k1, scale, m, l, acc_out, tile):
     Writes this split's partial results m, l: [g] and acc_out: [g, hd]; tile: its scratch.
     """
     g, hd = acc_out.shape
-    hdp = _round_up(hd, NR)
     rows_p = _round_up(g, MR)
-    o1 = TILE_KEYS * hdp
-    o2 = o1 + rows_p * hd
-    o3 = o2 + rows_p * TILE_KEYS
-    vt = tile[:o1].reshape((TILE_KEYS, hdp))  # [KB, hdp], only when hd % NR != 0
-    qs = tile[o1:o2].reshape((rows_p, hd))  # [Rp, hd]
-    scores = tile[o2:o3].reshape((rows_p, TILE_KEYS))  # [Rp, KB]
-    acc = tile[o3 : o3 + rows_p * hdp].reshape((rows_p, hdp))  # [Rp, hdp]
-    scores[:] = np.float32(0.0)  # padding rows stay zero
-    acc[:] = np.float32(0.0)
+    o1 = rows_p * hd
+    o2 = o1 + rows_p * TILE_KEYS
+    qs = tile[:o1].reshape((rows_p, hd))  # [Rp, hd]
+    scores = tile[o1:o2].reshape((rows_p, TILE_KEYS))  # [Rp, KB]
+    acc = tile[o2 : o2 + rows_p * hd].reshape((rows_p, hd))  # [Rp, hd]
+    for r in range(rows_p):
+        for d in range(hd):
+            qs[r, d] = q[b, h * g + r, d] * np.float32(scale) if r < g else np.float32(0.0)
+            acc[r, d] = np.float32(0.0)
     for gi in range(g):
         m[gi] = _NO_MAX
         l[gi] = np.float32(0.0)
-        for d in range(hd):
-            qs[gi, d] = q[b, h * g + gi, d] * np.float32(scale)
     for t0 in range(k0, k1, TILE_KEYS):
         nk = min(TILE_KEYS, k1 - t0)
         _decode_scores(qs, k_head, t0, nk, g, scores)
@@ -346,12 +320,8 @@ def _decode_split(q, k_head, v_head, b, h, k0, k1, scale, m, l, acc_out, tile):
             a = acc[r]
             for d in range(hd):
                 a[d] *= alpha
-        if hd % NR == 0:
-            # values straight from storage, converted in registers
-            gemm_tile(scores, False, v_head[t0 : t0 + nk], acc, rows_p, hd, nk, True)
-        else:
-            _load_rows(v_head, t0, nk, vt)
-            gemm_tile(scores, False, vt, acc, rows_p, hdp, nk, True)
+        # values straight from storage, converted in registers; padding rows have zero scores
+        gemm_tile(scores, False, v_head[t0 : t0 + nk], acc, rows_p, hd, nk, True)
     for gi in range(g):
         for d in range(hd):
             acc_out[gi, d] = acc[gi, d]
@@ -393,7 +363,8 @@ def _merge_splits(partial_m, partial_l, partial_acc, nsplit, out):
                 mx = max(mx, partial_m[s, b, hq])
             total = np.float32(0.0)
             o = out[b, hq]
-            o[:] = np.float32(0.0)
+            for d in range(hd):
+                o[d] = np.float32(0.0)
             for s in range(nsplit):
                 w = exp_f32(partial_m[s, b, hq] - mx)
                 total += w * partial_l[s, b, hq]
@@ -403,12 +374,6 @@ def _merge_splits(partial_m, partial_l, partial_acc, nsplit, out):
             inv = np.float32(1.0) / total
             for d in range(hd):
                 o[d] *= inv
-
-
-@numba.njit(cache=True, nogil=True, fastmath=True)
-def _decode_serial(q, k_layer, v_layer, slots, lengths, scale, out, partial_m, partial_l, partial_acc, tile):
-    _decode_part(q, k_layer, v_layer, slots, lengths, scale, partial_m, partial_l, partial_acc, tile, 0, 1)
-    _merge_splits(partial_m, partial_l, partial_acc, 1, out)
 
 
 def attention_decode(q, k_layer, v_layer, fmt, slots, lengths, scale, out, partial_m, partial_l, partial_acc, tile):
@@ -422,13 +387,13 @@ def attention_decode(q, k_layer, v_layer, fmt, slots, lengths, scale, out, parti
     gets an equal share of every sequence whatever the mix of lengths; the splits' partial
     softmaxes are then merged. Short work runs on the calling thread. Allocates nothing.
     """
-    if fmt == F16:
-        k_layer, v_layer = k_layer.view(np.int16), v_layer.view(np.int16)
+    k_layer, v_layer = kernel_view(k_layer, fmt), kernel_view(v_layer, fmt)
     nsplit = min(partial_m.shape[0], numba.get_num_threads())
     if nsplit <= 1 or int(lengths.sum()) * k_layer.shape[1] < DECODE_PARALLEL_MIN:
-        _decode_serial(q, k_layer, v_layer, slots, lengths, scale, out, partial_m, partial_l, partial_acc, tile)
-        return
-    _decode_parallel(q, k_layer, v_layer, slots, lengths, scale, partial_m, partial_l, partial_acc, tile, nsplit)
+        nsplit = 1
+        _decode_part(q, k_layer, v_layer, slots, lengths, scale, partial_m, partial_l, partial_acc, tile, 0, 1)
+    else:
+        _decode_parallel(q, k_layer, v_layer, slots, lengths, scale, partial_m, partial_l, partial_acc, tile, nsplit)
     _merge_splits(partial_m, partial_l, partial_acc, nsplit, out)
 
 

@@ -5,9 +5,10 @@ activations are always float32. The numpy helpers convert whole arrays (load tim
 njit helpers convert one value inside kernels and compile to a few vector instructions.
 
 Inside kernels the format is carried by the dtype, so that numba compiles one loop per format:
-float32 is f32, uint16 is bf16, and f16 storage is viewed as int16 (`a.view(np.int16)`) by the
-kernel entry point before it calls its loops. decode / encode pick the conversion from the type.
-(A `fmt` test inside a loop is not hoisted by LLVM and leaves the loop scalar.)
+float32 is f32, uint16 is bf16, and f16 storage is viewed as int16 (kernel_view) by the kernel
+entry points, plain Python functions, before they call the njit code; decode / encode pick the
+conversion from the type. (A `fmt` test inside a loop is not hoisted by LLVM and leaves the loop
+scalar; an njit entry point that branches on fmt would compile every format's loops.)
 
 Shape legend: any shape; conversions are elementwise.
 """
@@ -32,6 +33,11 @@ def storage_dtype(fmt):
 def bytes_per_element(fmt):
     """Bytes one value takes in storage format `fmt`."""
     return 4 if fmt == F32 else 2
+
+
+def kernel_view(a, fmt):
+    """The array a kernel loop takes for storage a: f16 bits viewed as int16 (see above)."""
+    return a.view(np.int16) if fmt == F16 else a
 
 
 def to_storage(x, fmt):
@@ -140,7 +146,7 @@ def decode(v):
     raise NotImplementedError("numba only")
 
 
-@overload(decode, inline="always", jit_options={"fastmath": True, "nogil": True})
+@overload(decode, jit_options={"fastmath": True, "nogil": True})
 def _decode_overload(v):
     if v == types.uint16:
         return lambda v: bf16_to_f32(v)
@@ -156,7 +162,7 @@ def encode(x, dst):
     raise NotImplementedError("numba only")
 
 
-@overload(encode, inline="always", jit_options={"fastmath": True, "nogil": True})
+@overload(encode, jit_options={"fastmath": True, "nogil": True})
 def _encode_overload(x, dst):
     if dst.dtype == types.uint16:
         return lambda x, dst: f32_to_bf16(x)

@@ -17,7 +17,7 @@ import numpy as np
 from numba import prange
 
 from ellmd.kernels.activations import PARALLEL_MIN
-from ellmd.kernels.formats import F16, F32, decode, to_f32
+from ellmd.kernels.formats import F32, decode, kernel_view, to_f32
 
 ROW_BLOCK = 16  # weight rows per parallel task
 PREFILL_MIN_ROWS = 24  # from this many input rows the BLAS path wins
@@ -75,17 +75,13 @@ def _linear(x, w, out):
         _rows(x, w, out, b * ROW_BLOCK, min(m, b * ROW_BLOCK + ROW_BLOCK))
 
 
-@numba.njit(cache=True, nogil=True, fastmath=True)
 def linear(x, w, fmt, out):
     """out = x @ w.T for small n (decode): reads each weight row once, converts on the fly.
 
     x: [n, k] float32; w: [m, k] storage (float32 for F32, uint16 bits for BF16/F16);
     out: [n, m] float32, written in place. Parallel over blocks of weight rows.
     """
-    if fmt == F16:
-        _linear(x, w.view(np.int16), out)
-    else:
-        _linear(x, w, out)
+    _linear(x, kernel_view(w, fmt), out)
 
 
 def linear_ref(x, w, fmt, out):
@@ -115,15 +111,6 @@ def _decode_block(w, r0, block):
         _decode_block_rows(w, r0, block, b * ROW_BLOCK, min(rows, b * ROW_BLOCK + ROW_BLOCK))
 
 
-@numba.njit(cache=True, nogil=True, fastmath=True)
-def _decode_rows(w, fmt, r0, block):
-    """block[j] = w[r0 + j] as float32: [rows, k] float32 from a [m, k] storage matrix."""
-    if fmt == F16:
-        _decode_block(w.view(np.int16), r0, block)
-    else:
-        _decode_block(w, r0, block)
-
-
 def linear_prefill(x, w, fmt, out, scratch):
     """out = x @ w.T for large n (prefill) with numpy's BLAS.
 
@@ -136,10 +123,11 @@ def linear_prefill(x, w, fmt, out, scratch):
         np.matmul(x, w.T, out=out)
         return
     m, k = w.shape
+    w = kernel_view(w, fmt)
     for r0 in range(0, m, PREFILL_BLOCK_ROWS):
         rows = min(PREFILL_BLOCK_ROWS, m - r0)
         block = scratch[: rows * k].reshape(rows, k)  # [rows, k]
-        _decode_rows(w, fmt, r0, block)
+        _decode_block(w, r0, block)
         np.matmul(x, block.T, out=out[:, r0 : r0 + rows])
 
 
@@ -165,34 +153,21 @@ def matmul_ref(x, w, fmt, out, scratch):
 
 
 @numba.njit(cache=True, nogil=True, fastmath=True)
-def _embed_rows(tokens, table, out, lo, hi):
-    for i in range(lo, hi):
+def _embed(tokens, table, out):
+    # serial: one row per token, memory-bound
+    for i in range(tokens.shape[0]):
         src = table[tokens[i]]
         dst = out[i]
         for c in range(dst.shape[0]):
             dst[c] = decode(src[c])
 
 
-@numba.njit(cache=True, nogil=True, fastmath=True, parallel=True)
-def _embed(tokens, table, out):
-    n = tokens.shape[0]
-    if n * out.shape[1] < PARALLEL_MIN:
-        _embed_rows(tokens, table, out, 0, n)
-        return
-    for i in prange(n):
-        _embed_rows(tokens, table, out, i, i + 1)
-
-
-@numba.njit(cache=True, nogil=True, fastmath=True)
 def embed(tokens, table, fmt, out):
     """out[i] = table[tokens[i]] as float32.
 
     tokens: [n] int64; table: [V, d] storage; out: [n, d] float32.
     """
-    if fmt == F16:
-        _embed(tokens, table.view(np.int16), out)
-    else:
-        _embed(tokens, table, out)
+    _embed(tokens, kernel_view(table, fmt), out)
 
 
 def embed_ref(tokens, table, fmt, out):

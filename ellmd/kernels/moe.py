@@ -104,7 +104,8 @@ def _group(experts, order, offsets, active):
     """Counting sort of the (token, slot) pairs by expert; returns the number of active experts."""
     n, k = experts.shape
     num_experts = active.shape[0]
-    offsets[:] = 0
+    for e in range(num_experts + 1):
+        offsets[e] = 0
     for i in range(n):
         for j in range(k):
             offsets[experts[i, j] + 1] += 1

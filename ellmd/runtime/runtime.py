@@ -13,6 +13,7 @@ import concurrent.futures
 import copy
 import dataclasses
 import hashlib
+import inspect
 import logging
 import queue
 import threading
@@ -37,6 +38,10 @@ class RuntimeError_(EllmError):
     def __init__(self, code: str, message: str):
         super().__init__(message)
         self.code = code
+
+
+class SlotsBusy(Exception):
+    """Every slot holds a generating session: the request waits for one to finish."""
 
 
 def not_found(session_id) -> RuntimeError_:
@@ -92,6 +97,7 @@ class Runtime:
         self.slots: list[Session | None] = [None] * engine.kv.slots
         self.queue: queue.Queue[Request | None] = queue.Queue()
         self.active: list[Generation] = []
+        self.waiting: list[Request] = []  # requests that need a slot while every slot is generating
         self.started = time.time()
         self.fingerprint = model_fingerprint(engine)
         self.counters = {"prefilled": 0, "generated": 0}
@@ -118,6 +124,7 @@ class Runtime:
 
     def _run(self) -> None:
         while True:
+            self._retry_waiting()
             try:
                 request = self.queue.get(block=not self.active)
             except queue.Empty:
@@ -130,16 +137,30 @@ class Runtime:
             self._decode_step()
         self._shutdown()
 
+    def _retry_waiting(self) -> None:
+        """Run the requests that waited for a slot, once one may be free (in arrival order)."""
+        if self.waiting and any(s is None or not s.busy for s in self.slots):
+            waiting, self.waiting = self.waiting, []
+            for request in waiting:
+                if request.cancelled.is_set():
+                    request.future.set_exception(RuntimeError_("cancelled", "cancelled while waiting for a slot"))
+                else:
+                    self._handle(request)
+
     def _handle(self, request: Request) -> None:
         handler = getattr(self, "op_" + request.op.replace(".", "_"), None)
         try:
             if handler is None:
                 raise RuntimeError_("unknown_op", f"unknown op {request.op!r}")
+            try:
+                inspect.signature(handler).bind(request, **request.args)
+            except TypeError as e:
+                raise RuntimeError_("bad_request", f"{request.op}: {e}") from None
             result = handler(request, **request.args)
             if result is not None:  # generations resolve later
                 request.future.set_result(result)
-        except TypeError as e:
-            request.future.set_exception(RuntimeError_("bad_request", f"{request.op}: {e}"))
+        except SlotsBusy:
+            self.waiting.append(request)
         except RuntimeError_ as e:
             request.future.set_exception(e)
         except StoreError as e:
@@ -161,7 +182,8 @@ class Runtime:
             if session is not None:
                 self._snapshot(session)
         while not self.queue.empty():
-            request = self.queue.get_nowait()
+            self.waiting.append(self.queue.get_nowait())
+        for request in self.waiting:
             if request:
                 request.future.set_exception(RuntimeError_("cancelled", "the daemon is shutting down"))
 
@@ -215,7 +237,7 @@ class Runtime:
                 return slot
         idle = [s for s in self.slots if not s.busy]
         if not idle:
-            raise RuntimeError_("capacity", "every slot holds a generating session: try again later")
+            raise SlotsBusy()
         victim = min(idle, key=lambda s: s.last_used)
         self._snapshot(victim)
         slot, victim.slot = victim.slot, None
@@ -226,9 +248,9 @@ class Runtime:
     def _snapshot(self, session: Session) -> dict:
         if session.tokens is None or (not session.dirty and session.stored_tokens == len(session.tokens)):
             return {"chunks_written": 0, "bytes_written": 0, "stored_tokens": session.stored_tokens}
-        if session.slot is None:
-            raise RuntimeError_("internal", f"session {session.session_id} has unsaved KV but no slot")
         slot = session.slot
+        if slot is None and len(session.tokens) > session.stored_tokens:
+            raise RuntimeError_("internal", f"session {session.session_id} has unsaved KV but no slot")
         result = self.store.snapshot(
             session.stored_meta(), session.tokens,
             lambda a, b: self.engine.export_kv(slot, a, b), session.stored_tokens,
@@ -288,11 +310,12 @@ class Runtime:
                 f"session {session.session_id} holds {session.length} tokens: no room left to generate "
                 f"within the sequence length {self.engine.kv.sequence_length}"
             )
+        start = session.length  # the turn opens with the generation prompt
         logits = self._prefill(request, session, prompt, need_logits=True)
         gen = Generation(
             request=request, session=session, sampler=Sampler(params, session.tokens), params=params,
             stream=stream, logprobs=logprobs, detok=IncrementalDetokenizer(self.engine.tokenizer, skip_special_tokens=True),
-            stopper=StopMatcher(params.stop), start=session.length, usage=self._usage(request, session),
+            stopper=StopMatcher(params.stop), start=start, usage=self._usage(request, session),
         )
         session.busy = True
         self.active.append(gen)

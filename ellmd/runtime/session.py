@@ -58,8 +58,9 @@ class Session:
 
     @property
     def length(self) -> int:
-        """Tokens of the session, pending ones included."""
-        return len(self.tokens) + len(self.pending)
+        """Tokens of the session, pending ones included (tokens is None until a stored session loads)."""
+        held = self.stored_tokens if self.tokens is None else len(self.tokens)
+        return held + len(self.pending)
 
     def add_turn(self, kind: str, start: int, role: str | None = None, name: str | None = None,
                  messages: int | None = None) -> dict:

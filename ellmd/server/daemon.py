@@ -22,8 +22,10 @@ def run(settings: Settings, progress=None) -> int:
     from ellmd.engine import Engine
     from ellmd.runtime.runtime import Runtime
     from ellmd.runtime.store import Store
-    from ellmd.server.unix import UnixServer, socket_in_use
+    from ellmd.server.unix import socket_in_use
 
+    if settings.http:
+        raise EllmError("--http: the OpenAI-compatible HTTP API is not part of this version yet")
     if settings.socket_path.exists() and socket_in_use(settings.socket_path):
         raise EllmError(f"another ellmd is already serving on {settings.socket_path} (stop it with: ellmd stop)")
     engine = Engine(
@@ -60,15 +62,8 @@ async def _serve(runtime, settings: Settings) -> None:
     server = UnixServer(runtime, settings.socket_path, stop.set, info)
     await server.start()
     log.info("serving on %s (store %s)", settings.socket_path, settings.store_path)
-    http = None
-    if settings.http:
-        from ellmd.server.http import start_http
-
-        http = await start_http(runtime, settings.http)
     await stop.wait()
     log.info("stopping: finishing generations and snapshotting sessions")
-    if http is not None:
-        await http.cleanup()
     # Stop the engine thread while the loop still runs, so the final replies reach their clients.
     await loop.run_in_executor(None, runtime.stop)
     await asyncio.sleep(0.05)
