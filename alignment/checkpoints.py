@@ -162,8 +162,15 @@ def build(name: str, directory: Path, seed: int = 0) -> Path:
     model.save_pretrained(directory, max_shard_size=shard)
     for file in TOKENIZER_DIR.iterdir():
         shutil.copy(file, directory / file.name)
-    (directory / DONE).write_text(json.dumps({"variant": name, "seed": seed}))
+    (directory / DONE).write_text(_stamp(name, seed))
     return directory
+
+
+def _stamp(name: str, seed: int = 0) -> str:
+    """What a cached variant was built from: rebuilt when any of it changes."""
+    recipe = {"variant": name, "seed": seed, "shape": SHAPE, "recipe": VARIANTS[name], "moe": MOE_SHAPE,
+              "scales": [EMBED_STD, LM_HEAD_STD, NORM_JITTER, ROUTER_GAIN]}
+    return json.dumps(recipe, sort_keys=True)
 
 
 def ensure(root: Path, name: str) -> Path:
@@ -171,7 +178,8 @@ def ensure(root: Path, name: str) -> Path:
     if name not in VARIANTS:
         raise KeyError(f"unknown checkpoint variant {name!r} (known: {', '.join(VARIANTS)})")
     directory = Path(root) / name
-    if not (directory / DONE).exists():
+    done = directory / DONE
+    if not done.exists() or done.read_text() != _stamp(name):
         if directory.exists():
             shutil.rmtree(directory)
         build(name, directory)

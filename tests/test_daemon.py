@@ -320,3 +320,39 @@ def test_second_daemon_on_the_same_socket_is_refused(daemon):
     assert "already serving" in result.stderr
     with daemon.client() as client:
         assert client.stats()["slots"] == 2
+
+
+def ellm_cli(daemon, *args):
+    result = subprocess.run([sys.executable, "-m", "ellm", "--socket", str(daemon.socket), *args],
+                            capture_output=True, text=True, timeout=300, cwd=ROOT)
+    return result
+
+
+def test_ellm_cli_against_the_daemon(daemon, tmp_path):
+    import json
+
+    chat = ellm_cli(daemon, "chat", "-m", "Say hi.", "--max-tokens", "5", "--json")
+    assert chat.returncode == 0, chat.stderr
+    reply = json.loads(chat.stdout)
+    assert reply["text"] and reply["usage"]["generated_tokens"] > 0
+    session_id = reply["session_id"]
+    listed = json.loads(ellm_cli(daemon, "session", "list", "--json").stdout)["sessions"]
+    assert session_id in [s["session_id"] for s in listed]
+    again = json.loads(ellm_cli(daemon, "chat", "--session", session_id, "-m", "Again.", "--max-tokens", "3", "--json").stdout)
+    assert again["usage"]["reused_tokens"] > 0
+
+    before = json.loads(ellm_cli(daemon, "session", "show", session_id, "--json").stdout)
+    blob = tmp_path / "session.ellm"
+    assert ellm_cli(daemon, "session", "export", session_id, str(blob)).returncode == 0
+    assert ellm_cli(daemon, "session", "delete", session_id).returncode == 0
+    imported = ellm_cli(daemon, "session", "import", str(blob), "--json")
+    assert imported.returncode == 0, imported.stderr
+    info = json.loads(ellm_cli(daemon, "session", "show", session_id, "--json").stdout)
+    assert info["tokens"] == before["tokens"] and info["turns"] == before["turns"]
+
+
+def test_ellm_cli_without_a_daemon(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "ellm", "--socket", str(tmp_path / "none.sock"), "status"],
+                            capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert result.returncode == 2
+    assert "ellmd start" in result.stderr and "Traceback" not in result.stderr

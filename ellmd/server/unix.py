@@ -144,7 +144,7 @@ class Connection:
             self.loop.call_soon(self.server.on_shutdown)
         elif op == "cancel":
             self.cancel(request_id, args.get("request_id"))
-        elif op == "session.import" and (args.get("more") or "upload" in args):
+        elif op == "session.import" and ("more" in args or "upload" in args):
             self.upload(request_id, args)
         else:
             self.in_flight[request_id] = None
