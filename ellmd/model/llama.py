@@ -162,6 +162,6 @@ class Llama:
         """Final norm and lm_head for the residual rows that need logits."""
         count = len(rows)
         hidden = ws.h[:count]
-        np.take(ws.x, rows, axis=0, out=ws.rows_x[:count])
+        np.take(ws.x, rows, axis=0, out=ws.rows_x[:count], mode="clip")  # "raise" would buffer a copy
         kernels.rmsnorm(ws.rows_x[:count], self.norm, self.spec.rms_norm_eps, hidden)
         kernels.matmul(hidden, self.lm_head, self.fmt, out, ws.matmul_scratch)
