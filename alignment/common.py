@@ -12,11 +12,13 @@ non-zero when any comparison is past its tolerance.
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
-import io
 import functools
+import io
 import json
 import os
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -35,11 +37,12 @@ DEFAULT_DIR_ENV = "ELLM_ALIGNMENT_DIR"
 class Report:
     """Collects comparisons; `exit_code()` is 0 when every one passed."""
 
-    def __init__(self, title: str):
+    def __init__(self, title: str | None):
         self.title = title
         self.failures: list[str] = []
         self.count = 0
-        print(f"== {title}", flush=True)
+        if title:
+            print(f"== {title}", flush=True)
 
     def compare(self, name: str, ours, reference, tol: float = TOL) -> bool:
         """Print max abs and max relative error of ours vs reference; tol bounds the relative one."""
@@ -67,6 +70,13 @@ class Report:
             self.failures.append(name)
         return ok
 
+    def info(self, name: str, ours, reference, why: str = "not checked") -> None:
+        """The figures of a comparison that is reported but not checked."""
+        ours, reference = np.asarray(ours, np.float64), np.asarray(reference, np.float64)
+        scale = float(np.max(np.abs(reference)))
+        abs_err = float(np.max(np.abs(ours - reference)))
+        print(f"  {name:44s} max abs {abs_err:.2e}  max rel {abs_err / scale:.2e}  (max|ref| {scale:.3g})  ({why})", flush=True)
+
     def check(self, name: str, ok: bool, detail: str = "") -> bool:
         """A yes/no check (identical token ids, same experts chosen, ...)."""
         self.count += 1
@@ -88,9 +98,7 @@ class Report:
 
 def compare(name: str, ours, reference, tol: float = TOL) -> bool:
     """One-off comparison outside a Report (prints the same line)."""
-    report = Report.__new__(Report)
-    report.failures, report.count = [], 0
-    return report.compare(name, ours, reference, tol)
+    return Report(None).compare(name, ours, reference, tol)
 
 
 def run(main) -> None:
@@ -115,7 +123,7 @@ def parser(description: str, variants: bool = True, default_variants=None) -> ar
         p.add_argument(
             "--variant",
             action="append",
-            choices=list(VARIANTS) + list(FAMILY_VARIANTS),
+            choices=list(dict.fromkeys([*VARIANTS, *FAMILY_VARIANTS])),
             help="checkpoint variant or family (repeatable; default: %s)" % ("all" if default_variants is None else ", ".join(default_variants)),
         )
         p.set_defaults(default_variants=default_variants)
@@ -131,7 +139,9 @@ def selected_variants(args) -> list[str]:
 
 @functools.lru_cache(maxsize=None)
 def _temporary_root() -> Path:
-    return Path(tempfile.mkdtemp(prefix="ellm-alignment-"))
+    root = tempfile.mkdtemp(prefix="ellm-alignment-")
+    atexit.register(shutil.rmtree, root, ignore_errors=True)
+    return Path(root)
 
 
 def checkpoint(args, name: str) -> Path:
@@ -160,7 +170,6 @@ def random_tokens(count: int, seed: int, vocab: int | None = None) -> list[int]:
 
 def torch_setup() -> None:
     import torch
-
     import transformers
 
     torch.manual_seed(0)
@@ -179,15 +188,48 @@ def reference_model(path: str | Path):
     path = Path(path)
     if path.is_file() and path.suffix == ".gguf":
         with contextlib.redirect_stderr(io.StringIO()):  # its de-quantizing progress bar
-            model = AutoModelForCausalLM.from_pretrained(
-                path.parent, gguf_file=path.name, dtype=torch.float32, attn_implementation="eager"
-            )
+            model = _gguf_reference_model(path)
     else:
         kwargs = {}
         if json.loads((path / "config.json").read_text()).get("model_type") == "qwen3_moe":
             kwargs["experts_implementation"] = "eager"  # the plain loop over experts, not grouped_mm
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager", **kwargs)
     model.eval()
+    return model
+
+
+def _gguf_reference_model(path: Path):
+    """A plain fp32 transformers model with every GGUF tensor dequantized at load.
+
+    transformers 5 would keep quantized blocks packed when the `kernels` package offers a GGUF
+    matmul; GgufConfig(dequantize=True) asks for the plain dense model. Its GGUF loading needs
+    accelerate: without it, the same dequantized tensors are read with transformers' own
+    load_gguf_checkpoint into a model built from the GGUF's config (identical logits).
+    """
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.utils import is_accelerate_available
+
+    try:
+        from transformers.utils.quantization_config import GgufConfig
+
+        options = {"quantization_config": GgufConfig(dequantize=True)}
+    except ImportError:  # transformers 4: GGUF files are always dequantized
+        options = {}
+    if is_accelerate_available():
+        return AutoModelForCausalLM.from_pretrained(
+            path.parent, gguf_file=path.name, dtype=torch.float32, attn_implementation="eager", **options
+        )
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager")
+    tensors = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=model)["tensors"]
+    result = model.load_state_dict(tensors, strict=False)
+    model.tie_weights()
+    missing = [k for k in result.missing_keys if not (k == "lm_head.weight" and config.tie_word_embeddings)]
+    if missing or result.unexpected_keys:
+        raise RuntimeError(f"{path}: GGUF tensors do not fit the model (missing {missing}, unexpected {result.unexpected_keys})")
     return model
 
 
@@ -199,6 +241,12 @@ def reference_tokenizer(path: str | Path):
     if path.is_file() and path.suffix == ".gguf":
         return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     return AutoTokenizer.from_pretrained(path)
+
+
+def chat_ids(tokenizer, messages, add_generation_prompt: bool) -> list[int]:
+    """transformers' rendering + tokenization of a conversation, as a list of ids."""
+    encoding = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
+    return list(encoding["input_ids"] if hasattr(encoding, "keys") else encoding)  # BatchEncoding in transformers 5
 
 
 def reference_logits(model, tokens) -> np.ndarray:

@@ -64,6 +64,9 @@ def main(argv=None) -> int:
         report.compare(
             f"{name}: next token (chunk {SMALL_CHUNK}) vs transformers", small.decode([1], [tokens[TOTAL]])[0], ref[TOTAL]
         )
+        small.rewind(0, 0)
+        last = small.prefill(0, tokens[:TOTAL], logits="last")  # the last of 7 chunks is 3 tokens long
+        report.compare(f"{name}: logits='last' (chunk {SMALL_CHUNK}) vs full", last, full[-1], TOL_SAME)
     return report.exit_code()
 
 

@@ -3,8 +3,8 @@
 Mostly a report: the KV entries are rounded to 8 (bf16) or 11 (f16) significant bits, so the
 logits differ by ~1e-2 of their scale; the check only fails past a loose 5e-2 x max|logit|.
 Also printed: how often the greedy pick (argmax) still agrees with transformers'.
-Tiny checkpoints of each family (40-token prefill + 8 decode steps) and SmolLM2 on one chat
-prompt (prefill + 16 decode steps; --no-smollm2 to skip).
+Tiny checkpoints of each family (40-token prefill + 8 decode steps) and SmolLM2 on a chat
+prompt (prefill) and a canned assistant answer (decoded token by token; --no-smollm2 to skip).
 """
 
 from __future__ import annotations
@@ -23,6 +23,10 @@ import numpy as np
 TOL = 5e-2
 KV_DTYPES = ("bf16", "f16")
 PROMPT, STEPS = 40, 8
+ANSWER = (
+    "A KV cache stores the attention keys and values of the tokens a model has already read, "
+    "so that each new token only computes its own."
+)
 
 
 def run(engine, tokens, prompt: int) -> np.ndarray:
@@ -77,12 +81,12 @@ def main(argv=None) -> int:
 
         path = builtin_model_path()
         tokenizer = common.reference_tokenizer(path)
-        messages = [{"role": "user", "content": "Explain in two sentences what a KV cache is."}]
-        ids = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)["input_ids"])
-        reference = common.reference_model(path)
-        continuation = common.reference_greedy(reference, ids, 16)
-        tokens = ids + continuation
-        ref = common.reference_logits(reference, tokens)
+        question = [{"role": "user", "content": "Explain in two sentences what a KV cache is."}]
+        answer = {"role": "assistant", "content": ANSWER}
+        ids = common.chat_ids(tokenizer, question, add_generation_prompt=True)
+        tokens = common.chat_ids(tokenizer, [*question, answer], add_generation_prompt=False)
+        assert tokens[: len(ids)] == ids  # the answer's tokens follow the prompt: decoded one by one
+        ref = common.reference_logits(common.reference_model(path), tokens)
         for kv_dtype in kv_dtypes:
             engine = common.make_engine(path, weight_dtype="f32", kv_dtype=kv_dtype, sequence_length=128)
             report_one(report, f"SmolLM2: kv {kv_dtype}", run(engine, tokens, len(ids)), ref)

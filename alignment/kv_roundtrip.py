@@ -1,9 +1,9 @@
 """Resumed session equals never-evicted session: a slot's KV exported as bytes (in two pieces,
 as the store writes chunks), the slot evicted and overwritten by another sequence, the bytes
 imported back, then the next decode steps give the same logits as a slot that never left
-memory, and as transformers. A fork (copy_slot) is checked the same way. With f32 KV the
-engine must match itself exactly; bf16 KV is exercised too (exactness does not depend on the
-KV dtype; only the comparison with transformers is loose there).
+memory, and as transformers. A fork (copy_slot) is checked the same way. The engine must match
+itself exactly, whatever the KV dtype (f32 and bf16 here); the comparison with transformers is
+checked with f32 KV and only printed with bf16 KV (lossy KV is kv_dtype_report's subject).
 
 Slots: 0 resumed, 1 never evicted, 2 forked from 1.
 """
@@ -23,7 +23,6 @@ import numpy as np
 
 PROMPT, SPLIT, STEPS = 30, 16, 4
 TOL_EXACT = 0.0  # same bytes, same arithmetic
-TOL_KV = {"f32": common.TOL, "bf16": 5e-2}
 
 
 def main(argv=None) -> int:
@@ -70,7 +69,10 @@ def main(argv=None) -> int:
             resumed, never, forked = np.stack(resumed), np.stack(never), np.stack(forked)  # [STEPS, V]
             report.compare(f"{tag}: {STEPS} steps, resumed vs never evicted", resumed, never, TOL_EXACT)
             report.compare(f"{tag}: {STEPS} steps, forked vs never evicted", forked, never, TOL_EXACT)
-            report.compare(f"{tag}: {STEPS} steps, resumed vs transformers", resumed, ref[PROMPT:], TOL_KV.get(kv_dtype, 5e-2))
+            if kv_dtype == "f32":
+                report.compare(f"{tag}: {STEPS} steps, resumed vs transformers", resumed, ref[PROMPT:])
+            else:  # lossy KV: its accuracy is kv_dtype_report's business
+                report.info(f"{tag}: {STEPS} steps, resumed vs transformers", resumed, ref[PROMPT:], "lossy KV: not checked")
             batched = engine.decode([2, 0, 1], [tokens[0]] * 3).copy()  # one more step, all three in one batch
             report.compare(f"{tag}: batched step, all three slots equal", batched[[0, 1]], batched[[2, 2]], TOL_EXACT)
     return report.exit_code()

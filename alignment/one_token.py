@@ -2,7 +2,8 @@
 
 Both entry points: a one-token prefill and a one-token decode into an empty slot. Every tiny
 checkpoint variant; f32 checkpoints run with f32 weights, bf16 ones with their native bf16
-weights (transformers upcasts the same bf16 values to fp32). KV in f32.
+weights (transformers upcasts the same bf16 values to fp32) and again converted to f32 at load.
+KV in f32.
 
 Shapes: logits [V].
 """
@@ -26,14 +27,17 @@ def main(argv=None) -> int:
     for name in common.selected_variants(args):
         path = common.checkpoint(args, name)
         reference = common.reference_model(path)
-        engine = common.make_engine(path, weight_dtype=common.engine_dtype(name))
-        vocab = engine.spec.vocab_size
-        for token in (0, vocab - 1, *common.random_tokens(2, seed=1, vocab=vocab)):
-            ref = common.reference_logits(reference, [token])[0]
-            engine.rewind(0, 0)
-            report.compare(f"{name}: prefill [{token}]", engine.prefill(0, [token]), ref)
-            engine.rewind(0, 0)
-            report.compare(f"{name}: decode  [{token}]", engine.decode([0], [token])[0], ref)
+        # bf16 checkpoints: native bf16 weights, and converted to f32 at load.
+        for weight_dtype in dict.fromkeys([common.engine_dtype(name), "f32"]):
+            engine = common.make_engine(path, weight_dtype=weight_dtype)
+            tag = f"{name} ({weight_dtype or 'native bf16'} weights)"
+            vocab = engine.spec.vocab_size
+            for token in (0, vocab - 1, *common.random_tokens(2, seed=1, vocab=vocab)):
+                ref = common.reference_logits(reference, [token])[0]
+                engine.rewind(0, 0)
+                report.compare(f"{tag}: prefill [{token}]", engine.prefill(0, [token]), ref)
+                engine.rewind(0, 0)
+                report.compare(f"{tag}: decode  [{token}]", engine.decode([0], [token])[0], ref)
     return report.exit_code()
 
 

