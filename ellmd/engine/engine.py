@@ -113,7 +113,10 @@ class Engine:
             spec.num_hidden_layers, batch_size, spec.num_key_value_heads, sequence_length, spec.head_dim, self.kv_fmt
         )
         self.kv.commit(lambda d, t: progress("committing KV", d, t))
-        self.plan = Plan(self.model, self.kv, chunk_size)
+        try:
+            self.plan = Plan(self.model, self.kv, chunk_size)
+        except ValueError as e:  # a shape or rope type the kernels do not support
+            raise ModelError(f"{self.model_path.name}: {e}") from None
         self.timings["kv_commit"] = time.perf_counter() - start
 
         start = time.perf_counter()
