@@ -19,8 +19,6 @@ def alignment_dir(tmp_path_factory):
     Written once per test session (a few seconds with transformers); tests pass it to the
     alignment scripts as --dir.
     """
-    pytest.importorskip("torch")
-    pytest.importorskip("transformers")
     from alignment.checkpoints import ensure_all
 
     root = tmp_path_factory.mktemp("alignment-checkpoints")

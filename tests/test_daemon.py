@@ -356,3 +356,28 @@ def test_ellm_cli_without_a_daemon(tmp_path):
                             capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert result.returncode == 2
     assert "ellmd start" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_detach_status_stop(tmp_path):
+    import json
+
+    env = {**os.environ, "ELLMD_SOCKET": str(tmp_path / "run" / "ellmd.sock"), "ELLMD_STORE": str(tmp_path / "store"),
+           "ELLMD_SEQUENCE_LENGTH": "1024", "ELLMD_BATCH_SIZE": "1", "XDG_CONFIG_HOME": str(tmp_path / "config")}
+
+    def ellmd(*args):
+        return subprocess.run([sys.executable, "-m", "ellmd.cli", *args], capture_output=True, text=True,
+                              timeout=600, cwd=ROOT, env=env)
+
+    started = ellmd("start", "--detach", "--threads", "2")
+    assert started.returncode == 0, started.stderr
+    assert (tmp_path / "run" / "ellmd.pid").exists()
+    status = ellmd("status", "--json")
+    assert status.returncode == 0, status.stderr
+    stats = json.loads(status.stdout)
+    assert stats["slots"] == 1 and stats["sequence_length"] == 1024
+    assert ellmd("status").returncode == 0
+    stopped = ellmd("stop")
+    assert stopped.returncode == 0, stopped.stderr
+    assert not (tmp_path / "run" / "ellmd.sock").exists()
+    again = ellmd("status")
+    assert again.returncode == 2 and "ellmd start" in again.stderr

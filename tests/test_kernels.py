@@ -243,7 +243,7 @@ def test_linear(rng, fmt, n, m, k):
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("n,m,k", [(24, 70, 33), (100, 1100, 64)])
+@pytest.mark.parametrize("n,m,k", [(70, 70, 33), (130, 1100, 300)])
 def test_linear_prefill_and_dispatch(rng, fmt, n, m, k):
     w = formats.to_storage(randn(rng, m, k), fmt)
     x = randn(rng, n, k)

@@ -8,8 +8,14 @@ Shape legend:
 
 Decode (small n) is memory-bound: `linear` streams each weight row once for all n inputs,
 converting bf16/f16 in registers, two rows x four inputs per pass so that the vector FMAs are
-not starved by loads. Prefill (large n) is compute-bound: `linear_prefill` converts blocks of
-weight rows to float32 and hands them to numpy's BLAS. `matmul` picks one by n.
+not starved by loads. Prefill (large n) is compute-bound: `linear_prefill` packs panels of
+PANEL weight rows to float32 (transposed) and runs the SIMD micro-kernel of tile.py over
+blocks of inputs. `matmul` picks one by n.
+
+Why not numpy's BLAS for prefill: OpenBLAS keeps its own thread pool, whose threads spin after
+each call while numba's workers poll for the next parallel region; on a machine with as many
+cores as threads the two pools steal cores from each other, and a prefill layer measured 2-3x
+slower than BLAS alone. One pool (numba's) for every kernel avoids that.
 """
 
 import numba
@@ -17,11 +23,14 @@ import numpy as np
 from numba import prange
 
 from ellmd.kernels.activations import PARALLEL_MIN
-from ellmd.kernels.formats import F32, decode, kernel_view, to_f32
+from ellmd.kernels.formats import decode, kernel_view, to_f32
+from ellmd.kernels.tile import MR, NR, micro_kernel
 
-ROW_BLOCK = 16  # weight rows per parallel task
-PREFILL_MIN_ROWS = 24  # from this many input rows the BLAS path wins
-PREFILL_BLOCK_ROWS = 1024  # weight rows converted per BLAS call
+ROW_BLOCK = 16  # weight rows per parallel task of linear
+PREFILL_MIN_ROWS = 64  # from this many input rows linear_prefill wins (packing amortized)
+PANEL = 32  # weight rows packed by a linear_prefill task (a multiple of NR)
+INPUT_BLOCK = 128  # input rows multiplied per packed panel pass (stay in L2)
+DEPTH_BLOCK = 256  # depth of one micro-kernel call (its operands stay in L1)
 
 
 @numba.njit(cache=True, nogil=True, fastmath=True)
@@ -89,46 +98,88 @@ def linear_ref(x, w, fmt, out):
     out[:] = (x.astype(np.float64) @ to_f32(w, fmt).T.astype(np.float64)).astype(np.float32)
 
 
+def _worker_floats(k):
+    return k * PANEL + INPUT_BLOCK * PANEL + INPUT_BLOCK * k
+
+
 def prefill_scratch_size(m, k):
-    """float32 elements of the scratch linear_prefill needs for a [m, k] weight."""
-    return min(m, PREFILL_BLOCK_ROWS) * k
+    """float32 elements of the scratch linear_prefill needs for a [m, k] weight.
+
+    One work area per numba thread (the count at the time of the call).
+    """
+    return numba.get_num_threads() * _worker_floats(k)
 
 
 @numba.njit(cache=True, nogil=True, fastmath=True)
-def _decode_block_rows(w, r0, block, lo, hi):
-    for j in range(lo, hi):
-        src = w[r0 + j]
-        dst = block[j]
-        for c in range(src.shape[0]):
-            dst[c] = decode(src[c])
+def _pack(w, j0, rows, panel):
+    """panel[d, c] = w[j0 + c, d] as float32, zero columns past rows. panel: [k, PANEL]."""
+    k = w.shape[1]
+    for c in range(rows):
+        src = w[j0 + c]
+        for d in range(k):
+            panel[d, c] = decode(src[d])
+    for c in range(rows, PANEL):
+        for d in range(k):
+            panel[d, c] = np.float32(0.0)
+
+
+@numba.njit(cache=True, nogil=True, fastmath=True)
+def _panel_product(x, w, out, j0, panel, block, xpad):
+    """out[:, j0:j0+PANEL] = x @ w[j0:j0+PANEL].T, INPUT_BLOCK rows of x at a time.
+
+    panel: [k, PANEL]; block: [INPUT_BLOCK, PANEL]; xpad: [INPUT_BLOCK, k] (a last partial
+    block of x, padded to MR rows).
+    """
+    n, k = x.shape
+    rows = min(PANEL, w.shape[0] - j0)
+    _pack(w, j0, rows, panel)
+    for i0 in range(0, n, INPUT_BLOCK):
+        nb = min(INPUT_BLOCK, n - i0)
+        nbp = (nb + MR - 1) // MR * MR
+        xa = x[i0 : i0 + nb]
+        if nbp != nb:
+            for r in range(nbp):
+                for d in range(k):
+                    xpad[r, d] = x[i0 + r, d] if r < nb else np.float32(0.0)
+            xa = xpad[:nbp]
+        for kb in range(0, k, DEPTH_BLOCK):
+            depth = min(DEPTH_BLOCK, k - kb)
+            for r in range(0, nbp, MR):
+                for c in range(0, PANEL, NR):
+                    micro_kernel(xa, r * k + kb, k, 1, panel, kb * PANEL + c, block, r * PANEL + c, depth, kb > 0)
+        for r in range(nb):
+            dst = out[i0 + r]
+            src = block[r]
+            for c in range(rows):
+                dst[j0 + c] = src[c]
 
 
 @numba.njit(cache=True, nogil=True, fastmath=True, parallel=True)
-def _decode_block(w, r0, block):
-    """block[j] = w[r0 + j] as float32 for every row of block."""
-    rows = block.shape[0]
-    for b in prange((rows + ROW_BLOCK - 1) // ROW_BLOCK):
-        _decode_block_rows(w, r0, block, b * ROW_BLOCK, min(rows, b * ROW_BLOCK + ROW_BLOCK))
+def _prefill_product(x, w, out, work):
+    m, k = w.shape
+    workers = work.shape[0]
+    panels = (m + PANEL - 1) // PANEL
+    for wk in prange(workers):
+        area = work[wk]
+        panel = area[: k * PANEL].reshape((k, PANEL))
+        block = area[k * PANEL : (k + INPUT_BLOCK) * PANEL].reshape((INPUT_BLOCK, PANEL))
+        xpad = area[(k + INPUT_BLOCK) * PANEL : (k + INPUT_BLOCK) * PANEL + INPUT_BLOCK * k].reshape((INPUT_BLOCK, k))
+        # panels dealt round-robin: equal shares, and each worker owns its work area
+        for t in range(wk, panels, workers):
+            _panel_product(x, w, out, t * PANEL, panel, block, xpad)
 
 
 def linear_prefill(x, w, fmt, out, scratch):
-    """out = x @ w.T for large n (prefill) with numpy's BLAS.
+    """out = x @ w.T for large n (prefill): packed weight panels on the SIMD micro-kernel.
 
-    x: [n, k] float32; w: [m, k] storage; out: [n, m] float32 C-contiguous; scratch: 1-D
-    float32 of at least prefill_scratch_size(m, k) elements (unused for F32). bf16/f16
-    weights are converted block by block (PREFILL_BLOCK_ROWS rows) into scratch; BLAS writes
-    each block's columns of out in place (a column slice is a strided matrix BLAS accepts).
+    x: [n, k] float32; w: [m, k] storage; out: [n, m] float32; scratch: 1-D float32 of
+    prefill_scratch_size(m, k) elements (room for fewer threads only lowers the parallelism).
+    Each weight row is converted once; compute-bound, ~75 GFLOP/s per core.
     """
-    if fmt == F32:
-        np.matmul(x, w.T, out=out)
-        return
-    m, k = w.shape
-    w = kernel_view(w, fmt)
-    for r0 in range(0, m, PREFILL_BLOCK_ROWS):
-        rows = min(PREFILL_BLOCK_ROWS, m - r0)
-        block = scratch[: rows * k].reshape(rows, k)  # [rows, k]
-        _decode_block(w, r0, block)
-        np.matmul(x, block.T, out=out[:, r0 : r0 + rows])
+    per = _worker_floats(w.shape[1])
+    workers = max(1, min(numba.get_num_threads(), scratch.size // per))
+    work = scratch[: workers * per].reshape(workers, per)  # [workers, per]
+    _prefill_product(x, kernel_view(w, fmt), out, work)
 
 
 def linear_prefill_ref(x, w, fmt, out, scratch):
@@ -139,7 +190,7 @@ def linear_prefill_ref(x, w, fmt, out, scratch):
 def matmul(x, w, fmt, out, scratch):
     """out = x @ w.T, choosing linear (few rows) or linear_prefill (many rows) by n.
 
-    Shapes as in linear_prefill; scratch may be None when n < PREFILL_MIN_ROWS or fmt is F32.
+    Shapes as in linear_prefill; scratch may be None when n < PREFILL_MIN_ROWS.
     """
     if x.shape[0] < PREFILL_MIN_ROWS:
         linear(x, w, fmt, out)

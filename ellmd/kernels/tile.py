@@ -1,4 +1,4 @@
-"""Small matrix product for the tiles of attention, written with explicit SIMD.
+"""The SIMD micro-kernel of attention tiles and of prefill matmuls, and a tile product on it.
 
 Shape legend:
   rows  rows of the product c and of a (a multiple of MR)
@@ -45,7 +45,7 @@ def _load_vec(builder, ptr, dtype):
 
 
 @intrinsic
-def _block(typingctx, a, a_off, a_row, a_depth, bt, b_off, c, c_off, depth, accumulate):
+def micro_kernel(typingctx, a, a_off, a_row, a_depth, bt, b_off, c, c_off, depth, accumulate):
     """c[MR, NR] block (+)= a[MR, depth] @ bt[depth, NR] on C-contiguous matrices.
 
     Element (i, d) of a (float32) is a.flat[a_off + i * a_row + d * a_depth]; the block of bt
@@ -125,7 +125,7 @@ def gemm_tile(a, transpose_a, bt, c, rows, cols, depth, accumulate):
     ldc = c.shape[1]
     for r in range(0, rows, MR):
         for j in range(0, cols, NR):
-            _block(a, r * a_row, a_row, a_depth, bt, j, c, r * ldc + j, depth, accumulate)
+            micro_kernel(a, r * a_row, a_row, a_depth, bt, j, c, r * ldc + j, depth, accumulate)
 
 
 def gemm_tile_ref(a, transpose_a, bt, c, rows, cols, depth, accumulate):

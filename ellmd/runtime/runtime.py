@@ -205,14 +205,7 @@ class Runtime:
         return session
 
     def _check_fingerprint(self, meta: dict) -> None:
-        theirs = meta.get("fingerprint", {})
-        for part in ("model", "tokenizer", "template", "kv"):
-            if theirs.get(part) != self.fingerprint[part]:
-                raise RuntimeError_(
-                    "fingerprint",
-                    f"session {meta['session_id']} was made under another {part} "
-                    f"({theirs.get(part)} != {self.fingerprint[part]}); it cannot be resumed by this daemon",
-                )
+        check_fingerprint(self.fingerprint, meta)
 
     def _resident(self, session: Session) -> int:
         """Make a session resident and return its slot (evicting the LRU idle session if needed)."""
@@ -594,6 +587,18 @@ class Runtime:
         """Usage of this request so far: what it prefilled and what it found already computed."""
         return {"prompt_tokens": session.length, "prefilled_tokens": request.prefilled,
                 "reused_tokens": request.reused, "prefill_ms": round((time.perf_counter() - request.received) * 1000, 2)}
+
+
+def check_fingerprint(ours: dict, meta: dict) -> None:
+    """Refuse a stored session whose KV was made under another model, tokenizer, template or layout."""
+    theirs = meta.get("fingerprint", {})
+    for part in ("model", "tokenizer", "template", "kv"):
+        if theirs.get(part) != ours[part]:
+            raise RuntimeError_(
+                "fingerprint",
+                f"session {meta['session_id']} was made under another {part} "
+                f"({theirs.get(part)} != {ours[part]}); it cannot be resumed by this daemon",
+            )
 
 
 def top_logprobs(logits, token: int, count: int) -> dict:
