@@ -76,8 +76,8 @@ class Engine:
         for name, value in (("weight dtype", weight_dtype), ("kv dtype", kv_dtype)):
             if value is not None and value not in formats.FORMAT_NAMES:
                 raise ModelError(f"unknown {name} {value!r} (choose from {', '.join(formats.FORMAT_NAMES)})")
-        if sequence_length < 1 or batch_size < 1 or chunk_size < 1:
-            raise CapacityError("sequence length, batch size and chunk size must all be >= 1")
+        if sequence_length < 2 or batch_size < 1 or chunk_size < 1:
+            raise CapacityError("the sequence length must be >= 2, batch and chunk sizes >= 1")
 
         start = time.perf_counter()
         if not isinstance(model_path, RandomCheckpoint):
@@ -148,9 +148,11 @@ class Engine:
 
     def warm_up(self) -> None:
         """Compile (or load from numba's cache) every kernel of both paths, then leave slot 0 empty."""
-        self.prefill(0, [0] * min(self.chunk_size, PREFILL_MIN_ROWS + 1), logits="last")  # the BLAS path
-        self.prefill(0, [0, 0], logits="last")  # the streaming path
-        self.decode([0], [0])
+        blas_rows = min(self.chunk_size, PREFILL_MIN_ROWS + 1, self.kv.sequence_length - 1)
+        for rows in sorted({blas_rows, 1}):  # the BLAS prefill path, then the streaming one
+            self.kv.lengths[0] = 0
+            self.prefill(0, [0] * rows, logits="last")
+            self.decode([0], [0])
         self.kv.lengths[0] = 0
 
     # ---- forward passes ------------------------------------------------------------------
