@@ -26,7 +26,7 @@ def run_bench(engine, prefill_sizes, decode_tokens, context, repetitions) -> lis
             start = time.perf_counter()
             engine.prefill(0, tokens, logits="last")
             rates.append(n / (time.perf_counter() - start))
-        rows.append(_row(f"pp{n}", n, 0, rates))
+        rows.append(summarize(f"pp{n}", n, 0, rates))
     if decode_tokens:
         rates = []
         for _ in range(repetitions):
@@ -37,12 +37,13 @@ def run_bench(engine, prefill_sizes, decode_tokens, context, repetitions) -> lis
             for _ in range(decode_tokens):
                 token = int(np.argmax(engine.decode([0], [token])[0]))
             rates.append(decode_tokens / (time.perf_counter() - start))
-        rows.append(_row(f"tg{decode_tokens}", decode_tokens, context, rates))
+        rows.append(summarize(f"tg{decode_tokens}", decode_tokens, context, rates))
     engine.rewind(0, 0)
     return rows
 
 
-def _row(test, tokens, context, rates) -> dict:
+def summarize(test: str, tokens: int, context: int, rates: list[float]) -> dict:
+    """One table row: the mean and standard deviation of the measured rates."""
     return {
         "test": test,
         "tokens": tokens,

@@ -59,6 +59,8 @@ from pathlib import Path
 
 import numpy as np
 from rich.console import Console
+
+from ellmd.bench import summarize
 from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # gguf_export sits beside this script
@@ -231,17 +233,6 @@ def capacity(args) -> int:
 
 
 # ---- one harness for llama.cpp and transformers (ellm has ellmd.bench.run_bench) -----------
-
-
-def summarize(test: str, tokens: int, context: int, rates: list[float]) -> dict:
-    """A row in the format of ellmd.bench.run_bench."""
-    return {
-        "test": test,
-        "tokens": tokens,
-        "context": context,
-        "tok_s": round(statistics.mean(rates), 2),
-        "std": round(statistics.stdev(rates), 2) if len(rates) > 1 else 0.0,
-    }
 
 
 def warm_up(runner, tokens: BenchTokens, args) -> int | None:

@@ -212,3 +212,18 @@ def test_generate_json_on_the_builtin_model():
     assert out["prompt_token_ids"][:1] == [1]  # <|im_start|>: the chat template was applied
     assert 0 < len(out["token_ids"]) <= 12
     assert "Paris" in out["text"]
+
+
+def test_bench_cli_on_a_synthetic_model(tmp_path):
+    config = {"model_type": "qwen3", "vocab_size": 300, "hidden_size": 64, "intermediate_size": 128,
+              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    result = subprocess.run(
+        [sys.executable, "-m", "ellmd.cli", "bench", "--config", str(tmp_path / "config.json"), "--prefill", "8,32",
+         "--decode", "4", "--context", "8", "--repetitions", "2", "--json"],
+        capture_output=True, text=True, cwd=ROOT, timeout=600,
+    )
+    assert result.returncode == 0, result.stderr
+    rows = json.loads(result.stdout)
+    assert [r["test"] for r in rows] == ["pp8", "pp32", "tg4"]
+    assert all(r["tok_s"] > 0 and r["weight_dtype"] == "bf16" for r in rows)
