@@ -233,7 +233,9 @@ def test_bad_requests_get_typed_errors(daemon):
             client.call("session.info", session_id="no-such-session")
         with pytest.raises(BadRequest):
             client.call("session.info", session_id=42)
-        session = client.open_session()
+        session = client.open_session(system="Be brief.")
+        opened = session.info()["turns"]
+        assert [(t["kind"], t["role"], t["start"]) for t in opened] == [("message", "system", 0)]
         with pytest.raises(BadRequest):
             client.call("session.append", session_id=session.id, text="a", tokens=[1])
         with pytest.raises(BadRequest):

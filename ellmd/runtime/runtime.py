@@ -392,11 +392,11 @@ class Runtime:
             raise RuntimeError_("bad_request", "tools must be a list")
         session = Session.new(self.fingerprint, str(title or ""), tags, tools)
         session.tokens = []
-        self.sessions[session.session_id] = session
-        if system is not None:
+        if system is not None:  # may wait for a slot (SlotsBusy): register the session only after
             self._append_message(request, session, {"role": "system", "content": str(system)})
         else:
             self._after_turn(session)
+        self.sessions[session.session_id] = session
         return session.info(resident=session.slot is not None)
 
     def op_session_append(self, request, session_id, message=None, text=None, tokens=None):
