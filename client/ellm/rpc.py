@@ -58,6 +58,15 @@ def same(result: dict) -> dict:
     return result
 
 
+def take_message(stream, message: dict):
+    """One message of a stream (sync or async): an event's value, or None once the reply ends it."""
+    if is_event(message):
+        return stream._item(message["event"], message.get("data") or {})
+    stream.done = True
+    stream.result = stream._final(reply_result(message))
+    return None
+
+
 class _Base:
     """What both connections share: ids, inboxes, the request size check, the failure state."""
 
@@ -297,13 +306,9 @@ class Stream(Generic[T, R]):
             except EllmError:  # the request is over (an interrupt, by contrast, leaves it cancellable)
                 self.done = True
                 raise
-            if is_event(message):
-                value = self._item(message["event"], message.get("data") or {})
-                if value is not None:
-                    return value
-            else:
-                self.done = True
-                self.result = self._final(reply_result(message))
+            value = take_message(self, message)
+            if value is not None:
+                return value
         raise StopIteration
 
     def close(self) -> None:
@@ -356,13 +361,9 @@ class AsyncStream(Generic[T, R]):
             except EllmError:
                 self.done = True
                 raise
-            if is_event(message):
-                value = self._item(message["event"], message.get("data") or {})
-                if value is not None:
-                    return value
-            else:
-                self.done = True
-                self.result = self._final(reply_result(message))
+            value = take_message(self, message)
+            if value is not None:
+                return value
         raise StopAsyncIteration
 
     async def aclose(self) -> None:
