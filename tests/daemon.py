@@ -1,0 +1,55 @@
+"""The real daemon as a subprocess, on a temporary socket and store, for the tests that need it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from ellm import Client
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class Daemon:
+    """`ellmd start` in the foreground, as a subprocess."""
+
+    def __init__(self, tmp: Path, slots: int = 2, extra=()):
+        self.socket = tmp / "ellmd.sock"
+        self.store = tmp / "store"
+        self.log = tmp / "ellmd.log"
+        self.args = [sys.executable, "-m", "ellmd.cli", "start", "--socket", str(self.socket), "--store",
+                     str(self.store), "--batch-size", str(slots), "--sequence-length", "2048",
+                     "--chunk-size", "256", "--threads", "2", *extra]
+        self.process = None
+
+    def start(self) -> "Daemon":
+        env = {**os.environ, "XDG_CONFIG_HOME": str(self.store.parent / "config")}
+        with open(self.log, "ab") as log:
+            self.process = subprocess.Popen(self.args, stdout=log, stderr=log, env=env, cwd=ROOT)
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"daemon exited: {self.log.read_text()[-2000:]}")
+            if self.socket.exists():
+                try:
+                    Client(self.socket).close()
+                    return self
+                except Exception:
+                    pass
+            time.sleep(0.2)
+        raise RuntimeError("daemon did not start")
+
+    def client(self) -> Client:
+        return Client(self.socket)
+
+    def stop(self) -> int:
+        self.process.send_signal(signal.SIGTERM)
+        return self.process.wait(timeout=120)
+
+    def kill(self) -> None:
+        self.process.kill()
+        self.process.wait(timeout=30)
