@@ -230,8 +230,12 @@ def start(
     threads: Optional[int] = Threads,
     socket: Optional[str] = SocketPath,
     store: Optional[str] = typer.Option(None, help="Session store directory (LMDB) [default: $XDG_DATA_HOME/ellm/store]"),
-    http: Optional[str] = typer.Option(None, help="Also serve the OpenAI-compatible API on HOST:PORT"),
-    skills_dir: Optional[list[str]] = typer.Option(None, help="A skill root directory (repeatable)"),
+    http: Optional[str] = typer.Option(
+        None, help="Also serve the OpenAI-compatible HTTP API on HOST:PORT (or :PORT, PORT: host 127.0.0.1)"),
+    skills_dir: Optional[list[str]] = typer.Option(
+        None, help="A skill root: a directory whose sub-directories hold a SKILL.md (repeatable)"),
+    rag_dir: Optional[str] = typer.Option(
+        None, help="Where retrieval indexes are kept [default: $XDG_DATA_HOME/ellm/rag]"),
     config: Optional[Path] = ConfigFile,
     detach: bool = typer.Option(False, help="Run in the background (pid and log files beside the socket)"),
 ):
@@ -245,7 +249,7 @@ def start(
 
     flags = dict(model_path=model_path, chunk_size=chunk_size, sequence_length=sequence_length,
                  batch_size=batch_size, kv_dtype=kv_dtype, weight_dtype=weight_dtype, threads=threads,
-                 socket=socket, store=store, http=http, skills_dir=skills_dir or None)
+                 socket=socket, store=store, http=http, skills_dir=skills_dir or None, rag_dir=rag_dir)
     settings = daemon_settings(config, flags)
     logging.basicConfig(level=settings.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")

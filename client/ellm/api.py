@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import io
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -44,11 +46,22 @@ def chat_args(session_id: str, content: str | dict, stream: bool, sampling: dict
     return {"session_id": session_id, **message, **sampling, "stream": stream}
 
 
-def inject_args(session_id: str, query: str | None, documents: list | None, k: int | None) -> dict:
+def inject_args(session_id: str, query: str | None, documents: list | None, k: int | None,
+                index: str | None, role: str | None) -> dict:
     """rag.inject arguments; a document given as a str is `{text: str}`."""
     if documents is not None:
         documents = [{"text": d} if isinstance(d, str) else d for d in documents]
-    return present(session_id=session_id, query=query, documents=documents, k=k)
+    return present(session_id=session_id, query=query, documents=documents, k=k, index=index, role=role)
+
+
+def index_args(path, name: str | None, retriever: str | None) -> dict:
+    """rag.index arguments: the daemon reads the folder itself, so the path is made absolute here."""
+    return present(path=os.path.abspath(os.fspath(path)), name=name, retriever=retriever)
+
+
+def progress_data(event: str, data: dict) -> dict | None:
+    """Stream item of long work (rag.index): the data of each `progress` event."""
+    return data if event == "progress" else None
 
 
 def token_text(event: str, data: dict) -> str | None:

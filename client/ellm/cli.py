@@ -32,8 +32,8 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 session_app = typer.Typer(help="List, show, resume, fork, rewind, delete, export and import sessions.", no_args_is_help=True)
-skill_app = typer.Typer(help="Load skills into sessions.", no_args_is_help=True)
-rag_app = typer.Typer(help="Inject documents or retrieved passages into sessions.", no_args_is_help=True)
+skill_app = typer.Typer(help="List skills and load them into sessions.", no_args_is_help=True)
+rag_app = typer.Typer(help="Index folders; inject documents or retrieved passages into sessions.", no_args_is_help=True)
 app.add_typer(session_app, name="session")
 app.add_typer(skill_app, name="skill")
 app.add_typer(rag_app, name="rag")
@@ -271,21 +271,82 @@ def session_import(
         typer.echo(f"imported {file} as {info.get('session_id')} ({info.get('tokens')} tokens)")
 
 
+@skill_app.command("list")
+def skill_list(ctx: typer.Context, json_output: bool = JsonOutput):
+    """List the skills the daemon can load (from its skill roots)."""
+    with connect(ctx) as client:
+        skills = client.skills()
+    if json_output:
+        print_json(skills)
+        return
+    table = Table("skill", "description", "files", "path")
+    for skill in skills:
+        table.add_row(*map(cell, (skill.get("name"), skill.get("description"), skill.get("files"), skill.get("path"))))
+    stdout().print(table if table.row_count else Text("no skills (start ellmd with --skills-dir DIR)"))
+
+
 @skill_app.command("inject")
 def skill_inject(
     ctx: typer.Context,
     session_id: str = typer.Argument(..., metavar="SESSION"),
-    name: str = typer.Argument(..., help="The skill's name"),
+    name: str = typer.Argument(..., help="The skill's name (see: ellm skill list)"),
+    file: Optional[str] = typer.Option(None, "--file", help="Load this file of the skill instead of its instructions"),
+    role: Optional[str] = typer.Option(None, help="The message's role [default: the daemon's context_role]"),
     force: bool = typer.Option(False, help="Load it again even if the session has it"),
     json_output: bool = JsonOutput,
 ):
-    """Load a skill into a session."""
+    """Append a skill to a session: only its tokens are prefilled."""
     with connect(ctx) as client:
-        result = client.session(session_id).load_skill(name, force=force)
+        result = client.session(session_id).load_skill(name, force=force, role=role, file=file)
     if json_output:
         print_json(result)
+    elif not result.get("loaded", True):
+        typer.echo(f"skill {result.get('skill', name)} is already loaded in {session_id} (--force to load it again)")
     else:
-        typer.echo(f"loaded skill {result.get('skill', name)} into {session_id}: +{result.get('tokens_appended')} tokens")
+        what = result.get("skill", name) + (f" file {file}" if file else "")
+        typer.echo(f"loaded skill {what} into {session_id}: +{result.get('tokens_appended')} tokens")
+
+
+@rag_app.command("index")
+def rag_index(
+    ctx: typer.Context,
+    path: Path = typer.Argument(..., exists=True, file_okay=False, help="The folder to index (text, markdown, code)"),
+    name: str = typer.Option("default", "--name", "-n", help="The index's name"),
+    retriever: Optional[str] = typer.Option(None, help="bm25 (built in) or an installed retriever plugin"),
+    json_output: bool = JsonOutput,
+):
+    """Index a folder for retrieval, or bring its index up to date (only changed files are read)."""
+    from rich.progress import Progress
+
+    with connect(ctx) as client, Progress(console=stderr(), transient=True, disable=json_output) as bar:
+        task = bar.add_task(f"indexing {path}", total=None)
+
+        def progress(data):
+            bar.update(task, completed=data.get("files_done"), total=data.get("files_total"))
+
+        result = client.rag_index(path, name=name, retriever=retriever, progress=progress)
+    if json_output:
+        print_json(result)
+        return
+    typer.echo(f"index {result.get('name')} ({result.get('retriever')}) of {result.get('path')}: "
+               f"{result.get('files')} files, {result.get('chunks')} chunks; {result.get('files_indexed')} indexed, "
+               f"{result.get('files_unchanged')} unchanged, {result.get('files_removed')} removed "
+               f"in {result.get('seconds')} s")
+
+
+@rag_app.command("list")
+def rag_list(ctx: typer.Context, json_output: bool = JsonOutput):
+    """List the retrieval indexes."""
+    with connect(ctx) as client:
+        indexes = client.rag_indexes()
+    if json_output:
+        print_json(indexes)
+        return
+    table = Table("index", "retriever", "files", "chunks", "updated", "path")
+    for index in indexes:
+        table.add_row(*map(cell, (index.get("name"), index.get("retriever"), index.get("files"), index.get("chunks"),
+                                  when(index.get("updated")), index.get("path"))))
+    stdout().print(table if table.row_count else Text("no indexes (make one with: ellm rag index PATH)"))
 
 
 @rag_app.command("inject")
@@ -296,10 +357,12 @@ def rag_inject(
     files: Optional[list[Path]] = typer.Option(
         None, "--file", "-f", exists=True, dir_okay=False, readable=True, help="Inject this UTF-8 text file (repeatable)"
     ),
-    k: Optional[int] = typer.Option(None, "-k", help="Passages to retrieve (daemon default)"),
+    k: Optional[int] = typer.Option(None, "-k", help="Passages to retrieve [default: the daemon's rag_k]"),
+    index: Optional[str] = typer.Option(None, "--index", help="The index to search [default: default]"),
+    role: Optional[str] = typer.Option(None, help="The message's role [default: the daemon's context_role]"),
     json_output: bool = JsonOutput,
 ):
-    """Inject documents (--file) or the passages retrieved for QUERY into a session."""
+    """Append documents (--file) or the passages retrieved for QUERY to a session, as one message."""
     if bool(files) == (query is not None):
         raise typer.BadParameter("give either QUERY or --file", param_hint="QUERY / --file")
     documents = None
@@ -309,7 +372,7 @@ def rag_inject(
         except UnicodeDecodeError as exc:
             fail(f"error: a --file is not UTF-8 text ({exc.reason})")
     with connect(ctx) as client:
-        result = client.session(session_id).inject(query=query, documents=documents, k=k)
+        result = client.session(session_id).inject(query=query, documents=documents, k=k, index=index, role=role)
     if json_output:
         print_json(result)
         return
@@ -318,7 +381,9 @@ def rag_inject(
     table = Table("source", "score", "text")
     for passage in passages:
         text = " ".join(passage.get("text", "").split())
-        table.add_row(*map(cell, (passage.get("source"), passage.get("score"), text[:60] + "…" * (len(text) > 60))))
+        score = passage.get("score")
+        table.add_row(*map(cell, (passage.get("source"), round(score, 3) if isinstance(score, float) else score,
+                                  text[:60] + "…" * (len(text) > 60))))
     if table.row_count:
         stdout().print(table)
 

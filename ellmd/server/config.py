@@ -24,6 +24,10 @@ def default_store_path() -> Path:
     return Path(data) / "ellm" / "store"
 
 
+def default_rag_path() -> Path:
+    return default_store_path().parent / "rag"
+
+
 def default_config_path() -> Path:
     config = os.environ.get("XDG_CONFIG_HOME") or os.path.expanduser("~/.config")
     return Path(config) / "ellm" / "ellmd.toml"
@@ -45,6 +49,9 @@ class Settings:
     http: str | None = None
     skills_dir: list[str] = dataclasses.field(default_factory=list)
     context_role: str = "user"
+    rag_dir: str | None = None
+    rag_retriever: str = "bm25"
+    rag_k: int = 4
     log_level: str = "info"
 
     @property
@@ -54,6 +61,10 @@ class Settings:
     @property
     def store_path(self) -> Path:
         return Path(self.store) if self.store else default_store_path()
+
+    @property
+    def rag_path(self) -> Path:
+        return Path(self.rag_dir) if self.rag_dir else default_rag_path()
 
 
 def load_settings(config_file: Path | None, flags: dict) -> Settings:

@@ -20,12 +20,17 @@ log = logging.getLogger("ellmd")
 def run(settings: Settings, progress=None) -> int:
     """Load the model, open the store, serve until stopped; returns the exit code."""
     from ellmd.engine import Engine
+    from ellmd.runtime.retrieval import RagLibrary
     from ellmd.runtime.runtime import Runtime
+    from ellmd.runtime.skills import SkillLibrary
     from ellmd.runtime.store import Store
     from ellmd.server.unix import socket_in_use
 
+    http_address = None
     if settings.http:
-        raise EllmError("--http: the OpenAI-compatible HTTP API is not part of this version yet")
+        from ellmd.server.http import listen_address
+
+        http_address = listen_address(settings.http)
     if settings.socket_path.exists() and socket_in_use(settings.socket_path):
         raise EllmError(f"another ellmd is already serving on {settings.socket_path} (stop it with: ellmd stop)")
     engine = Engine(
@@ -34,16 +39,13 @@ def run(settings: Settings, progress=None) -> int:
         chunk_size=settings.chunk_size, threads=settings.threads, progress=progress,
     )
     store = Store(settings.store_path, map_size=settings.store_map_size_gb << 30)
-    skills = None
-    if settings.skills_dir:
-        from ellmd.runtime.skills import SkillLibrary
-
-        skills = SkillLibrary([Path(p) for p in settings.skills_dir])
-    runtime = Runtime(engine, store, skills=skills, snapshot_every_turn=settings.snapshot_every_turn,
-                      context_role=settings.context_role)
+    skills = SkillLibrary(settings.skills_dir)
+    rag = RagLibrary(settings.rag_path, default_retriever=settings.rag_retriever)
+    runtime = Runtime(engine, store, skills=skills, rag=rag, rag_k=settings.rag_k,
+                      snapshot_every_turn=settings.snapshot_every_turn, context_role=settings.context_role)
     runtime.start()
     try:
-        asyncio.run(_serve(runtime, settings))
+        asyncio.run(_serve(runtime, settings, http_address))
     finally:
         runtime.stop()
         store.close()
@@ -51,7 +53,7 @@ def run(settings: Settings, progress=None) -> int:
     return 0
 
 
-async def _serve(runtime, settings: Settings) -> None:
+async def _serve(runtime, settings: Settings, http_address: tuple[str, int] | None = None) -> None:
     from ellmd.server.unix import UnixServer
 
     stop = asyncio.Event()
@@ -62,11 +64,26 @@ async def _serve(runtime, settings: Settings) -> None:
     server = UnixServer(runtime, settings.socket_path, stop.set, info)
     await server.start()
     log.info("serving on %s (store %s)", settings.socket_path, settings.store_path)
+    http = None
+    if http_address:
+        from ellmd.server.http import HttpServer
+
+        http = HttpServer(runtime, *http_address)
+        try:
+            await http.start()
+        except EllmError:
+            await server.close()
+            raise
+        log.info("OpenAI-compatible API on http://%s:%d/v1", *http_address)
     await stop.wait()
     log.info("stopping: finishing generations and snapshotting sessions")
+    # HTTP stops listening now; its requests in flight end with the generations below.
+    http_closed = asyncio.create_task(http.close()) if http else None
     # Stop the engine thread while the loop still runs, so the final replies reach their clients.
     await loop.run_in_executor(None, runtime.stop)
     await asyncio.sleep(0.05)
+    if http_closed:
+        await http_closed
     await server.close()
 
 

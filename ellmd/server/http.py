@@ -1,0 +1,567 @@
+"""The OpenAI-compatible HTTP API (aiohttp), served beside the Unix socket by `ellmd start --http`.
+
+Endpoints: `GET /v1/models`, `POST /v1/chat/completions` and `POST /v1/completions` (streamed as
+server-sent events with `stream: true`), `GET /health`, `GET /metrics` (Prometheus text, see
+ellmd.server.metrics).
+
+A handler renders the conversation with the chat template and tokenizes it (in a worker thread:
+both take a while on long prompts), then submits one `completion` op holding the whole prompt. The
+runtime finds the KV to reuse: that of the session named by a `session_id` body field or an
+`X-Session-Id` header (created when new), else that of the resident session whose tokens the
+prompt extends furthest. So a plain OpenAI client resending its growing conversation prefills only
+the new turn, and `usage.prompt_tokens_details.cached_tokens` counts the rest. The session's id
+comes back in a `session_id` field, and in the `X-Session-Id` header whenever it is known before
+the body starts (always, except for a streamed request that named no session: there it is in the
+last chunks).
+
+Tool calls: `tools` are rendered into the prompt and calls parsed from the reply in the model's own
+format (Hermes JSON or Qwen3-Coder XML). `tool_choice` "none" renders without tools and parses
+nothing; "required" or a named function appends the opening of a call to the prompt, so that the
+model can only complete it. Streaming holds text back from a call's opening marker on, so markup
+never reaches `content`; the calls follow in one `tool_calls` delta.
+
+Where ellm differs from OpenAI it answers 400 rather than differ silently: `n` and `best_of` must
+be 1; `echo` and `suffix` are not supported; nor is a `response_format` other than text (there is
+no constrained decoding: ask for JSON in the prompt), nor content parts other than text. Defaults
+are OpenAI's (temperature 1, max_tokens up to the end of the context); vLLM's extra sampling
+fields `top_k`, `min_p`, `repetition_penalty`, `stop_token_ids` and `ignore_eos` are accepted;
+unknown fields are ignored.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import logging
+import socket
+import time
+import uuid
+from pathlib import Path
+
+from aiohttp import web
+
+from ellmd.errors import EllmError
+from ellmd.runtime.runtime import RuntimeError_
+from ellmd.server.metrics import Metrics
+from ellmd.text import TemplateError, parse_tool_calls
+
+log = logging.getLogger("ellmd.http")
+
+DEFAULT_HOST = "127.0.0.1"
+MAX_BODY = 64 << 20  # long agent conversations exceed aiohttp's 1 MiB default
+
+# Both tool-call formats open a call with this marker.
+TOOL_CALL_MARKER = "<tool_call>"
+NAMED_CALL_OPENINGS = {
+    "hermes": lambda name: f'{TOOL_CALL_MARKER}\n{{"name": {json.dumps(name)}, "arguments": ',
+    "qwen3_coder": lambda name: f"{TOOL_CALL_MARKER}\n<function={name}>\n",
+}
+
+# runtime error code -> (HTTP status, OpenAI error type, OpenAI error code); others are server errors
+RUNTIME_ERRORS = {
+    "bad_request": (400, "invalid_request_error", None),
+    "capacity": (400, "invalid_request_error", "context_length_exceeded"),
+    "not_found": (404, "not_found_error", None),
+    "busy": (409, "conflict_error", "session_busy"),
+    "fingerprint": (409, "conflict_error", "fingerprint_mismatch"),
+    "cancelled": (503, "server_error", "cancelled"),
+}
+
+# JSON types a request field may have, and how an error message names them
+INT = ((int,), "an integer")
+NUMBER = ((int, float), "a number")
+STRING = ((str,), "a string")
+BOOL = ((bool,), "a boolean")
+ARRAY = ((list,), "an array")
+OBJECT = ((dict,), "an object")
+
+SAMPLING_FIELDS = {
+    "temperature": NUMBER, "top_p": NUMBER, "top_k": INT, "min_p": NUMBER, "presence_penalty": NUMBER,
+    "frequency_penalty": NUMBER, "repetition_penalty": NUMBER, "seed": INT, "stop_token_ids": ARRAY,
+    "ignore_eos": BOOL,
+}
+
+
+class ApiError(Exception):
+    """An error reply in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param=None, code=None):
+        super().__init__(message)
+        self.status, self.type, self.param, self.code = status, type, param, code
+
+    @classmethod
+    def from_runtime(cls, error: RuntimeError_) -> ApiError:
+        status, kind, code = RUNTIME_ERRORS.get(error.code, (500, "server_error", error.code))
+        return cls(status, str(error), kind, code=code)
+
+    def body(self) -> dict:
+        return {"error": {"message": str(self), "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> web.Response:
+        return web.json_response(self.body(), status=self.status)
+
+
+def listen_address(value: str) -> tuple[str, int]:
+    """(host, port) from "HOST:PORT", ":PORT" or "PORT" (host 127.0.0.1), checked to be free to listen on."""
+    host, _, port = value.rpartition(":")
+    host = host.strip("[]") or DEFAULT_HOST
+    if not port.isdigit() or not 0 < int(port) < 65536:
+        raise EllmError(f"--http {value!r}: expected HOST:PORT, :PORT or PORT, with a port from 1 to 65535")
+    try:  # fail before loading the model, not after
+        family, _, _, _, address = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)[0]
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as aiohttp listens
+            probe.bind(address)
+    except OSError as e:
+        raise EllmError(f"--http {host}:{port}: {e.strerror or e}") from None
+    return host, int(port)
+
+
+def model_name(path: Path) -> str:
+    """The model's id in the API: its directory name, or its file name without .gguf."""
+    return path.stem if path.suffix == ".gguf" else path.name
+
+
+def field(body: dict, name: str, kind, default=None):
+    """body[name], checked against a JSON type; absent or null gives `default`."""
+    value = body.get(name)
+    if value is None:
+        return default
+    types, described = kind
+    if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
+        raise ApiError(400, f"{name} must be {described}", param=name)
+    return value
+
+
+async def read_json(request: web.Request) -> dict:
+    try:
+        body = json.loads(await request.read())
+    except ValueError as e:  # not JSON, or not UTF-8
+        raise ApiError(400, f"the request body is not valid JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    return body
+
+
+def require_one(body: dict, *names: str) -> None:
+    for name in names:
+        if field(body, name, INT, 1) != 1:
+            raise ApiError(400, f"{name} must be 1: ellm generates one choice per request", param=name)
+
+
+def session_arg(request: web.Request, body: dict) -> dict:
+    """The session the request binds to: a `session_id` field, else an `X-Session-Id` header."""
+    session_id = field(body, "session_id", STRING) or request.headers.get("X-Session-Id")
+    return {"session_id": session_id} if session_id else {}
+
+
+def sampling_args(body: dict, room: int) -> dict:
+    """The runtime's sampling arguments from an OpenAI request; `room`: tokens left in the context."""
+    args = {"temperature": 1.0}  # OpenAI's default, where the runtime's is greedy
+    args.update({name: value for name, kind in SAMPLING_FIELDS.items() if (value := field(body, name, kind)) is not None})
+    max_tokens = field(body, "max_completion_tokens", INT, field(body, "max_tokens", INT))
+    args["max_tokens"] = room if max_tokens is None else max_tokens
+    stop = body.get("stop")
+    if stop is not None:
+        stop = [stop] if isinstance(stop, str) else stop
+        if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+            raise ApiError(400, "stop must be a string or an array of strings", param="stop")
+        args["stop"] = stop
+    bias = field(body, "logit_bias", OBJECT)
+    if bias:
+        try:
+            args["logit_bias"] = {int(k): float(v) for k, v in bias.items()}
+        except (TypeError, ValueError):
+            raise ApiError(400, "logit_bias must map token ids to numbers", param="logit_bias") from None
+    return args
+
+
+def chat_messages(body: dict) -> list[dict]:
+    """The conversation, checked, with text content parts joined and `developer` read as `system`."""
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise ApiError(400, "messages must be a non-empty array", param="messages")
+    result = []
+    for i, message in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise ApiError(400, f"{where} must be an object with a string role", param=where)
+        content = message.get("content")
+        if isinstance(content, list):
+            content = "\n".join(text_part(part, where) for part in content)
+        elif content is not None and not isinstance(content, str):
+            raise ApiError(400, f"{where}.content must be a string or an array of content parts", param=where)
+        role = "system" if message["role"] == "developer" else message["role"]  # templates know only system
+        result.append({**message, "role": role, "content": content})
+    return result
+
+
+def text_part(part, where: str) -> str:
+    if isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
+        return part["text"]
+    kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+    raise ApiError(400, f"{where}: only text content parts are supported, not {kind!r}", param=where)
+
+
+def chat_tools(body: dict, fmt: str | None) -> tuple[list | None, str]:
+    """The tools to render and parse (None: no tool calls), and the text forcing a call (tool_choice)."""
+    tools = field(body, "tools", ARRAY)
+    for i, tool in enumerate(tools or ()):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise ApiError(400, f'tools[{i}] must be {{"type": "function", "function": {{"name": ...}}}}',
+                           param=f"tools[{i}]")
+    choice = body.get("tool_choice") or "auto"
+    if choice == "none" or (choice == "auto" and not tools):
+        return None, ""
+    if not tools:
+        raise ApiError(400, "tool_choice needs tools", param="tool_choice")
+    if choice == "auto":
+        return tools, ""
+    function = choice.get("function") if isinstance(choice, dict) else None
+    name = function.get("name") if isinstance(function, dict) else None
+    if choice != "required" and not isinstance(name, str):
+        raise ApiError(400, 'tool_choice must be "none", "auto", "required" or '
+                            '{"type": "function", "function": {"name": ...}}', param="tool_choice")
+    if fmt is None:
+        raise ApiError(400, "tool_choice: this model's chat template has no tool-call format to force",
+                       param="tool_choice")
+    if choice == "required":
+        return tools, TOOL_CALL_MARKER + "\n"
+    if name not in {tool["function"]["name"] for tool in tools}:
+        raise ApiError(400, f"tool_choice names {name!r}, which is not among the tools", param="tool_choice")
+    return tools, NAMED_CALL_OPENINGS[fmt](name)
+
+
+def openai_usage(usage: dict) -> dict:
+    prompt, completion = usage["prompt_tokens"], usage["generated_tokens"]
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": usage["reused_tokens"]}}
+
+
+def partial_marker(text: str, marker: str) -> int:
+    """The length of the longest end of `text` that begins `marker` (and is shorter than it)."""
+    return next((n for n in range(min(len(marker) - 1, len(text)), 0, -1) if text.endswith(marker[:n])), 0)
+
+
+class Holdback:
+    """Streamed content with tool-call markup held back: from the opening marker on, and a partial
+    marker at the end of the text, until the next piece shows whether it opens a call."""
+
+    def __init__(self, marker: str | None, forced: str = ""):
+        self.marker, self.held, self.sent = marker, forced, ""
+
+    def push(self, text: str) -> str:
+        """The text that can be sent as content now."""
+        self.held += text
+        cut = len(self.held)
+        if self.marker:
+            at = self.held.find(self.marker)
+            cut = at if at >= 0 else cut - partial_marker(self.held, self.marker)
+        out, self.held = self.held[:cut], self.held[cut:]
+        self.sent += out
+        return out
+
+    def rest(self, content: str) -> str:
+        """What the final content adds to the content sent: text after the calls, or a call that did not parse."""
+        return content[len(self.sent):] if content.startswith(self.sent) else ""
+
+
+class EventStream:
+    """A server-sent event response, opened by its first event (so that an error before it is a plain reply)."""
+
+    def __init__(self, request: web.Request, headers: dict, first: dict | None = None):
+        self.request, self.headers, self.first = request, headers, first
+        self.response: web.StreamResponse | None = None
+
+    async def open(self) -> None:
+        if self.response is None:
+            self.response = web.StreamResponse(headers={
+                "Content-Type": "text/event-stream", "Cache-Control": "no-cache", **self.headers})
+            await self.response.prepare(self.request)
+            if self.first is not None:
+                await self.send(self.first)
+
+    async def send(self, data: dict | str) -> None:
+        await self.open()
+        payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
+        await self.response.write(f"data: {payload}\n\n".encode())
+
+    async def finish(self) -> web.StreamResponse:
+        await self.send("[DONE]")
+        await self.response.write_eof()
+        return self.response
+
+
+@web.middleware
+async def openai_errors(request: web.Request, handler):
+    """Every failure as an OpenAI error body; user errors never log a traceback."""
+    try:
+        return await handler(request)
+    except ApiError as e:
+        return e.response()
+    except TemplateError as e:  # the template refused the conversation (say, roles out of order)
+        return ApiError(400, str(e)).response()
+    except web.HTTPException as e:  # no such route, wrong method, body too large
+        if e.status < 400:
+            raise
+        kind = "not_found_error" if e.status == 404 else "invalid_request_error"
+        return ApiError(e.status, f"{request.method} {request.path}: {e.reason}", kind).response()
+    except Exception as e:
+        log.exception("%s %s failed", request.method, request.path)
+        return ApiError(500, f"internal error: {type(e).__name__}: {e}", "server_error").response()
+
+
+class HttpServer:
+    """The OpenAI-compatible API of a Runtime, on host:port."""
+
+    def __init__(self, runtime, host: str, port: int):
+        self.runtime, self.host, self.port = runtime, host, port
+        engine = runtime.engine
+        self.tokenizer, self.template = engine.tokenizer, engine.chat_template
+        self.context = engine.kv.sequence_length
+        self.model = model_name(engine.model_path)
+        self.fingerprint = f"ellm-{runtime.fingerprint['model']}"
+        self.metrics = Metrics(runtime)
+        self.closing = False
+        app = web.Application(middlewares=[openai_errors], client_max_size=MAX_BODY)
+        app.add_routes([
+            web.get("/v1/models", self.models),
+            web.post("/v1/chat/completions", self.chat_completions),
+            web.post("/v1/completions", self.completions),
+            web.get("/health", self.health),
+            web.get("/metrics", self.metrics_text),
+        ])
+        # A client that disconnects cancels its handler, which cancels its generation.
+        self.runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=10)
+
+    async def start(self) -> None:
+        await self.runner.setup()
+        try:
+            await web.TCPSite(self.runner, self.host, self.port).start()
+        except OSError as e:
+            await self.runner.cleanup()
+            raise EllmError(f"--http {self.host}:{self.port}: {e.strerror or e}") from None
+
+    async def close(self) -> None:
+        """Stop listening; requests in flight finish (the runtime ends their generations on shutdown)."""
+        self.closing = True
+        await self.runner.cleanup()
+
+    # ---- plumbing ---------------------------------------------------------------------------
+
+    async def generate(self, args: dict, on_text=None) -> dict:
+        """Run one `completion` op; `on_text(piece)` is awaited for each piece of text as it comes."""
+        if self.closing:
+            raise ApiError(503, "the daemon is shutting down", "server_error")
+        loop = asyncio.get_running_loop()
+        pieces: asyncio.Queue = asyncio.Queue()
+
+        def emit(event, data):  # on the engine thread
+            if event == "token":
+                loop.call_soon_threadsafe(pieces.put_nowait, data["text"])
+
+        job = self.runtime.submit("completion", {**args, "stream": on_text is not None}, emit)
+        # The future resolves after the last token event was emitted: the end marker queues behind it.
+        job.future.add_done_callback(lambda _: loop.call_soon_threadsafe(pieces.put_nowait, None))
+        try:
+            while (text := await pieces.get()) is not None:
+                await on_text(text)
+        finally:
+            if not job.future.done():  # the client went away: stop at the next token
+                job.cancelled.set()
+        try:
+            return job.future.result()
+        except RuntimeError_ as e:
+            raise ApiError.from_runtime(e) from None
+
+    async def stream(self, stream: EventStream, args: dict, on_text) -> dict | None:
+        """generate() for a streamed reply; None when it ended early (error sent as an event, or client gone)."""
+        try:
+            return await self.generate(args, on_text)
+        except ApiError as e:
+            if stream.response is None:
+                raise  # nothing sent yet: a plain error reply
+            await stream.send(e.body())
+            await stream.finish()
+        except ConnectionError:
+            pass
+        return None
+
+    async def in_thread(self, function, *args):
+        return await asyncio.get_running_loop().run_in_executor(None, function, *args)
+
+    def head(self, body: dict, kind: str, prefix: str) -> dict:
+        """The fields every response object (or chunk) of a request starts with."""
+        model = body.get("model") if isinstance(body.get("model"), str) else self.model
+        return {"id": f"{prefix}-{uuid.uuid4().hex[:24]}", "object": kind, "created": int(time.time()),
+                "model": model, "system_fingerprint": self.fingerprint}
+
+    def token_text(self, token: int) -> str:
+        return self.tokenizer.decode([token])
+
+    # ---- endpoints --------------------------------------------------------------------------
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{
+            "id": self.model, "object": "model", "created": int(self.runtime.started), "owned_by": "ellm",
+            "max_model_len": self.context}]})
+
+    async def metrics_text(self, request: web.Request) -> web.Response:
+        # shield: a scrape that disconnects must not cancel the engine thread's future under it
+        stats = await asyncio.shield(asyncio.wrap_future(self.runtime.submit("stats", {}).future))
+        return web.Response(body=self.metrics.render(stats), headers={"Content-Type": self.metrics.content_type})
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        body = await read_json(request)
+        if self.template is None:
+            raise ApiError(400, "this model has no chat template: use /v1/completions")
+        require_one(body, "n")
+        if (field(body, "response_format", OBJECT) or {}).get("type", "text") != "text":
+            raise ApiError(400, "response_format: ellm has no constrained decoding; ask for JSON in the prompt",
+                           param="response_format")
+        messages = chat_messages(body)
+        tools, forced = chat_tools(body, self.runtime.tool_format)
+        extra = field(body, "chat_template_kwargs", OBJECT, {})
+        if extra.keys() & {"messages", "tools", "add_generation_prompt"}:
+            raise ApiError(400, "chat_template_kwargs cannot set messages, tools or add_generation_prompt",
+                           param="chat_template_kwargs")
+        tokens = await self.in_thread(self.render_chat, messages, tools, forced, extra)
+        args = {"tokens": tokens, "messages": messages, "tools": tools,
+                **sampling_args(body, self.context - len(tokens)), **session_arg(request, body)}
+        top = field(body, "top_logprobs", INT, 0) if field(body, "logprobs", BOOL) else None
+        if top is not None:
+            args["logprobs"] = max(top, 1)  # the runtime reports the chosen token among its top n
+        head = self.head(body, "chat.completion", "chatcmpl")
+
+        def parse(text: str) -> tuple[str, list]:
+            if not tools:
+                return text, []
+            return parse_tool_calls(forced + text, self.runtime.tool_format, tools)
+
+        def logprobs(result: dict):
+            return self.chat_logprobs(result["logprobs"], top) if top is not None else None
+
+        if not field(body, "stream", BOOL):
+            result = await self.generate(args)
+            content, calls = parse(result["text"])
+            message = {"role": "assistant", "content": (content or None) if calls else content}
+            if calls:
+                message["tool_calls"] = calls
+            choice = {"index": 0, "message": message, "logprobs": logprobs(result),
+                      "finish_reason": "tool_calls" if calls else result["finish_reason"]}
+            return web.json_response(
+                {**head, "choices": [choice], "usage": openai_usage(result["usage"]), "session_id": result["session_id"]},
+                headers={"X-Session-Id": result["session_id"]})
+
+        head["object"] = "chat.completion.chunk"
+
+        def chunk(delta: dict, finish=None, **extra) -> dict:
+            return {**head, "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish, **extra}]}
+
+        stream = EventStream(request, session_header(args), chunk({"role": "assistant", "content": ""}))
+        holdback = Holdback(TOOL_CALL_MARKER if tools else None, forced)
+
+        async def on_text(text: str) -> None:
+            content = holdback.push(text)
+            if content:
+                await stream.send(chunk({"content": content}))
+            else:
+                await stream.open()  # the role chunk, even while a tool call is held back
+
+        result = await self.stream(stream, args, on_text)
+        if result is None:
+            return stream.response
+        content, calls = parse(result["text"])
+        if rest := holdback.rest(content):
+            await stream.send(chunk({"content": rest}))
+        if calls:
+            await stream.send(chunk({"tool_calls": [{"index": i, **call} for i, call in enumerate(calls)]}))
+        await stream.send({**chunk({}, "tool_calls" if calls else result["finish_reason"], logprobs=logprobs(result)),
+                           "session_id": result["session_id"]})
+        if (field(body, "stream_options", OBJECT) or {}).get("include_usage"):
+            await stream.send({**head, "choices": [], "usage": openai_usage(result["usage"]),
+                               "session_id": result["session_id"]})
+        return await stream.finish()
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        body = await read_json(request)
+        require_one(body, "n", "best_of")
+        for name in ("echo", "suffix"):
+            if body.get(name):
+                raise ApiError(400, f"{name} is not supported", param=name)
+        tokens = await self.prompt_tokens(body.get("prompt"))
+        args = {"tokens": tokens, **sampling_args(body, self.context - len(tokens)), **session_arg(request, body)}
+        top = field(body, "logprobs", INT)
+        if top is not None:
+            args["logprobs"] = max(top, 1)
+        head = self.head(body, "text_completion", "cmpl")
+
+        def choice(text: str, finish=None, result=None) -> dict:
+            logprobs = self.completion_logprobs(result["logprobs"], top) if result and top is not None else None
+            return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
+
+        if not field(body, "stream", BOOL):
+            result = await self.generate(args)
+            return web.json_response(
+                {**head, "choices": [choice(result["text"], result["finish_reason"], result)],
+                 "usage": openai_usage(result["usage"]), "session_id": result["session_id"]},
+                headers={"X-Session-Id": result["session_id"]})
+
+        stream = EventStream(request, session_header(args))
+
+        async def on_text(text: str) -> None:
+            await stream.send({**head, "choices": [choice(text)]})
+
+        result = await self.stream(stream, args, on_text)
+        if result is None:
+            return stream.response
+        await stream.send({**head, "choices": [choice("", result["finish_reason"], result)],
+                           "session_id": result["session_id"]})
+        if (field(body, "stream_options", OBJECT) or {}).get("include_usage"):
+            await stream.send({**head, "choices": [], "usage": openai_usage(result["usage"]),
+                               "session_id": result["session_id"]})
+        return await stream.finish()
+
+    # ---- prompts and log-probabilities ------------------------------------------------------
+
+    def render_chat(self, messages: list[dict], tools, forced: str, extra: dict) -> list[int]:
+        text = self.template.render(messages, tools=tools, add_generation_prompt=True, **extra)
+        return self.tokenizer.encode(text + forced)
+
+    async def prompt_tokens(self, prompt) -> list[int]:
+        """A completion prompt: a string, token ids, or an array holding one of them (no batches)."""
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            tokens = await self.in_thread(lambda: self.tokenizer.encode(prompt, add_special_tokens=True))
+        elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            tokens = prompt
+        else:
+            raise ApiError(400, "prompt must be a string or an array of token ids (one prompt per request)",
+                           param="prompt")
+        if not tokens:
+            raise ApiError(400, "prompt is empty", param="prompt")
+        return tokens
+
+    def chat_logprobs(self, entries: list[dict], top: int) -> dict:
+        def item(token: int, logprob: float) -> dict:
+            return {"token": self.token_text(token), "logprob": logprob,
+                    "bytes": list(self.tokenizer.token_bytes(token))}
+
+        return {"content": [{**item(e["token"], e["logprob"]), "top_logprobs": [item(*t) for t in e["top"][:top]]}
+                            for e in entries]}
+
+    def completion_logprobs(self, entries: list[dict], top: int) -> dict:
+        tokens = [self.token_text(e["token"]) for e in entries]
+        return {"tokens": tokens, "token_logprobs": [e["logprob"] for e in entries],
+                "top_logprobs": [{self.token_text(t): lp for t, lp in e["top"][:top]} for e in entries],
+                "text_offset": list(itertools.accumulate((len(t) for t in tokens), initial=0))[:-1]}
+
+
+def session_header(args: dict) -> dict:
+    return {"X-Session-Id": args["session_id"]} if "session_id" in args else {}
