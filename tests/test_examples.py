@@ -84,6 +84,7 @@ def test_code_copilot_injects_files_once(daemon):
     summary = run("code_copilot.py", daemon)  # the default repository: the ellm client package
     package = Path(ellm.__file__).parent
     assert len(summary["files"]) == 3 and all((package / f).is_file() for f in summary["files"])
+    assert "client.py" in summary["files"]  # the file about sessions and chats ranks among the first
     assert summary["tokens_appended"] > 500
     first, second = summary["turns"]
     assert first["tokens_before"] > summary["tokens_appended"]  # the system prompt, then the files

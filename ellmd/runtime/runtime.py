@@ -498,8 +498,11 @@ class Runtime:
         best = max(resident, key=lambda s: common_prefix(s.tokens, tokens), default=None)
         shared = common_prefix(best.tokens, tokens) if best else 0
         free = self.slots.index(None) if None in self.slots else None
-        if shared and (shared == len(best.tokens) or free is None):
-            return best  # it extends that conversation (or, with no slot to fork into, drops its tail)
+        if shared and shared == len(best.tokens):
+            return best  # the prompt extends that conversation
+        if shared and free is None and 2 * shared >= len(best.tokens):
+            return best  # most of it is shared (a retry, an edited turn) and no slot to fork into: drop its tail
+        shared = shared if free is not None else 0  # else a new session, in the slot of the LRU idle one
         session = Session.new(self.fingerprint, title="anonymous", tags=[ANONYMOUS])
         session.tokens = []
         if shared:  # fork the shared part into the free slot: a memory copy, no recomputation

@@ -25,7 +25,8 @@ be 1; `echo` and `suffix` are not supported; nor is a `response_format` other th
 no constrained decoding: ask for JSON in the prompt), nor content parts other than text. Defaults
 are OpenAI's (temperature 1, max_tokens up to the end of the context); vLLM's extra sampling
 fields `top_k`, `min_p`, `repetition_penalty`, `stop_token_ids` and `ignore_eos` are accepted;
-unknown fields are ignored.
+unknown fields are ignored. A generation the daemon's shutdown interrupts ends with finish_reason
+"cancelled". There is no authentication: any API key is accepted.
 """
 
 from __future__ import annotations
@@ -159,7 +160,9 @@ def session_arg(request: web.Request, body: dict) -> dict:
 def sampling_args(body: dict, room: int) -> dict:
     """The runtime's sampling arguments from an OpenAI request; `room`: tokens left in the context."""
     args = {"temperature": 1.0}  # OpenAI's default, where the runtime's is greedy
-    args.update({name: value for name, kind in SAMPLING_FIELDS.items() if (value := field(body, name, kind)) is not None})
+    for name, kind in SAMPLING_FIELDS.items():
+        if (value := field(body, name, kind)) is not None:
+            args[name] = value
     max_tokens = field(body, "max_completion_tokens", INT, field(body, "max_tokens", INT))
     args["max_tokens"] = room if max_tokens is None else max_tokens
     stop = body.get("stop")
@@ -313,6 +316,65 @@ async def openai_errors(request: web.Request, handler):
         return ApiError(500, f"internal error: {type(e).__name__}: {e}", "server_error").response()
 
 
+class Chat:
+    """One chat completion's reply, whole or streamed: tool calls parsed, markup held back."""
+
+    def __init__(self, server: HttpServer, head: dict, tools: list | None, forced: str, top: int | None):
+        self.server, self.head, self.tools, self.forced, self.top = server, head, tools, forced, top
+
+    def parse(self, text: str) -> tuple[str, list]:
+        """(content, tool_calls) of the generated text, after the opening the prompt forced."""
+        if not self.tools:
+            return text, []
+        return parse_tool_calls(self.forced + text, self.server.runtime.tool_format, self.tools)
+
+    def logprobs(self, result: dict) -> dict | None:
+        return self.server.chat_logprobs(result["logprobs"], self.top) if self.top is not None else None
+
+    async def reply(self, args: dict) -> web.Response:
+        result = await self.server.generate(args)
+        content, calls = self.parse(result["text"])
+        message = {"role": "assistant", "content": (content or None) if calls else content}
+        if calls:
+            message["tool_calls"] = calls
+        choice = {"index": 0, "message": message, "logprobs": self.logprobs(result),
+                  "finish_reason": "tool_calls" if calls else result["finish_reason"]}
+        return web.json_response(
+            {**self.head, "choices": [choice], "usage": openai_usage(result["usage"]),
+             "session_id": result["session_id"]},
+            headers={"X-Session-Id": result["session_id"]})
+
+    def chunk(self, delta: dict, finish=None, logprobs=None) -> dict:
+        return {**self.head, "object": "chat.completion.chunk",
+                "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
+
+    async def stream(self, request: web.Request, args: dict, include_usage: bool) -> web.StreamResponse:
+        stream = EventStream(request, session_header(args), self.chunk({"role": "assistant", "content": ""}))
+        holdback = Holdback(TOOL_CALL_MARKER if self.tools else None, self.forced)
+
+        async def on_text(text: str) -> None:
+            content = holdback.push(text)
+            if content:
+                await stream.send(self.chunk({"content": content}))
+            else:
+                await stream.open()  # the role chunk, even while a tool call is held back
+
+        result = await self.server.stream(stream, args, on_text)
+        if result is None:
+            return stream.response
+        content, calls = self.parse(result["text"])
+        if rest := holdback.rest(content):
+            await stream.send(self.chunk({"content": rest}))
+        if calls:
+            await stream.send(self.chunk({"tool_calls": [{"index": i, **call} for i, call in enumerate(calls)]}))
+        finish = "tool_calls" if calls else result["finish_reason"]
+        await stream.send({**self.chunk({}, finish, self.logprobs(result)), "session_id": result["session_id"]})
+        if include_usage:
+            await stream.send({**self.chunk({}), "choices": [], "usage": openai_usage(result["usage"]),
+                               "session_id": result["session_id"]})
+        return await stream.finish()
+
+
 class HttpServer:
     """The OpenAI-compatible API of a Runtime, on host:port."""
 
@@ -436,57 +498,11 @@ class HttpServer:
         top = field(body, "top_logprobs", INT, 0) if field(body, "logprobs", BOOL) else None
         if top is not None:
             args["logprobs"] = max(top, 1)  # the runtime reports the chosen token among its top n
-        head = self.head(body, "chat.completion", "chatcmpl")
-
-        def parse(text: str) -> tuple[str, list]:
-            if not tools:
-                return text, []
-            return parse_tool_calls(forced + text, self.runtime.tool_format, tools)
-
-        def logprobs(result: dict):
-            return self.chat_logprobs(result["logprobs"], top) if top is not None else None
-
-        if not field(body, "stream", BOOL):
-            result = await self.generate(args)
-            content, calls = parse(result["text"])
-            message = {"role": "assistant", "content": (content or None) if calls else content}
-            if calls:
-                message["tool_calls"] = calls
-            choice = {"index": 0, "message": message, "logprobs": logprobs(result),
-                      "finish_reason": "tool_calls" if calls else result["finish_reason"]}
-            return web.json_response(
-                {**head, "choices": [choice], "usage": openai_usage(result["usage"]), "session_id": result["session_id"]},
-                headers={"X-Session-Id": result["session_id"]})
-
-        head["object"] = "chat.completion.chunk"
-
-        def chunk(delta: dict, finish=None, **extra) -> dict:
-            return {**head, "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish, **extra}]}
-
-        stream = EventStream(request, session_header(args), chunk({"role": "assistant", "content": ""}))
-        holdback = Holdback(TOOL_CALL_MARKER if tools else None, forced)
-
-        async def on_text(text: str) -> None:
-            content = holdback.push(text)
-            if content:
-                await stream.send(chunk({"content": content}))
-            else:
-                await stream.open()  # the role chunk, even while a tool call is held back
-
-        result = await self.stream(stream, args, on_text)
-        if result is None:
-            return stream.response
-        content, calls = parse(result["text"])
-        if rest := holdback.rest(content):
-            await stream.send(chunk({"content": rest}))
-        if calls:
-            await stream.send(chunk({"tool_calls": [{"index": i, **call} for i, call in enumerate(calls)]}))
-        await stream.send({**chunk({}, "tool_calls" if calls else result["finish_reason"], logprobs=logprobs(result)),
-                           "session_id": result["session_id"]})
-        if (field(body, "stream_options", OBJECT) or {}).get("include_usage"):
-            await stream.send({**head, "choices": [], "usage": openai_usage(result["usage"]),
-                               "session_id": result["session_id"]})
-        return await stream.finish()
+        chat = Chat(self, self.head(body, "chat.completion", "chatcmpl"), tools, forced, top)
+        if field(body, "stream", BOOL):
+            include_usage = (field(body, "stream_options", OBJECT) or {}).get("include_usage")
+            return await chat.stream(request, args, include_usage)
+        return await chat.reply(args)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = await read_json(request)

@@ -24,19 +24,21 @@ QUESTIONS = [
 SUFFIXES = {".py", ".md", ".toml", ".txt", ".rst"}
 
 
-def words(text: str) -> set[str]:
-    return set(re.findall(r"[a-z_]{4,}", text.lower()))
+def relevance(text: str, wanted: set[str]) -> float:
+    """The share of the file's words that occur in the questions (a density, so size does not win)."""
+    found = re.findall(r"[a-z_]{4,}", text.lower())
+    return sum(w in wanted for w in found) / (len(found) or 1)
 
 
 def pick_files(repo: Path, questions: list[str], count: int, max_chars: int) -> list[tuple[str, str]]:
-    """(relative path, text) of the `count` files sharing the most words with the questions,
-    each cut to its share of `max_chars` so the whole fits the session."""
-    wanted = words(" ".join(questions))
+    """(relative path, text) of the `count` files most relevant to the questions, each cut to its
+    share of `max_chars` so that the whole fits the session."""
+    wanted = set(re.findall(r"[a-z_]{4,}", " ".join(questions).lower()))
     files = [p for p in sorted(repo.rglob("*")) if p.is_file() and p.suffix in SUFFIXES
              and not any(part.startswith(".") for part in p.relative_to(repo).parts)]
     texts = {p: p.read_text(encoding="utf-8", errors="replace") for p in files}
-    ranked = sorted(files, key=lambda p: len(wanted & words(texts[p])), reverse=True)[:count]
-    return [(str(p.relative_to(repo)), texts[p][: max_chars // count]) for p in ranked]
+    ranked = sorted(files, key=lambda p: relevance(texts[p], wanted), reverse=True)[:count]
+    return [(p.relative_to(repo).as_posix(), texts[p][: max_chars // count]) for p in ranked]
 
 
 def main() -> None:
@@ -44,7 +46,7 @@ def main() -> None:
     p.add_argument("--repo", type=Path, default=Path(ellm.__file__).parent, help="the folder (default: the ellm client)")
     p.add_argument("-q", "--question", action="append", help="a question (repeatable; default: two about the client)")
     p.add_argument("--files", type=int, default=3, help="how many files to inject (default: %(default)s)")
-    p.add_argument("--max-chars", type=int, default=4000, help="characters injected in all (default: %(default)s)")
+    p.add_argument("--max-chars", type=int, default=6000, help="characters injected in all (default: %(default)s)")
     args = p.parse_args()
     questions = args.question or QUESTIONS
     with Client(args.socket) as client:
