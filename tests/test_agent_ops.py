@@ -30,6 +30,8 @@ def daemon(tmp_path_factory):
     (skills / "sheets" / "shortcuts.md").write_text("Ctrl+Shift+L toggles filters.\n")
     (skills / "shell").mkdir()
     (skills / "shell" / "SKILL.md").write_text("Use ls -la to list files.\n")  # no front matter
+    (skills / "broken").mkdir()
+    (skills / "broken" / "SKILL.md").write_text("---\nname: broken\ndescription: a: b\n---\nHi\n")
     (tmp / "secret.txt").write_text("not a skill file\n")
     docs = tmp / "docs"
     docs.mkdir()
@@ -52,6 +54,7 @@ def test_skills_listed_loaded_once_and_confined(daemon):
         assert skills["spreadsheet"]["description"] == "Edit spreadsheets: open a sheet, sum a column."
         assert skills["spreadsheet"]["files"] == ["shortcuts.md"]
         assert skills["shell"]["description"] == ""  # the directory's name when there is no front matter
+        assert "front matter is not valid YAML" in skills["broken"]["error"]  # listed, saying why
         session = client.open_session(system="You are a desktop agent.")
         before = session.info()["tokens"]
         loaded = session.load_skill("spreadsheet")
@@ -71,6 +74,8 @@ def test_skills_listed_loaded_once_and_confined(daemon):
         assert [t["role"] for t in info["turns"] if t["kind"] == "skill"] == ["user", "user", "system"]
         with pytest.raises(NotFound, match="no skill 'nope'"):
             session.load_skill("nope")
+        with pytest.raises(BadRequest, match="broken/SKILL.md: the front matter is not valid YAML"):
+            session.load_skill("broken")
         with pytest.raises(BadRequest, match="not a plain name"):
             session.load_skill("../secret.txt")
         with pytest.raises(BadRequest, match="escapes the directory"):
@@ -85,6 +90,7 @@ def test_skills_listed_loaded_once_and_confined(daemon):
 def test_skill_cli(daemon):
     listed = ellm(daemon, "skill", "list")
     assert listed.returncode == 0 and "spreadsheet" in listed.stdout and "shortcuts.md" in listed.stdout
+    assert "broken: " in listed.stdout
     with daemon.client() as client:
         session_id = client.open_session().id
     first = ellm(daemon, "skill", "inject", session_id, "shell")

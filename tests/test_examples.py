@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections.abc import Container
 from pathlib import Path
 
 import ellm
@@ -44,14 +45,15 @@ def run(agent: str, daemon: Daemon, *args) -> dict:
     return json.loads(done.stdout)
 
 
-def assert_reuses_history(turns: list[dict], after_reply: set[int] = frozenset()) -> None:
+def assert_reuses_history(turns: list[dict], after_reply: Container[int] = ()) -> None:
     """Each turn reuses the KV of everything before it and prefills only its own tokens. After an
     append (skill, documents) that is the whole session; right after a reply (turn indexes in
     `after_reply`) the daemon still holds back the reply's last token and its end, which it
     prefills with the next turn."""
     for i, t in enumerate(turns):
-        computed = turns[i - 1]["prompt_tokens"] + turns[i - 1]["generated_tokens"] - 1 if i in after_reply else t["tokens_before"]
-        assert t["reused_tokens"] == computed
+        previous = turns[i - 1]
+        held = previous["prompt_tokens"] + previous["generated_tokens"] - 1 if i in after_reply else t["tokens_before"]
+        assert t["reused_tokens"] == held
         assert t["prefilled_tokens"] + t["reused_tokens"] == t["prompt_tokens"]
         assert t["prefilled_tokens"] < 40  # its message and the generation prompt, nothing of the history
 

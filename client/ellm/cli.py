@@ -281,7 +281,8 @@ def skill_list(ctx: typer.Context, json_output: bool = JsonOutput):
         return
     table = Table("skill", "description", "files", "path")
     for skill in skills:
-        table.add_row(*map(cell, (skill.get("name"), skill.get("description"), skill.get("files"), skill.get("path"))))
+        description = Text(f"broken: {skill['error']}", style="red") if skill.get("error") else cell(skill.get("description"))
+        table.add_row(cell(skill.get("name")), description, cell(skill.get("files")), cell(skill.get("path")))
     stdout().print(table if table.row_count else Text("no skills (start ellmd with --skills-dir DIR)"))
 
 

@@ -73,28 +73,39 @@ class SkillLibrary:
 
     def skills(self) -> dict[str, Skill]:
         """Every skill by name; the first root holding a name wins."""
+        return self._scan()[0]
+
+    def _scan(self) -> tuple[dict[str, Skill], list[dict]]:
         found: dict[str, Skill] = {}
+        broken = []  # one broken SKILL.md must not hide the others: it is listed with its error
         for root in self.roots:
             for path in sorted(root.glob("*/SKILL.md")):
                 try:
                     skill = read_skill(path)
-                except SkillError as e:  # one broken skill must not hide the others
-                    log.warning("%s", e)
+                except (SkillError, UnicodeDecodeError, OSError) as e:
+                    broken.append({"name": path.parent.name, "description": "", "path": str(path.parent),
+                                   "files": [], "error": str(e)})
                     continue
                 found.setdefault(skill.name, skill)
-        return found
+        return found, broken
 
     def get(self, name: str) -> Skill:
         if not isinstance(name, str) or not name or "/" in name or "\\" in name or name in (".", ".."):
             raise SkillError(f"skill name {name!r} is not a plain name (it would leave the skill roots)", "bad_request")
-        skill = self.skills().get(name)
+        found, broken = self._scan()
+        skill = found.get(name)
+        for entry in broken if skill is None else ():
+            if entry["name"] == name:
+                raise SkillError(entry["error"], "bad_request")
         if skill is None:
             where = ", ".join(map(str, self.roots)) or "no skill root is configured (--skills-dir)"
             raise SkillError(f"no skill {name!r} (skill roots: {where})")
         return skill
 
     def list(self) -> list[dict]:
-        return [skill.info() for skill in self.skills().values()]
+        """Every skill's info, then the broken ones with an `error` saying what is wrong."""
+        found, broken = self._scan()
+        return [skill.info() for skill in found.values()] + broken
 
 
 def read_skill(path: Path) -> Skill:

@@ -43,7 +43,8 @@ def pick_files(repo: Path, questions: list[str], count: int, max_chars: int) -> 
 
 def main() -> None:
     p = parser(__doc__.splitlines()[0])
-    p.add_argument("--repo", type=Path, default=Path(ellm.__file__).parent, help="the folder (default: the ellm client)")
+    p.add_argument("--repo", type=Path, default=Path(ellm.__file__).parent,
+                   help="the folder (default: the ellm client package)")
     p.add_argument("-q", "--question", action="append", help="a question (repeatable; default: two about the client)")
     p.add_argument("--files", type=int, default=3, help="how many files to inject (default: %(default)s)")
     p.add_argument("--max-chars", type=int, default=6000, help="characters injected in all (default: %(default)s)")

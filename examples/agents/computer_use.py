@@ -51,7 +51,8 @@ def main() -> None:
             extra = [f for f in skill["files"] if words(Path(f).stem) <= words(step)]
             loads += [session.load_skill(skill["name"], file=f) for f in extra]
             for loaded in loads:
-                say(args, f"skill {loaded['skill']}/{loaded['file'] or 'SKILL.md'}: +{loaded['tokens_appended']} tokens")
+                name = f"{loaded['skill']}/{loaded['file'] or 'SKILL.md'}"
+                say(args, f"skill {name}: +{loaded['tokens_appended']} tokens")
             usage = ask(session, step, args)
             steps.append(turn(usage, loads[-1]["tokens"], step=step, skill=skill["name"], loads=[
                 {k: loaded[k] for k in ("skill", "file", "tokens_appended")} for loaded in loads]))

@@ -36,12 +36,14 @@ def research(session, step: int, args) -> dict:
     note, question = NOTES[step % len(NOTES)]
     injected = session.inject(documents=[{"text": note, "source": f"note-{step + 1}"}])
     usage = ask(session, question, args)
-    return turn(usage, injected["tokens"], step=step + 1, question=question, tokens_appended=injected["tokens_appended"])
+    return turn(usage, injected["tokens"], step=step + 1, question=question,
+                tokens_appended=injected["tokens_appended"])
 
 
 def main() -> None:
     p = parser(__doc__.splitlines()[0])
-    p.add_argument("--state", type=Path, default=Path("deep_research.json"), help="the run state (default: %(default)s)")
+    p.add_argument("--state", type=Path, default=Path("deep_research.json"),
+                   help="the file keeping the session id between runs (default: %(default)s)")
     p.add_argument("--steps", type=int, default=2, help="research steps in this run (default: %(default)s)")
     args = p.parse_args()
     state = json.loads(args.state.read_text()) if args.state.exists() else {"run": 0, "step": 0}

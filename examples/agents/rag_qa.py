@@ -25,7 +25,8 @@ QUESTIONS = [
 
 def main() -> None:
     p = parser(__doc__.splitlines()[0])
-    p.add_argument("--docs", type=Path, default=Path(__file__).parent / "docs", help="the folder (default: the Quillbox docs)")
+    p.add_argument("--docs", type=Path, default=Path(__file__).parent / "docs",
+                   help="the folder to index (default: the Quillbox docs beside this script)")
     p.add_argument("--index", default="quillbox-docs", help="the index name (default: %(default)s)")
     p.add_argument("-q", "--question", action="append", help="a question (repeatable; default: three about Quillbox)")
     p.add_argument("-k", type=int, default=3, help="passages per question (default: %(default)s)")
