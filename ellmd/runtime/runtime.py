@@ -114,13 +114,14 @@ class Runtime:
         self.fingerprint = model_fingerprint(engine)
         self.counters = {"prefilled": 0, "reused": 0, "generated": 0}
         self.observers: list = []  # callables given the final usage of every generation (engine thread)
-        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self._thread = threading.Thread(target=self.run, name="engine", daemon=True)
         self._aside = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="aside")
-        self._stopping = False
+        self._stopped = threading.Event()
 
     # ---- called from other threads ----------------------------------------------------------
 
     def start(self) -> None:
+        """Run the engine loop on a thread of its own (see `run`)."""
         self._thread.start()
 
     def submit(self, op: str, args: dict, emit=None) -> Request:
@@ -133,14 +134,26 @@ class Runtime:
         return request
 
     def stop(self, timeout: float | None = None) -> None:
-        """End generations cleanly, snapshot every resident session, stop the engine thread."""
+        """End generations cleanly, snapshot every resident session, end the engine loop."""
         self.queue.put(None)
-        self._thread.join(timeout)
+        self._stopped.wait(timeout)
         self._aside.shutdown(wait=False, cancel_futures=True)
 
     # ---- the engine thread ------------------------------------------------------------------
 
-    def _run(self) -> None:
+    def run(self) -> None:
+        """The engine loop, on the calling thread, until `stop`.
+
+        The daemon runs it on its main thread, the one that loaded the model and warmed the kernels
+        up: with numba's OpenMP layer, parallel kernels launched from any other thread than the
+        first to launch one pay ~0.1 ms per launch, which halved the decode speed.
+        """
+        try:
+            self._loop()
+        finally:
+            self._stopped.set()
+
+    def _loop(self) -> None:
         while True:
             self._retry_waiting()
             try:

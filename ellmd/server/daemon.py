@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -43,48 +44,90 @@ def run(settings: Settings, progress=None) -> int:
     rag = RagLibrary(settings.rag_path, default_retriever=settings.rag_retriever)
     runtime = Runtime(engine, store, skills=skills, rag=rag, rag_k=settings.rag_k,
                       snapshot_every_turn=settings.snapshot_every_turn, context_role=settings.context_role)
-    runtime.start()
+    servers = Servers(runtime, settings, http_address)
     try:
-        asyncio.run(_serve(runtime, settings, http_address))
+        servers.start()
+        # The engine loop runs here, on the main thread, which loaded the model and warmed its
+        # kernels up (see Runtime.run); the servers' event loop has a thread of its own.
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, lambda *_: servers.request_stop())
+        runtime.run()
     finally:
-        runtime.stop()
+        servers.request_stop()
+        servers.join()
         store.close()
     log.info("stopped")
-    return 0
+    return 1 if servers.error else 0
 
 
-async def _serve(runtime, settings: Settings, http_address: tuple[str, int] | None = None) -> None:
-    from ellmd.server.unix import UnixServer
+class Servers:
+    """The Unix-socket (and HTTP) servers, on an asyncio event loop in a thread of their own."""
 
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, stop.set)
-    info = {"model": str(runtime.engine.model_path)}
-    server = UnixServer(runtime, settings.socket_path, stop.set, info)
-    await server.start()
-    log.info("serving on %s (store %s)", settings.socket_path, settings.store_path)
-    http = None
-    if http_address:
-        from ellmd.server.http import HttpServer
+    def __init__(self, runtime, settings: Settings, http_address: tuple[str, int] | None):
+        self.runtime, self.settings, self.http_address = runtime, settings, http_address
+        self.thread = threading.Thread(target=self._main, name="servers", daemon=True)
+        self.ready = threading.Event()
+        self.error: BaseException | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.stop: asyncio.Event | None = None
 
-        http = HttpServer(runtime, *http_address)
+    def start(self) -> None:
+        """Start serving; a start-up error (a socket or port in use) is raised here."""
+        self.thread.start()
+        self.ready.wait()
+        if self.error:
+            raise self.error
+
+    def request_stop(self) -> None:
+        """Begin a graceful stop (from any thread, or a signal handler)."""
+        if self.loop is not None and not self.loop.is_closed():
+            self.loop.call_soon_threadsafe(self.stop.set)
+
+    def join(self) -> None:
+        self.thread.join()
+
+    def _main(self) -> None:
         try:
-            await http.start()
-        except EllmError:
-            await server.close()
-            raise
-        log.info("OpenAI-compatible API on http://%s:%d/v1", *http_address)
-    await stop.wait()
-    log.info("stopping: finishing generations and snapshotting sessions")
-    # HTTP stops listening now; its requests in flight end with the generations below.
-    http_closed = asyncio.create_task(http.close()) if http else None
-    # Stop the engine thread while the loop still runs, so the final replies reach their clients.
-    await loop.run_in_executor(None, runtime.stop)
-    await asyncio.sleep(0.05)
-    if http_closed:
-        await http_closed
-    await server.close()
+            asyncio.run(self._serve())
+        except BaseException as e:
+            self.error = e
+            if self.ready.is_set():  # after start-up: report it here, run() exits non-zero
+                log.exception("the servers failed")
+        finally:
+            self.ready.set()
+            self.runtime.queue.put(None)  # whatever happened here, end the engine loop too
+
+    async def _serve(self) -> None:
+        from ellmd.server.unix import UnixServer
+
+        self.loop, self.stop = asyncio.get_running_loop(), asyncio.Event()
+        runtime, settings = self.runtime, self.settings
+        info = {"model": str(runtime.engine.model_path)}
+        server = UnixServer(runtime, settings.socket_path, self.stop.set, info)
+        await server.start()
+        log.info("serving on %s (store %s)", settings.socket_path, settings.store_path)
+        http = None
+        if self.http_address:
+            from ellmd.server.http import HttpServer
+
+            http = HttpServer(runtime, *self.http_address)
+            try:
+                await http.start()
+            except EllmError:
+                await server.close()
+                raise
+            log.info("OpenAI-compatible API on http://%s:%d/v1", *self.http_address)
+        self.ready.set()
+        await self.stop.wait()
+        log.info("stopping: finishing generations and snapshotting sessions")
+        # HTTP stops listening now; its requests in flight end with the generations below.
+        http_closed = asyncio.create_task(http.close()) if http else None
+        # End the engine loop while this loop still runs, so the final replies reach their clients.
+        await self.loop.run_in_executor(None, runtime.stop)
+        await asyncio.sleep(0.05)
+        if http_closed:
+            await http_closed
+        await server.close()
 
 
 def detach(argv: list[str], settings: Settings, wait_s: float = 600.0) -> int:
