@@ -468,8 +468,8 @@ class Runtime:
         """Generate after a whole prompt, reusing the KV of its longest prefix already computed.
 
         With session_id, that session (created if new) is rewound to the common prefix; without, the
-        resident anonymous session sharing the longest prefix is extended (or forked into a free slot
-        when only part of it matches), so plain OpenAI clients get incremental prefill too.
+        resident anonymous session sharing the longest prefix is continued (see _anonymous_session),
+        so plain OpenAI clients get incremental prefill too.
         """
         if not isinstance(tokens, list) or not tokens or not all(isinstance(t, int) for t in tokens):
             raise RuntimeError_("bad_request", "tokens must be a non-empty list of integers")
