@@ -507,9 +507,9 @@ class Runtime:
 
     def _anonymous_session(self, tokens: list[int]) -> Session:
         """The anonymous session to continue: the resident one sharing the longest prefix, or a new one."""
-        resident = [s for s in self.slots if s is not None and not s.busy and ANONYMOUS in s.tags]
-        best = max(resident, key=lambda s: common_prefix(s.tokens, tokens), default=None)
-        shared = common_prefix(best.tokens, tokens) if best else 0
+        shared, best = max(((common_prefix(s.tokens, tokens), s) for s in self.slots
+                            if s is not None and not s.busy and ANONYMOUS in s.tags),
+                           key=lambda pair: pair[0], default=(0, None))
         free = self.slots.index(None) if None in self.slots else None
         if shared and shared == len(best.tokens):
             return best  # the prompt extends that conversation
