@@ -155,7 +155,7 @@ def test_session_binding_by_field_and_header(smol, client):
     assert info["tokens"] >= second.usage.prompt_tokens and not info["busy"]
 
 
-def test_streamed_header_names_the_bound_session(smol):
+def test_streamed_header_names_the_session(smol):
     client = OpenAI(base_url=f"http://127.0.0.1:{smol[1]}/v1", api_key="none", max_retries=0)
     with client.chat.completions.with_streaming_response.create(
             model="smol", messages=QUESTION, max_tokens=4, temperature=0, stream=True,
@@ -163,6 +163,11 @@ def test_streamed_header_names_the_bound_session(smol):
         assert raw.headers["X-Session-Id"] == "http-streamed"
         chunks = list(raw.parse())
     assert chunks[-1].session_id == "http-streamed"
+    # Without a session named, the header still says which session the runtime chose.
+    with client.completions.with_streaming_response.create(
+            model="smol", prompt="The capital of Italy is", max_tokens=4, temperature=0, stream=True) as raw:
+        chunks = list(raw.parse())
+        assert raw.headers["X-Session-Id"] == chunks[-1].session_id
 
 
 def test_disconnect_cancels_the_generation(smol, client):

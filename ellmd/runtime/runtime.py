@@ -494,6 +494,8 @@ class Runtime:
             session.truncate(keep)
             self.engine.rewind(slot, keep)
         session.messages, session.tools = list(messages or []), tools
+        if request.emit and sampling.get("stream", True):  # the caller may not know which session it got
+            request.emit("session", {"session_id": session.session_id})
         self._start_generation(request, session, sampling, prompt=tokens[keep:])
 
     def _bound_session(self, session_id) -> Session:

@@ -10,9 +10,8 @@ runtime finds the KV to reuse: that of the session named by a `session_id` body 
 `X-Session-Id` header (created when new), else that of the resident session whose tokens the
 prompt extends furthest. So a plain OpenAI client resending its growing conversation prefills only
 the new turn, and `usage.prompt_tokens_details.cached_tokens` counts the rest. The session's id
-comes back in a `session_id` field, and in the `X-Session-Id` header whenever it is known before
-the body starts (always, except for a streamed request that named no session: there it is in the
-last chunks).
+comes back in a `session_id` field and in the `X-Session-Id` header (of a streamed reply too: the
+runtime names the session before the first token).
 
 Tool calls: `tools` are rendered into the prompt and calls parsed from the reply in the model's own
 format (Hermes JSON or Qwen3-Coder XML). `tool_choice` "none" renders without tools and parses
@@ -274,9 +273,14 @@ class Holdback:
 class EventStream:
     """A server-sent event response, opened by its first event (so that an error before it is a plain reply)."""
 
-    def __init__(self, request: web.Request, headers: dict, first: dict | None = None):
-        self.request, self.headers, self.first = request, headers, first
+    def __init__(self, request: web.Request, first: dict | None = None):
+        self.request, self.first = request, first
+        self.headers: dict = {}
         self.response: web.StreamResponse | None = None
+
+    def bind_session(self, session_id: str) -> None:
+        """Name the session in the X-Session-Id header (the runtime says it before the first token)."""
+        self.headers["X-Session-Id"] = session_id
 
     async def open(self) -> None:
         if self.response is None:
@@ -349,7 +353,7 @@ class Chat:
                 "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
 
     async def stream(self, request: web.Request, args: dict, include_usage: bool) -> web.StreamResponse:
-        stream = EventStream(request, session_header(args), self.chunk({"role": "assistant", "content": ""}))
+        stream = EventStream(request, self.chunk({"role": "assistant", "content": ""}))
         holdback = Holdback(TOOL_CALL_MARKER if self.tools else None, self.forced)
 
         async def on_text(text: str) -> None:
@@ -413,23 +417,28 @@ class HttpServer:
 
     # ---- plumbing ---------------------------------------------------------------------------
 
-    async def generate(self, args: dict, on_text=None) -> dict:
-        """Run one `completion` op; `on_text(piece)` is awaited for each piece of text as it comes."""
+    async def generate(self, args: dict, on_text=None, on_session=None) -> dict:
+        """Run one `completion` op; `on_text(piece)` is awaited for each piece of text as it comes,
+        `on_session(session_id)` called once the runtime has chosen the session (before any text)."""
         if self.closing:
             raise ApiError(503, "the daemon is shutting down", "server_error")
         loop = asyncio.get_running_loop()
         pieces: asyncio.Queue = asyncio.Queue()
 
         def emit(event, data):  # on the engine thread
-            if event == "token":
-                loop.call_soon_threadsafe(pieces.put_nowait, data["text"])
+            if event in ("token", "session"):
+                loop.call_soon_threadsafe(pieces.put_nowait, (event, data))
 
         job = self.runtime.submit("completion", {**args, "stream": on_text is not None}, emit)
         # The future resolves after the last token event was emitted: the end marker queues behind it.
         job.future.add_done_callback(lambda _: loop.call_soon_threadsafe(pieces.put_nowait, None))
         try:
-            while (text := await pieces.get()) is not None:
-                await on_text(text)
+            while (piece := await pieces.get()) is not None:
+                event, data = piece
+                if event == "token":
+                    await on_text(data["text"])
+                elif on_session:
+                    on_session(data["session_id"])
         finally:
             if not job.future.done():  # the client went away: stop at the next token
                 job.cancelled.set()
@@ -441,7 +450,7 @@ class HttpServer:
     async def stream(self, stream: EventStream, args: dict, on_text) -> dict | None:
         """generate() for a streamed reply; None when it ended early (error sent as an event, or client gone)."""
         try:
-            return await self.generate(args, on_text)
+            return await self.generate(args, on_text, stream.bind_session)
         except ApiError as e:
             if stream.response is None:
                 raise  # nothing sent yet: a plain error reply
@@ -528,7 +537,7 @@ class HttpServer:
                  "usage": openai_usage(result["usage"]), "session_id": result["session_id"]},
                 headers={"X-Session-Id": result["session_id"]})
 
-        stream = EventStream(request, session_header(args))
+        stream = EventStream(request)
 
         async def on_text(text: str) -> None:
             await stream.send({**head, "choices": [choice(text)]})
@@ -577,7 +586,3 @@ class HttpServer:
         return {"tokens": tokens, "token_logprobs": [e["logprob"] for e in entries],
                 "top_logprobs": [{self.token_text(t): lp for t, lp in e["top"][:top]} for e in entries],
                 "text_offset": list(itertools.accumulate((len(t) for t in tokens), initial=0))[:-1]}
-
-
-def session_header(args: dict) -> dict:
-    return {"X-Session-Id": args["session_id"]} if "session_id" in args else {}
