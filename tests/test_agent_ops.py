@@ -126,6 +126,12 @@ def test_rag_index_and_inject_by_query(daemon):
     assert cli.returncode == 0 and json.loads(cli.stdout)["passages"][0]["source"].startswith("billing.md:")
     listed = ellm(daemon, "rag", "list")
     assert listed.returncode == 0 and "docs" in listed.stdout
+    with daemon.client() as client:
+        client.rag_index(daemon.docs, name="scratch")
+    removed = ellm(daemon, "rag", "remove", "scratch")
+    assert removed.returncode == 0 and removed.stdout == "removed index scratch\n"
+    with daemon.client() as client:
+        assert [i["name"] for i in client.rag_indexes()] == ["docs"]
 
 
 def test_completion_reuses_the_longest_prefix(daemon):

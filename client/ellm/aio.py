@@ -91,6 +91,10 @@ class AsyncClient:
         """The daemon's retrieval indexes: `{name, path, retriever, files, chunks, updated}` each."""
         return (await self.call("rag.list"))["indexes"]
 
+    async def rag_remove(self, name: str) -> dict:
+        """Delete retrieval index `name` (the indexed folder is not touched)."""
+        return await self.call("rag.remove", name=name)
+
     async def import_session(self, source: bytes | BinaryIO) -> AsyncSession:
         """Import a session blob written by `export` (bytes or a binary file)."""
         conn = await self._connection()

@@ -350,6 +350,18 @@ def rag_list(ctx: typer.Context, json_output: bool = JsonOutput):
     stdout().print(table if table.row_count else Text("no indexes (make one with: ellm rag index PATH)"))
 
 
+@rag_app.command("remove")
+def rag_remove(ctx: typer.Context, name: str = typer.Argument(..., help="The index's name"),
+               json_output: bool = JsonOutput):
+    """Delete a retrieval index (the indexed folder is not touched)."""
+    with connect(ctx) as client:
+        result = client.rag_remove(name)
+    if json_output:
+        print_json(result)
+    else:
+        typer.echo(f"removed index {name}")
+
+
 @rag_app.command("inject")
 def rag_inject(
     ctx: typer.Context,

@@ -88,6 +88,10 @@ class Client:
         """The daemon's retrieval indexes: `{name, path, retriever, files, chunks, updated}` each."""
         return self.call("rag.list")["indexes"]
 
+    def rag_remove(self, name: str) -> dict:
+        """Delete retrieval index `name` (the indexed folder is not touched)."""
+        return self.call("rag.remove", name=name)
+
     def import_session(self, source: bytes | BinaryIO) -> Session:
         """Import a session blob written by `Session.export` (bytes or a binary file)."""
         conn = self._connection()  # the pieces of one upload must share a connection
