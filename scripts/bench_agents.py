@@ -33,16 +33,9 @@ from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_compare import LlamaCppRunner, prepare_model, require_llama_cpp  # noqa: E402
+from bench_turns import filler  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-WORDS = ("file", "window", "cursor", "scroll", "button", "menu", "report", "column", "value", "error",
-         "screen", "click", "type", "open", "close", "save", "search", "result", "page", "table")
-
-
-def filler(n: int, seed: int) -> str:
-    return " ".join(WORDS[(i * 7 + seed * 13 + i // 5) % len(WORDS)] for i in range(n))
-
-
 def trace(args) -> list[tuple[int, str]]:
     """(agent, tool result) in the order the turns arrive."""
     return [(a, f"Tool result {t} for agent {a}: " + filler(args.turn_words, 100 * a + t))

@@ -700,7 +700,7 @@ class Runtime:
             "kv_bytes_per_token": kv.bytes_per_token, "kv_bytes_used": used * kv.bytes_per_token,
             "kv_bytes_free": kv.nbytes - used * kv.bytes_per_token,
             "sessions_resident": sum(s is not None for s in self.slots),
-            "sessions_stored": len(self.store.list_meta()), "generating": len(self.active),
+            "sessions_stored": self.store.count(), "generating": len(self.active),
             "uptime_s": round(time.time() - self.started, 1), "counters": dict(self.counters),
             "store": self.store.stats(),
         }

@@ -126,6 +126,11 @@ class Store:
             raw = txn.get(session_id.encode(), db=self.meta)
         return None if raw is None else msgpack.unpackb(raw)
 
+    def count(self) -> int:
+        """Sessions in the store, without reading them (the metrics scrape this)."""
+        with self.env.begin() as txn:
+            return txn.stat(self.meta)["entries"]
+
     def list_meta(self) -> list[dict]:
         with self.env.begin() as txn:
             return [msgpack.unpackb(value) for _, value in txn.cursor(db=self.meta)]
