@@ -236,6 +236,26 @@ def start(
         None, help="A skill root: a directory whose sub-directories hold a SKILL.md (repeatable)"),
     rag_dir: Optional[str] = typer.Option(
         None, help="Where retrieval indexes are kept [default: $XDG_DATA_HOME/ellm/rag]"),
+    api_key: Optional[str] = typer.Option(
+        None, help="HTTP API key clients send as Authorization: Bearer (needed to listen beyond loopback; "
+                   "ELLMD_API_KEY or --api-key-file keep it out of the process list)"),
+    api_key_file: Optional[str] = typer.Option(None, help="A file of HTTP API keys, one per line"),
+    max_connections: Optional[int] = typer.Option(None, help="Unix-socket connections at once [default: 64]"),
+    max_in_flight: Optional[int] = typer.Option(None, help="Requests in flight on one connection [default: 64]"),
+    max_queue: Optional[int] = typer.Option(
+        None, help="Engine requests waiting or running, both transports; beyond: busy / HTTP 429 [default: 256]"),
+    max_upload_mb: Optional[int] = typer.Option(
+        None, help="Largest chunked session.import, MiB [default: 0, the blob of a full slot]"),
+    hello_timeout_s: Optional[float] = typer.Option(None, help="Seconds a connection may take to send hello [default: 10]"),
+    frame_timeout_s: Optional[float] = typer.Option(None, help="Seconds a frame may stay half-sent [default: 30]"),
+    max_write_buffer_mb: Optional[int] = typer.Option(
+        None, help="Output waiting for a client that does not read, MiB, before it is dropped [default: 32]"),
+    write_timeout_s: Optional[float] = typer.Option(
+        None, help="Seconds an export waits for its client to read each piece [default: 60]"),
+    http_max_body_mb: Optional[int] = typer.Option(None, help="Largest HTTP request body, MiB [default: 16]"),
+    http_read_timeout_s: Optional[float] = typer.Option(
+        None, help="Seconds to receive an HTTP request's headers and body; idle keep-alive [default: 60]"),
+    max_render_kb: Optional[int] = typer.Option(None, help="Longest chat-template rendering, KiB [default: 4096]"),
     config: Optional[Path] = ConfigFile,
     detach: bool = typer.Option(False, help="Run in the background (pid and log files beside the socket)"),
 ):
@@ -249,7 +269,13 @@ def start(
 
     flags = dict(model_path=model_path, chunk_size=chunk_size, sequence_length=sequence_length,
                  batch_size=batch_size, kv_dtype=kv_dtype, weight_dtype=weight_dtype, threads=threads,
-                 socket=socket, store=store, http=http, skills_dir=skills_dir or None, rag_dir=rag_dir)
+                 socket=socket, store=store, http=http, skills_dir=skills_dir or None, rag_dir=rag_dir,
+                 api_key=api_key, api_key_file=api_key_file, max_connections=max_connections,
+                 max_in_flight=max_in_flight, max_queue=max_queue, max_upload_mb=max_upload_mb,
+                 hello_timeout_s=hello_timeout_s, frame_timeout_s=frame_timeout_s,
+                 max_write_buffer_mb=max_write_buffer_mb, write_timeout_s=write_timeout_s,
+                 http_max_body_mb=http_max_body_mb, http_read_timeout_s=http_read_timeout_s,
+                 max_render_kb=max_render_kb)
     settings = daemon_settings(config, flags)
     logging.basicConfig(level=settings.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")

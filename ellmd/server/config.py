@@ -53,6 +53,21 @@ class Settings:
     rag_retriever: str = "bm25"
     rag_k: int = 4
     log_level: str = "info"
+    # limits (ellmd.server.limits)
+    max_connections: int = 64
+    max_in_flight: int = 64
+    max_queue: int = 256
+    max_upload_mb: int = 0
+    hello_timeout_s: float = 10.0
+    frame_timeout_s: float = 30.0
+    max_write_buffer_mb: int = 32
+    write_timeout_s: float = 60.0
+    http_max_body_mb: int = 16
+    http_read_timeout_s: float = 60.0
+    max_render_kb: int = 4096
+    # HTTP authentication
+    api_key: str | None = None
+    api_key_file: str | None = None
 
     @property
     def socket_path(self) -> Path:
@@ -65,6 +80,19 @@ class Settings:
     @property
     def rag_path(self) -> Path:
         return Path(self.rag_dir) if self.rag_dir else default_rag_path()
+
+    def api_keys(self) -> list[str]:
+        """The HTTP API keys: api_key, and api_key_file's lines (blank lines and # comments left out)."""
+        keys = [self.api_key] if self.api_key else []
+        if self.api_key_file:
+            try:
+                text = Path(self.api_key_file).expanduser().read_text()
+            except OSError as e:
+                raise EllmError(f"api_key_file {self.api_key_file}: {e.strerror or e}") from None
+            keys += [line.strip() for line in text.splitlines() if line.strip() and not line.startswith("#")]
+            if not keys:
+                raise EllmError(f"api_key_file {self.api_key_file} holds no key")
+        return keys
 
 
 def load_settings(config_file: Path | None, flags: dict) -> Settings:
@@ -100,6 +128,8 @@ def _parse_env(key, text, field):
     try:
         if "int" in kind and "str" not in kind:
             return int(text)
+        if "float" in kind:
+            return float(text)
         if "bool" in kind:
             return text.lower() in ("1", "true", "yes", "on")
         if "list" in kind:
@@ -111,8 +141,16 @@ def _parse_env(key, text, field):
 
 def _check_type(key, value, field):
     kind = str(field.type)
-    expected = bool if "bool" in kind else int if kind.startswith("int") else list if "list" in kind else str
+    expected = (bool if "bool" in kind else int if kind.startswith("int") else (int, float) if "float" in kind
+                else list if "list" in kind else str)
     if value is None and "None" in kind:
         return
-    if not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
-        raise EllmError(f"setting {key} must be {expected.__name__}, not {value!r}")
+    if not isinstance(value, expected) or (expected is not bool and isinstance(value, bool)):
+        name = "number" if expected == (int, float) else expected.__name__
+        raise EllmError(f"setting {key} must be {name}, not {value!r}")
+    if key in LIMITS and value < (0 if key == "max_upload_mb" else 1e-9):
+        raise EllmError(f"setting {key} must be {'at least 0' if key == 'max_upload_mb' else 'positive'}, not {value!r}")
+
+
+LIMITS = {"max_connections", "max_in_flight", "max_queue", "max_upload_mb", "hello_timeout_s", "frame_timeout_s",
+          "max_write_buffer_mb", "write_timeout_s", "http_max_body_mb", "http_read_timeout_s", "max_render_kb"}

@@ -25,13 +25,17 @@ def run(settings: Settings, progress=None) -> int:
     from ellmd.runtime.runtime import Runtime
     from ellmd.runtime.skills import SkillLibrary
     from ellmd.runtime.store import Store
-    from ellmd.server.unix import socket_in_use
+    from ellmd.server.limits import Limits
+    from ellmd.server.unix import prepare_socket_dir, socket_in_use
 
-    http_address = None
+    # Everything that can refuse to start does so before the model loads.
+    http_address, api_keys = None, settings.api_keys()
     if settings.http:
-        from ellmd.server.http import listen_address
+        from ellmd.server.http import check_exposure, listen_address
 
         http_address = listen_address(settings.http)
+        check_exposure(http_address[0], api_keys)
+    prepare_socket_dir(settings.socket_path.parent)
     if settings.socket_path.exists() and socket_in_use(settings.socket_path):
         raise EllmError(f"another ellmd is already serving on {settings.socket_path} (stop it with: ellmd stop)")
     engine = Engine(
@@ -39,12 +43,15 @@ def run(settings: Settings, progress=None) -> int:
         sequence_length=settings.sequence_length, batch_size=settings.batch_size,
         chunk_size=settings.chunk_size, threads=settings.threads, progress=progress,
     )
+    if engine.chat_template is not None:
+        engine.chat_template.max_chars = settings.max_render_kb * 1024
+    limits = Limits.from_settings(settings, engine.kv.bytes_per_token)
     store = Store(settings.store_path, map_size=settings.store_map_size_gb << 30)
     skills = SkillLibrary(settings.skills_dir)
     rag = RagLibrary(settings.rag_path, default_retriever=settings.rag_retriever)
     runtime = Runtime(engine, store, skills=skills, rag=rag, rag_k=settings.rag_k,
                       snapshot_every_turn=settings.snapshot_every_turn, context_role=settings.context_role)
-    servers = Servers(runtime, settings, http_address)
+    servers = Servers(runtime, settings, http_address, limits, api_keys)
     try:
         servers.start()
         # The engine loop runs here, on the main thread, which loaded the model and warmed its
@@ -63,8 +70,10 @@ def run(settings: Settings, progress=None) -> int:
 class Servers:
     """The Unix-socket (and HTTP) servers, on an asyncio event loop in a thread of their own."""
 
-    def __init__(self, runtime, settings: Settings, http_address: tuple[str, int] | None):
+    def __init__(self, runtime, settings: Settings, http_address: tuple[str, int] | None, limits,
+                 api_keys: list[str] = ()):
         self.runtime, self.settings, self.http_address = runtime, settings, http_address
+        self.limits, self.api_keys = limits, list(api_keys)
         self.thread = threading.Thread(target=self._main, name="servers", daemon=True)
         self.ready = threading.Event()
         self.error: BaseException | None = None
@@ -98,19 +107,22 @@ class Servers:
             self.runtime.queue.put(None)  # whatever happened here, end the engine loop too
 
     async def _serve(self) -> None:
+        from ellmd.server.limits import Admission
         from ellmd.server.unix import UnixServer
 
         self.loop, self.stop = asyncio.get_running_loop(), asyncio.Event()
         runtime, settings = self.runtime, self.settings
         info = {"model": str(runtime.engine.model_path)}
-        server = UnixServer(runtime, settings.socket_path, self.stop.set, info)
+        admission = Admission(runtime, self.limits.max_queue)  # one engine queue bound for both servers
+        server = UnixServer(runtime, settings.socket_path, self.stop.set, info, self.limits, admission)
         await server.start()
         log.info("serving on %s (store %s)", settings.socket_path, settings.store_path)
         http = None
         if self.http_address:
             from ellmd.server.http import HttpServer
 
-            http = HttpServer(runtime, *self.http_address)
+            http = HttpServer(runtime, *self.http_address, limits=self.limits, admission=admission,
+                              api_keys=self.api_keys)
             try:
                 await http.start()
             except EllmError:
@@ -132,10 +144,10 @@ class Servers:
 
 def detach(argv: list[str], settings: Settings, wait_s: float = 600.0) -> int:
     """Start the daemon in the background (pid and log files beside the socket); wait until it serves."""
-    from ellmd.server.unix import socket_in_use
+    from ellmd.server.unix import prepare_socket_dir, socket_in_use
 
     run_dir = settings.socket_path.parent
-    run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    prepare_socket_dir(run_dir)
     log_path, pid_path = run_dir / "ellmd.log", run_dir / "ellmd.pid"
     with open(log_path, "ab") as log_file:
         child = subprocess.Popen(

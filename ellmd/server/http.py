@@ -25,12 +25,23 @@ no constrained decoding: ask for JSON in the prompt), nor content parts other th
 are OpenAI's (temperature 1, max_tokens up to the end of the context); vLLM's extra sampling
 fields `top_k`, `min_p`, `repetition_penalty`, `stop_token_ids` and `ignore_eos` are accepted;
 unknown fields are ignored. A generation the daemon's shutdown interrupts ends with finish_reason
-"cancelled". There is no authentication: any API key is accepted.
+"cancelled".
+
+Security: with API keys set (`--api-key`, ELLMD_API_KEY, `api_key_file`) every endpoint but
+/health wants `Authorization: Bearer <key>`, and a session is reachable only with the key that
+created it (the runtime is given a fingerprint of the key as the session's owner); listening beyond
+loopback needs a key. On a loopback address the Host header must name this machine and an Origin,
+if any, too, so that a web page (DNS rebinding, a cross-site form) cannot drive the API. Bodies are
+JSON with a JSON content type. Limits: body size, read timeout, and the engine queue (429 with
+Retry-After when full).
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
+import ipaddress
 import itertools
 import json
 import logging
@@ -38,18 +49,21 @@ import socket
 import time
 import uuid
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from aiohttp import web
 
 from ellmd.errors import EllmError
 from ellmd.runtime.runtime import RuntimeError_
+from ellmd.server.limits import Admission, Limits, QueueFull
 from ellmd.server.metrics import Metrics
 from ellmd.text import TemplateError, parse_tool_calls
 
 log = logging.getLogger("ellmd.http")
 
 DEFAULT_HOST = "127.0.0.1"
-MAX_BODY = 64 << 20  # long agent conversations exceed aiohttp's 1 MiB default
+LOCAL_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
+RETRY_AFTER_S = 1  # what a 429 (the engine queue is full) asks the client to wait
 
 # Both tool-call formats open a call with this marker.
 TOOL_CALL_MARKER = "<tool_call>"
@@ -86,9 +100,11 @@ SAMPLING_FIELDS = {
 class ApiError(Exception):
     """An error reply in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
 
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param=None, code=None):
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param=None, code=None,
+                 headers: dict | None = None):
         super().__init__(message)
         self.status, self.type, self.param, self.code = status, type, param, code
+        self.headers = headers or {}
 
     @classmethod
     def from_runtime(cls, error: RuntimeError_) -> ApiError:
@@ -99,7 +115,40 @@ class ApiError(Exception):
         return {"error": {"message": str(self), "type": self.type, "param": self.param, "code": self.code}}
 
     def response(self) -> web.Response:
-        return web.json_response(self.body(), status=self.status)
+        return web.json_response(self.body(), status=self.status, headers=self.headers)
+
+
+def queue_full(error: QueueFull) -> ApiError:
+    return ApiError(429, str(error), "rate_limit_error", code="rate_limit_exceeded",
+                    headers={"Retry-After": str(RETRY_AFTER_S)})
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def check_exposure(host: str, api_keys: list[str]) -> None:
+    """Refuse to listen beyond this machine without an API key."""
+    if not is_loopback(host) and not api_keys:
+        raise EllmError(f"--http {host}: listening beyond loopback needs an API key "
+                        "(--api-key, ELLMD_API_KEY or api_key_file)")
+
+
+def key_owner(key: str) -> str:
+    """The owner of the sessions an API key creates: a fingerprint, never the key itself."""
+    return hashlib.sha256(key.encode()).hexdigest()[:32]
+
+
+def host_name(value: str) -> str:
+    """The host of a Host header ("name:port", "[::1]:port")."""
+    if value.startswith("["):
+        return value[1:value.find("]")] if "]" in value else value
+    return value.rsplit(":", 1)[0] if value.count(":") == 1 else value
 
 
 def listen_address(value: str) -> tuple[str, int]:
@@ -134,9 +183,16 @@ def field(body: dict, name: str, kind, default=None):
     return value
 
 
-async def read_json(request: web.Request) -> dict:
+async def read_json(request: web.Request, timeout: float) -> dict:
+    kind = request.content_type
+    if kind != "application/json" and not kind.endswith("+json"):
+        raise ApiError(415, f"the request body must be JSON, sent as Content-Type: application/json (not {kind})")
     try:
-        body = json.loads(await request.read())
+        data = await asyncio.wait_for(request.read(), timeout)
+    except TimeoutError:
+        raise ApiError(408, f"the request body did not arrive within {timeout:g} s (http_read_timeout_s)") from None
+    try:
+        body = json.loads(data)
     except ValueError as e:  # not JSON, or not UTF-8
         raise ApiError(400, f"the request body is not valid JSON: {e}") from None
     if not isinstance(body, dict):
@@ -151,9 +207,11 @@ def require_one(body: dict, *names: str) -> None:
 
 
 def session_arg(request: web.Request, body: dict) -> dict:
-    """The session the request binds to: a `session_id` field, else an `X-Session-Id` header."""
+    """The session the request binds to: a `session_id` field, else an `X-Session-Id` header; and
+    with API keys, the owner whose sessions it may reach."""
     session_id = field(body, "session_id", STRING) or request.headers.get("X-Session-Id")
-    return {"session_id": session_id} if session_id else {}
+    owner = {"owner": request["owner"]} if "owner" in request else {}
+    return {"session_id": session_id, **owner} if session_id else owner
 
 
 def sampling_args(body: dict, room: int) -> dict:
@@ -301,6 +359,37 @@ class EventStream:
         return self.response
 
 
+class Guard:
+    """The checks every request passes before its handler: Host and Origin on a loopback address
+    (a web page must not reach the API), and the API key when keys are set."""
+
+    def __init__(self, host: str, api_keys: list[str]):
+        self.local = is_loopback(host)
+        self.names = LOCAL_NAMES | {host}
+        self.owners = [(key.encode(), key_owner(key)) for key in api_keys]
+
+    @web.middleware
+    async def check(self, request: web.Request, handler):
+        if self.local:
+            if host_name(request.headers.get("Host", "")) not in self.names:
+                raise ApiError(403, "the Host header must name this machine (localhost, 127.0.0.1 or [::1])")
+            origin = request.headers.get("Origin")
+            if origin is not None and urlsplit(origin).hostname not in self.names:
+                raise ApiError(403, f"requests from the web page at {origin} are refused")
+        if self.owners and request.path != "/health":
+            request["owner"] = self.owner(request.headers.get("Authorization", ""))
+        return await handler(request)
+
+    def owner(self, authorization: str) -> str:
+        scheme, _, key = authorization.partition(" ")
+        given = key.strip().encode()
+        for known, owner in self.owners:
+            if scheme.lower() == "bearer" and hmac.compare_digest(given, known):
+                return owner
+        raise ApiError(401, "a valid API key is needed: Authorization: Bearer <key>", code="invalid_api_key",
+                       headers={"WWW-Authenticate": "Bearer"})
+
+
 @web.middleware
 async def openai_errors(request: web.Request, handler):
     """Every failure as an OpenAI error body; user errors never log a traceback."""
@@ -382,8 +471,10 @@ class Chat:
 class HttpServer:
     """The OpenAI-compatible API of a Runtime, on host:port."""
 
-    def __init__(self, runtime, host: str, port: int):
-        self.runtime, self.host, self.port = runtime, host, port
+    def __init__(self, runtime, host: str, port: int, limits: Limits = Limits(), admission: Admission | None = None,
+                 api_keys: list[str] = ()):
+        self.runtime, self.host, self.port, self.limits = runtime, host, port, limits
+        self.admission = admission or Admission(runtime, limits.max_queue)
         engine = runtime.engine
         self.tokenizer, self.template = engine.tokenizer, engine.chat_template
         self.context = engine.kv.sequence_length
@@ -391,7 +482,8 @@ class HttpServer:
         self.fingerprint = f"ellm-{runtime.fingerprint['model']}"
         self.metrics = Metrics(runtime)
         self.closing = False
-        app = web.Application(middlewares=[openai_errors], client_max_size=MAX_BODY)
+        app = web.Application(middlewares=[openai_errors, Guard(host, list(api_keys)).check],
+                              client_max_size=limits.http_max_body)
         app.add_routes([
             web.get("/v1/models", self.models),
             web.post("/v1/chat/completions", self.chat_completions),
@@ -400,7 +492,9 @@ class HttpServer:
             web.get("/metrics", self.metrics_text),
         ])
         # A client that disconnects cancels its handler, which cancels its generation.
-        self.runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=10)
+        # keepalive_timeout also closes a connection that never completes its request headers.
+        self.runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=10,
+                                    keepalive_timeout=limits.http_read_timeout_s)
 
     async def start(self) -> None:
         await self.runner.setup()
@@ -429,7 +523,10 @@ class HttpServer:
             if event in ("token", "session"):
                 loop.call_soon_threadsafe(pieces.put_nowait, (event, data))
 
-        job = self.runtime.submit("completion", {**args, "stream": on_text is not None}, emit)
+        try:
+            job = self.admission.submit("completion", {**args, "stream": on_text is not None}, emit)
+        except QueueFull as e:
+            raise queue_full(e) from None
         # The future resolves after the last token event was emitted: the end marker queues behind it.
         job.future.add_done_callback(lambda _: loop.call_soon_threadsafe(pieces.put_nowait, None))
         try:
@@ -484,11 +581,15 @@ class HttpServer:
 
     async def metrics_text(self, request: web.Request) -> web.Response:
         # shield: a scrape that disconnects must not cancel the engine thread's future under it
-        stats = await asyncio.shield(asyncio.wrap_future(self.runtime.submit("stats", {}).future))
+        try:
+            job = self.admission.submit("stats", {})
+        except QueueFull as e:
+            raise queue_full(e) from None
+        stats = await asyncio.shield(asyncio.wrap_future(job.future))
         return web.Response(body=self.metrics.render(stats), headers={"Content-Type": self.metrics.content_type})
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        body = await read_json(request)
+        body = await read_json(request, self.limits.http_read_timeout_s)
         if self.template is None:
             raise ApiError(400, "this model has no chat template: use /v1/completions")
         require_one(body, "n")
@@ -514,7 +615,7 @@ class HttpServer:
         return await chat.reply(args)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        body = await read_json(request)
+        body = await read_json(request, self.limits.http_read_timeout_s)
         require_one(body, "n", "best_of")
         for name in ("echo", "suffix"):
             if body.get(name):

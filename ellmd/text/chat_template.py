@@ -55,8 +55,26 @@ def _strftime_now(fmt):
     return datetime.now().strftime(fmt)
 
 
+# The longest rendering a template may produce (characters); ChatTemplate.max_chars, max_render_kb.
+DEFAULT_MAX_CHARS = 4 << 20
+
+
+class _BoundedEnvironment(ImmutableSandboxedEnvironment):
+    """The sandbox, where `"x" * n` cannot allocate more than a rendering may hold (a template is
+    foreign code: a GGUF file carries its own)."""
+
+    intercepted_binops = frozenset(["*"])
+
+    def call_binop(self, context, operator, left, right):
+        if operator == "*":
+            for seq, count in ((left, right), (right, left)):
+                if isinstance(seq, (str, list, tuple)) and isinstance(count, int) and len(seq) * count > DEFAULT_MAX_CHARS:
+                    raise jinja2.exceptions.SecurityError(f"a repetition of {len(seq) * count} items is too long")
+        return super().call_binop(context, operator, left, right)
+
+
 def _environment() -> ImmutableSandboxedEnvironment:
-    env = ImmutableSandboxedEnvironment(
+    env = _BoundedEnvironment(
         trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
     )
     env.filters["tojson"] = _tojson
@@ -129,6 +147,7 @@ class ChatTemplate:
         self.source = source
         tokens = {"bos_token": bos_token, "eos_token": eos_token}
         self.special_tokens = {k: v for k, v in tokens.items() if v is not None}
+        self.max_chars = DEFAULT_MAX_CHARS  # a longer rendering is refused (a loop run wild)
         try:
             self._template = _ENV.from_string(source)
         except jinja2.TemplateSyntaxError as e:
@@ -160,10 +179,18 @@ class ChatTemplate:
             "tools": tools,
             "add_generation_prompt": add_generation_prompt,
         }
+        pieces, size = [], 0
         try:
-            return self._template.render(**variables)
+            for piece in self._template.generate(**variables):
+                size += len(piece)
+                if size > self.max_chars:
+                    break
+                pieces.append(piece)
         except Exception as e:  # the template is foreign code: any failure is reported the same way
             raise TemplateError(f"chat template failed: {_one_line(e)}") from None
+        if size > self.max_chars:
+            raise TemplateError(f"the chat template's rendering is over {self.max_chars} characters (max_render_kb)")
+        return "".join(pieces)
 
     def render_fragment(
         self,
