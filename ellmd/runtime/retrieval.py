@@ -8,6 +8,11 @@ Layout under the library root (the daemon's rag directory), one folder per index
 An index run copies the current generation's folder to the next one, applies the changes there,
 and commits by replacing the manifest (which names the generation): a crash at any point leaves
 the previous index whole, and searches keep using the previous generation until the commit.
+Indexes hold the text of the files indexed: folders are 0700, files 0600.
+
+Only regular files are read (a FIFO or a device named *.txt would block or never end), opened
+without following symlinks; symlinked files and folders are left out, so nothing outside the
+indexed folder is read.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import hashlib
 import os
 import re
 import shutil
+import stat
 import tempfile
 import threading
 import time
@@ -48,7 +54,12 @@ NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
 
 class RetrievalError(EllmError):
-    """An unknown index or retriever, a folder that cannot be indexed, or a bad query."""
+    """An unknown index or retriever, a folder that cannot be indexed (code not_found), or a bad
+    index name or query (bad_request)."""
+
+    def __init__(self, message: str, code: str = "not_found"):
+        super().__init__(message)
+        self.code = code
 
 
 @dataclass
@@ -176,15 +187,35 @@ def chunk_text(text: str, source: str, chunk_lines: int = 40, overlap_lines: int
 
 
 def _walk(folder: Path):
-    """Text, markdown and code files under folder, sorted; hidden entries, symlinks and SKIP_DIRS left out."""
+    """Text, markdown and code files under folder, sorted; hidden entries, symlinks, special files
+    (FIFOs, sockets, devices) and SKIP_DIRS left out. os.walk does not follow symlinked folders."""
     for dirpath, dirnames, filenames in os.walk(folder):
         dirnames[:] = sorted(d for d in dirnames if not d.startswith(".") and d not in SKIP_DIRS)
         for filename in sorted(filenames):
             path = Path(dirpath, filename)
-            if filename.startswith(".") or path.is_symlink():
+            if filename.startswith(".") or not (path.suffix.lower() in TEXT_SUFFIXES or filename in TEXT_NAMES):
                 continue
-            if path.suffix.lower() in TEXT_SUFFIXES or filename in TEXT_NAMES:
-                yield path
+            try:
+                if stat.S_ISREG(path.lstat().st_mode):
+                    yield path
+            except OSError:  # vanished
+                continue
+
+
+def read_regular(path: Path, limit: int) -> tuple[os.stat_result, bytes]:
+    """(stat, bytes) of a regular file of at most `limit` bytes, opened without following a symlink
+    and without blocking (a FIFO swapped in after the walk is refused, not waited on)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ValueError("not a regular file")
+        if st.st_size > limit:
+            raise ValueError("too large")
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise ValueError("too large")
+    return st, data
 
 
 @dataclass
@@ -292,10 +323,11 @@ class RagLibrary:
 
     def search(self, query: str, k: int = 4, name: str = "default") -> list[Passage]:
         """The k passages of index `name` that best match `query`, best first."""
+        _check_name(name)
         if not query.strip():
-            raise RetrievalError("empty query: say what to search for")
+            raise RetrievalError("empty query: say what to search for", "bad_request")
         if k < 1:
-            raise RetrievalError(f"k must be at least 1, not {k}")
+            raise RetrievalError(f"k must be at least 1, not {k}", "bad_request")
         with self._lock:
             state = self._get(name)
             if state.retriever is None:
@@ -362,13 +394,13 @@ class RagLibrary:
     def _read(self, file: Path, rel: str, old: dict | None, counts: dict):
         """(manifest entry, new chunks or None when unchanged) for one file, or None when skipped."""
         try:
-            st = file.stat()
+            st = file.lstat()
             if st.st_size > MAX_FILE_BYTES:
                 raise ValueError("too large")
             if old is not None and (old["size"], old["mtime_ns"]) == (st.st_size, st.st_mtime_ns):
                 counts["files_unchanged"] += 1
                 return old, None
-            data = file.read_bytes()
+            st, data = read_regular(file, MAX_FILE_BYTES)
             digest = hashlib.blake2b(data, digest_size=16).hexdigest()
             entry = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "hash": digest}
             if old is not None and old["hash"] == digest:
@@ -389,7 +421,9 @@ class RagLibrary:
         target = directory / f"retriever-{generation}"
         shutil.rmtree(target, ignore_errors=True)  # left by a run that crashed before its commit
         if rebuild:
-            target.mkdir(parents=True)
+            self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
+            directory.mkdir(exist_ok=True, mode=0o700)
+            target.mkdir(mode=0o700)
         else:
             shutil.copytree(directory / f"retriever-{old.generation}", target)
         instance = cls(target, self.retriever_options.get(retriever_name, {}))
@@ -401,6 +435,8 @@ class RagLibrary:
         return instance
 
 
-def _check_name(name: str) -> None:
-    if not NAME_PATTERN.fullmatch(name):
-        raise RetrievalError(f"bad index name {name!r}: letters, digits, '.', '_' and '-', at most 64")
+def _check_name(name) -> None:
+    """An index name is a plain folder name: never a path (`../x`, `/etc`) that leaves the library."""
+    if not isinstance(name, str) or not NAME_PATTERN.fullmatch(name):
+        raise RetrievalError(f"bad index name {name!r}: letters, digits, '.', '_' and '-', at most 64, "
+                             "starting with a letter or digit", "bad_request")

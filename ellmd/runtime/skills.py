@@ -4,18 +4,25 @@ instructions) and optional files, found under skill roots.
 Roots come from the settings (`skills_dir`, `--skills-dir`) and from installed plugins: an entry
 point in the group `ellm.skills` names a directory (or a callable returning one). Roots are scanned
 on every lookup, so a skill added to a root is found without restarting the daemon.
+
+Nothing outside a root is read: a skill directory or SKILL.md that is a symlink leading out of its
+root is listed as broken, a skill's files are the regular files inside its directory (special
+files such as FIFOs never block a read), and a file is at most MAX_FILE_BYTES.
 """
 
 from __future__ import annotations
 
 import importlib.metadata
 import logging
+import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
 
 from ellmd.errors import EllmError
+from ellmd.runtime.retrieval import MAX_FILE_BYTES, read_regular
 
 log = logging.getLogger("ellmd.skills")
 
@@ -36,9 +43,20 @@ class Skill:
     instructions: str  # SKILL.md without its front matter
 
     def files(self) -> list[str]:
-        """The skill's other files, relative to its directory."""
-        return sorted(p.relative_to(self.directory).as_posix() for p in self.directory.rglob("*")
-                      if p.is_file() and p.name != "SKILL.md" and not any(part.startswith(".") for part in p.parts))
+        """The skill's other files (regular, not hidden, no symlinks), relative to its directory."""
+        found = []
+        for dirpath, dirnames, filenames in os.walk(self.directory):  # symlinked folders are not followed
+            dirnames[:] = [d for d in dirnames if not d.startswith(".")]
+            for name in filenames:
+                path = Path(dirpath, name)
+                if name.startswith(".") or path == self.directory / "SKILL.md":
+                    continue
+                try:
+                    if stat.S_ISREG(path.lstat().st_mode):
+                        found.append(path.relative_to(self.directory).as_posix())
+                except OSError:
+                    continue
+        return sorted(found)
 
     def info(self) -> dict:
         return {"name": self.name, "description": self.description, "path": str(self.directory), "files": self.files()}
@@ -52,10 +70,15 @@ class Skill:
         path = (self.directory / file).resolve()
         if not path.is_relative_to(self.directory):
             raise SkillError(f"file {file!r} escapes the directory of skill {self.name!r}", "bad_request")
-        if not path.is_file():
-            raise SkillError(f"skill {self.name!r} has no file {file!r}")
         try:
-            return f"# Skill {self.name}: {file}\n\n{path.read_text(encoding='utf-8').strip()}"
+            _, data = read_regular(path, MAX_FILE_BYTES)
+        except FileNotFoundError:
+            raise SkillError(f"skill {self.name!r} has no file {file!r}") from None
+        except (OSError, ValueError) as e:  # a folder, a FIFO, a device, too large
+            raise SkillError(f"file {file!r} of skill {self.name!r} cannot be loaded: "
+                             f"{getattr(e, 'strerror', None) or e}", "bad_request") from None
+        try:
+            return f"# Skill {self.name}: {file}\n\n{data.decode('utf-8').strip()}"
         except UnicodeDecodeError:
             raise SkillError(f"file {file!r} of skill {self.name!r} is not UTF-8 text") from None
 
@@ -81,6 +104,8 @@ class SkillLibrary:
         for root in self.roots:
             for path in sorted(root.glob("*/SKILL.md")):
                 try:
+                    if not path.resolve().is_relative_to(root):
+                        raise SkillError(f"{path} leads out of the skill root {root} (a symlink)", "bad_request")
                     skill = read_skill(path)
                 except (SkillError, UnicodeDecodeError, OSError) as e:
                     broken.append({"name": path.parent.name, "description": "", "path": str(path.parent),
@@ -110,7 +135,12 @@ class SkillLibrary:
 
 def read_skill(path: Path) -> Skill:
     """Parse a SKILL.md: the front matter between two `---` lines, then the instructions."""
-    text = path.read_text(encoding="utf-8")
+    try:
+        text = read_regular(path.resolve(), MAX_FILE_BYTES)[1].decode("utf-8")
+    except ValueError as e:  # not a regular file, too large (UnicodeDecodeError is reported as it is)
+        if isinstance(e, UnicodeDecodeError):
+            raise
+        raise SkillError(f"{path}: {e}", "bad_request") from None
     meta, body = {}, text
     if text.startswith("---"):
         head, sep, rest = text[3:].partition("\n---")
