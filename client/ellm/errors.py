@@ -60,7 +60,8 @@ class CapacityError(EllmError):
 
 
 class Busy(EllmError):
-    """The session is generating for another request."""
+    """The session is generating for another request, or a daemon limit is reached (its request
+    queue, requests in flight on this connection, connections): retry later."""
 
     code = "busy"
 
