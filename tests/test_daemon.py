@@ -259,8 +259,10 @@ def test_sigkill_during_snapshots_leaves_a_usable_store(tmp_path):
 
         worker = threading.Thread(target=hammer)
         worker.start()
-        while len(committed) < 5:
+        deadline = time.monotonic() + 120
+        while len(committed) < 5 and worker.is_alive() and time.monotonic() < deadline:
             time.sleep(0.05)
+        assert len(committed) >= 5, "the snapshots did not get going"
         daemon.kill()
         worker.join(timeout=60)
     daemon = Daemon(tmp_path, slots=1).start()
@@ -342,3 +344,35 @@ def test_detach_status_stop(tmp_path):
     assert not (tmp_path / "run" / "ellmd.sock").exists()
     again = ellmd("status")
     assert again.returncode == 2 and "ellmd start" in again.stderr
+
+
+def test_stop_returns_promptly_with_idle_clients_and_answers_every_request(tmp_path):
+    daemon = Daemon(tmp_path, slots=1).start()
+    with daemon.client() as client:
+        generating, waiting = client.open_session().id, client.open_session().id
+    idle = [raw_connection(daemon.socket) for _ in range(3)]
+    for sock, unpacker in idle[:2]:  # two idle after hello, one idle before it
+        sock.sendall(msgpack.packb({"id": 0, "op": "hello", "args": {"protocol": 1}}))
+        assert read_message(sock, unpacker)["ok"]
+    sock, unpacker = raw_connection(daemon.socket)
+    sock.sendall(msgpack.packb({"id": 0, "op": "hello", "args": {"protocol": 1}}))
+    assert read_message(sock, unpacker)["ok"]
+    long = {"content": "Write a long story.", "max_tokens": 1500, "ignore_eos": True}
+    sock.sendall(msgpack.packb({"id": 1, "op": "session.chat", "args": {"session_id": generating, **long}}))
+    assert read_message(sock, unpacker)["event"] == "token"  # generating in the only slot
+    sock.sendall(msgpack.packb({"id": 2, "op": "session.chat", "args": {"session_id": waiting, **long}}))
+    started = time.monotonic()
+    stopped = subprocess.run([sys.executable, "-m", "ellmd.cli", "stop", "--socket", str(daemon.socket)],
+                             capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert stopped.returncode == 0, stopped.stderr
+    assert time.monotonic() - started < 30
+    assert daemon.process.wait(timeout=30) == 0
+    replies = {}
+    while (message := read_message(sock, unpacker)) is not None:
+        if "ok" in message:
+            replies[message["id"]] = message
+    assert replies[1]["ok"] and replies[1]["result"]["finish_reason"] == "cancelled"
+    assert replies[2]["error"]["code"] == "cancelled"
+    for s, u in idle:  # closed by the daemon (the one without hello may have been told why first)
+        while (message := read_message(s, u)) is not None:
+            assert message["ok"] is False

@@ -132,14 +132,14 @@ class Servers:
         self.ready.set()
         await self.stop.wait()
         log.info("stopping: finishing generations and snapshotting sessions")
-        # HTTP stops listening now; its requests in flight end with the generations below.
+        # Both servers stop taking requests now; those in flight end with the generations below.
+        server.stop_accepting()
         http_closed = asyncio.create_task(http.close()) if http else None
         # End the engine loop while this loop still runs, so the final replies reach their clients.
         await self.loop.run_in_executor(None, runtime.stop)
-        await asyncio.sleep(0.05)
         if http_closed:
             await http_closed
-        await server.close()
+        await server.close()  # replies sent, then every connection closed, idle ones too
 
 
 def detach(argv: list[str], settings: Settings, wait_s: float = 600.0) -> int:

@@ -88,6 +88,7 @@ class UnixServer:
         self.server: asyncio.AbstractServer | None = None
         self.connections: set[Connection] = set()
         self.uid = os.getuid()  # the only uid served
+        self.stopping = False
 
     @property
     def clients(self) -> int:
@@ -108,20 +109,33 @@ class UnixServer:
         finally:
             os.umask(umask)
 
-    async def close(self) -> None:
-        """Stop listening and close every connection (the final replies are flushed first).
-
-        Python 3.12's wait_closed waits for every connection to end, so idle clients are closed
-        here rather than waited for; the wait is bounded all the same.
-        """
+    def stop_accepting(self) -> None:
+        """The daemon stops: no new connection, and new requests are answered `cancelled` at once
+        (the runtime answers those it has, so every request gets a reply)."""
+        self.stopping = True
         if self.server is not None:
             self.server.close()
+
+    async def close(self, grace_s: float = 2.0) -> None:
+        """Stop listening; send the replies still due, then close every connection, idle ones too.
+
+        Python 3.12's wait_closed waits for every connection to end, so connections are closed here
+        rather than waited for, and one whose client does not read is aborted after `grace_s`.
+        """
+        if self.server is None:
+            return
+        self.stop_accepting()
+        deadline = asyncio.get_running_loop().time() + grace_s
+        while any(c.in_flight for c in self.connections) and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.01)  # the runtime answered them all: their replies are being sent
+        for connection in list(self.connections):
+            connection.writer.close()
+        try:
+            await asyncio.wait_for(self.server.wait_closed(), grace_s)
+        except TimeoutError:
             for connection in list(self.connections):
-                connection.writer.close()
-            try:
-                await asyncio.wait_for(self.server.wait_closed(), 5)
-            except TimeoutError:
-                log.warning("connections still open after 5 s; exiting without them")
+                connection.writer.transport.abort()
+            await asyncio.wait_for(self.server.wait_closed(), grace_s)
         if self.path.exists():
             self.path.unlink()
 
@@ -332,6 +346,9 @@ class Connection:
 
     def start(self, request_id: int, op: str, args: dict) -> None:
         """Submit a request to the runtime, within the connection's and the engine queue's limits."""
+        if self.server.stopping:
+            self.send_error(request_id, "cancelled", "the daemon is shutting down")
+            return
         if len(self.in_flight) >= self.limits.max_in_flight:
             self.send_error(request_id, "busy", f"{len(self.in_flight)} requests are in flight on this "
                             "connection (max_in_flight); wait for a reply first")
@@ -357,6 +374,10 @@ class Connection:
             self.send({"id": request_id, "ok": True, "result": result})
         except RuntimeError_ as e:
             self.send_error(request_id, e.code, str(e))
+        except asyncio.CancelledError:
+            if not request.future.cancelled():
+                raise  # this task itself is cancelled
+            self.send_error(request_id, "cancelled", "the daemon is shutting down")
         except (ConnectionResetError, BrokenPipeError, Closing):
             pass
         except Exception as e:  # a result that cannot be sent: a bug, reported to the client
