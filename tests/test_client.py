@@ -1,10 +1,11 @@
-"""The `ellm` client and CLI against a fake daemon.
+"""The `ellm` client and CLI against a fake daemon, held to the real daemon's replies.
 
 `FakeDaemon` is an asyncio Unix-socket server written here: it speaks PROTOCOL.md's framing (a
 stream of msgpack maps, hello first, ids echoed, events before replies) with canned replies, runs
 every request as its own task (so replies may come out of order) and has a few `test.*` ops that
 misbehave on purpose. The tests cover the client's framing, id dispatch, streaming, cancel, error
-mapping, reconnection, export/import and the CLI. Tests against the real daemon live elsewhere.
+mapping, reconnection, export/import and the CLI. A contract test (at the end) runs the same calls
+against the fake and the real daemon and compares every reply's shape, so the fake cannot drift.
 """
 
 from __future__ import annotations
@@ -191,22 +192,26 @@ class FakeDaemon:
         now = time.time()
         info = {
             "session_id": session_id or f"s{self._count}", "title": title, "tags": tags or [], "created": now,
-            "updated": now, "tokens": tokens, "resident": True, "turns": [], "skills": [],
+            "updated": now, "tokens": tokens, "resident": True, "busy": False, "turns": [], "skills": [],
             "fingerprint": {"model": "m1", "tokenizer": "t1", "template": "c1", "kv": "bf16"},
         }
         self.sessions[info["session_id"]] = info
         return info
 
-    def add_turn(self, info: dict, kind: str, count: int, role: str | None = None) -> None:
+    def add_turn(self, info: dict, kind: str, count: int, role: str | None = None, name: str | None = None) -> None:
         start = info["tokens"]
-        info["turns"].append({"index": len(info["turns"]), "kind": kind, "role": role, "start": start,
+        info["turns"].append({"index": len(info["turns"]), "kind": kind, "role": role, "name": name, "start": start,
                               "end": start + count, "time": time.time()})
         info["tokens"] += count
 
     @staticmethod
-    def usage(info: dict, prefilled: int, generated: int = 0) -> dict:
-        return {"prompt_tokens": info["tokens"], "prefilled_tokens": prefilled, "reused_tokens": info["tokens"] - prefilled,
-                "generated_tokens": generated, "prefill_ms": 1.0, "ttft_ms": 2.0, "decode_tok_s": 50.0}
+    def usage(info: dict, prefilled: int, generated: int | None = None) -> dict:
+        """The usage of an append (generated None) or of a generation."""
+        usage = {"prompt_tokens": info["tokens"], "prefilled_tokens": prefilled,
+                 "reused_tokens": info["tokens"] - prefilled, "prefill_ms": 1.0}
+        if generated is not None:
+            usage.update(generated_tokens=generated, ttft_ms=2.0, decode_tok_s=50.0)
+        return usage
 
     # ops of PROTOCOL.md
 
@@ -232,12 +237,12 @@ class FakeDaemon:
 
     async def generation(self, conn, rid, args, info, content):
         """Replies `echo: <content>`; content "slow" streams slowly, "disconnect" hangs up mid-stream."""
-        if info.get("generating"):
+        if info["busy"]:
             raise FakeError("busy", "the session is generating")
         pieces = ["echo:"] + [" " + word for word in content.split()]
         if content == "slow":
             pieces = [" tick"] * 200
-        info["generating"] = True
+        info["busy"] = True
         conn.cancels[rid] = cancelled = asyncio.Event()
         sent, finish = [], "stop"
         try:
@@ -256,10 +261,10 @@ class FakeDaemon:
             if len(sent) >= args.get("max_tokens", 256):
                 finish = "length"
         finally:
-            info["generating"] = False
+            info["busy"] = False
         self.add_turn(info, "generation", len(sent), "assistant")
         return {"text": "".join(sent), "token_ids": list(range(len(sent))), "finish_reason": finish,
-                "tool_calls": [], "usage": self.usage(info, 3, len(sent))}
+                "tool_calls": [], "usage": self.usage(info, 3, len(sent)), "session_id": info["session_id"]}
 
     async def op_session_append(self, conn, rid, args):
         info = self.session(args)
@@ -274,9 +279,10 @@ class FakeDaemon:
         info = self.session(args)
         if args["name"] != "git":
             raise FakeError("not_found", f"no skill {args['name']!r}")
-        self.add_turn(info, "skill", 30)
+        self.add_turn(info, "skill", 30, "user", "git")
         info["skills"].append("git")
-        return {"skill": "git", "tokens_appended": 30, "usage": self.usage(info, 30)}
+        return {"skill": "git", "file": None, "loaded": True, "tokens_appended": 30, "tokens": info["tokens"],
+                "usage": self.usage(info, 30)}
 
     async def op_rag_inject(self, conn, rid, args):
         info = self.session(args)
@@ -286,12 +292,14 @@ class FakeDaemon:
             passages = [{"text": f"passage {i} about {args['query']}", "source": f"doc{i}", "score": 1.0 - i / 10}
                         for i in range(args.get("k", 2))]
         self.add_turn(info, "rag", 10 * len(passages))
-        return {"passages": passages, "tokens_appended": 10 * len(passages), "usage": self.usage(info, 10)}
+        return {"passages": passages, "tokens_appended": 10 * len(passages), "tokens": info["tokens"],
+                "usage": self.usage(info, 10)}
 
     async def op_session_fork(self, conn, rid, args):
         parent = self.session(args)
         child = self.new_session(args.get("title"), parent["tags"], parent["tokens"])
         child["turns"] = [dict(t) for t in parent["turns"]]
+        child["skills"] = list(parent["skills"])
         return child
 
     async def op_session_rewind(self, conn, rid, args):
@@ -303,13 +311,16 @@ class FakeDaemon:
                 info["tokens"] = info["turns"][args["turn"]]["start"]
             info["turns"] = info["turns"][: args["turn"]]
         else:
-            info["tokens"] = min(args["tokens"], info["tokens"])
+            if not 0 <= args["tokens"] <= info["tokens"]:
+                raise FakeError("bad_request", f"tokens must be from 0 to {info['tokens']}")
+            info["tokens"] = args["tokens"]
             info["turns"] = [t for t in info["turns"] if t["end"] <= info["tokens"]]
+        info["skills"] = [t["name"] for t in info["turns"] if t["kind"] == "skill"]
         return info
 
     async def op_session_snapshot(self, conn, rid, args):
-        self.session(args)
-        return {"chunks_written": 1, "bytes_written": 4096, "ms": 1.5}
+        info = self.session(args)
+        return {"chunks_written": 1, "bytes_written": 4096, "ms": 1.5, "stored_tokens": info["tokens"]}
 
     async def op_session_resume(self, conn, rid, args):
         info = self.session(args)
@@ -327,9 +338,12 @@ class FakeDaemon:
         return {"session_id": args["session_id"]}
 
     async def op_stats(self, conn, rid, args):
-        return {"model": "fake-model", "capacity": {"slots": 4, "sequence_length": 8192},
-                "sessions": {"resident": sum(s["resident"] for s in self.sessions.values()), "stored": len(self.sessions)},
-                "kv_bytes": 1234, "uptime_s": 12.5}
+        resident = sum(s["resident"] for s in self.sessions.values())
+        return {"model": "fake-model", "model_type": "llama", "slots": 4, "sequence_length": 8192,
+                "sessions_resident": resident, "sessions_stored": len(self.sessions), "generating": 0,
+                "kv_bytes": 1234, "kv_bytes_used": 234, "kv_bytes_free": 1000, "kv_bytes_per_token": 2,
+                "counters": {"prefilled": 10, "reused": 5, "generated": 3},
+                "store": {"path": "/fake/store", "bytes_used": 4096, "map_size": 1 << 30}, "uptime_s": 12.5}
 
     async def op_shutdown(self, conn, rid, args):
         return {}
@@ -467,7 +481,7 @@ def test_hello_and_session_ops(daemon, client):
     assert session.close() == {"session_id": session.id, "snapshotted": True}
     assert session.resume()["tokens"] == 2
     assert {s["session_id"] for s in client.list_sessions()} == {session.id, child.id}
-    assert client.stats()["sessions"]["stored"] == 2
+    assert client.stats()["sessions_stored"] == 2
     assert child.delete() == {"session_id": child.id}
     with pytest.raises(NotFound):
         child.info()
@@ -709,7 +723,7 @@ def test_cli_socket_from_environment(daemon):
 def test_cli_status(daemon):
     result = ellm_cli(daemon, "status")
     assert result.exit_code == 0, result.output
-    assert "fake-model" in result.stdout and "capacity.slots" in result.stdout
+    assert "fake-model" in result.stdout and "sequence_length" in result.stdout
     report = json.loads(ellm_cli(daemon, "status", "--json").stdout)
     assert report["server"]["protocol"] == 1 and report["stats"]["kv_bytes"] == 1234
 
@@ -833,3 +847,74 @@ def test_cli_skill_and_rag(daemon, tmp_path):
 def test_import_needs_no_numpy():
     code = "import ellm, ellm.cli, sys; assert 'numpy' not in sys.modules and 'ellmd' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+# the fake daemon's replies against the real daemon's
+
+
+def shape(value):
+    """A reply's shape: map keys and value kinds, recursively (lists by their first item)."""
+    if isinstance(value, dict):
+        return {key: shape(v) for key, v in value.items()}
+    if isinstance(value, list):
+        return [shape(value[0])] if value else []
+    if isinstance(value, bool) or value is None:
+        return type(value).__name__
+    return "number" if isinstance(value, (int, float)) else type(value).__name__
+
+
+def contract_script(client: Client) -> dict:
+    """The same calls against either daemon: each call's reply shape, or its error code."""
+    out = {}
+
+    def record(label, op, **args):
+        try:
+            out[label] = shape(client.call(op, **args))
+        except EllmError as e:
+            out[label] = e.code
+        return out[label]
+
+    opened = client.call("session.open", title="contract", tags=["a"], system="Be brief.")
+    sid = opened["session_id"]
+    out["open"] = shape(opened)
+    record("append", "session.append", session_id=sid, text="Hello there.")
+    record("skill.load", "skill.load", session_id=sid, name="git")
+    record("skill.load missing", "skill.load", session_id=sid, name="nope")
+    record("rag.inject", "rag.inject", session_id=sid, documents=[{"text": "A fact.", "source": "a.md"}])
+    record("chat", "session.chat", session_id=sid, content="Hi", max_tokens=2, stream=False)
+    record("info", "session.info", session_id=sid)
+    record("list", "session.list")
+    record("stats", "stats")
+    record("snapshot", "session.snapshot", session_id=sid)
+    forked = client.call("session.fork", session_id=sid, title="fork")
+    out["fork"] = shape(forked)
+    turns = len(client.call("session.info", session_id=sid)["turns"])
+    record("rewind turn", "session.rewind", session_id=sid, turn=1)
+    record("rewind past the last turn", "session.rewind", session_id=sid, turn=turns + 5)
+    record("rewind past the end", "session.rewind", session_id=sid, tokens=10**6)
+    record("resume", "session.resume", session_id=sid)
+    record("close", "session.close", session_id=sid)
+    record("delete", "session.delete", session_id=forked["session_id"])
+    record("info missing", "session.info", session_id="no-such-session")
+    return out
+
+
+def test_fake_daemon_replies_like_the_real_one(daemon, tmp_path):
+    """The fake daemon's replies have the real daemon's shapes, so the tests above test the client
+    against what it will meet (stats, rewind bounds, skill.load, every reply's fields)."""
+    sys.path.insert(0, os.path.dirname(__file__))
+    from daemon import Daemon as RealDaemon
+
+    skills = tmp_path / "skills"
+    (skills / "git").mkdir(parents=True)
+    (skills / "git" / "SKILL.md").write_text("---\nname: git\ndescription: Use git.\n---\nCommit often.\n")
+    real = RealDaemon(tmp_path, slots=2, extra=["--skills-dir", str(skills)]).start()
+    try:
+        with Client(real.socket, timeout=120) as client:
+            expected = contract_script(client)
+    finally:
+        assert real.stop() == 0
+    with Client(daemon.path, timeout=10) as client:
+        actual = contract_script(client)
+    for label in expected:
+        assert actual[label] == expected[label], label

@@ -208,14 +208,21 @@ def test_chat_logprobs(client):
 
 
 def test_metrics_move(smol, client):
+    """Two turns of one conversation move every counter, reuse included (the second turn reuses the
+    first): the test makes its own figures, alone or after others."""
     before = scrape(smol[1])
-    client.chat.completions.create(model="smol", messages=[{"role": "user", "content": "Count to five."}],
-                                   max_tokens=6, temperature=0)
+    messages = [{"role": "user", "content": "Count to five."}]
+    first = client.chat.completions.create(model="smol", messages=messages, max_tokens=6, temperature=0)
+    messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                 {"role": "user", "content": "Go on."}]
+    second = client.chat.completions.create(model="smol", messages=messages, max_tokens=6, temperature=0)
+    assert second.usage.prompt_tokens_details.cached_tokens > 0
+    reused = first.usage.prompt_tokens_details.cached_tokens + second.usage.prompt_tokens_details.cached_tokens
     after = scrape(smol[1])
     for name in ("ellm_prompt_tokens_prefilled_total", "ellm_generated_tokens_total",
                  "ellm_time_to_first_token_seconds_count", "ellm_decode_tokens_per_second_count"):
         assert after[name] > before[name], name
-    assert after["ellm_prompt_tokens_reused_total"] >= before["ellm_prompt_tokens_reused_total"] > 0
+    assert after["ellm_prompt_tokens_reused_total"] - before["ellm_prompt_tokens_reused_total"] == reused
     assert after["ellm_time_to_first_token_seconds_sum"] > 0 and after["ellm_last_decode_tokens_per_second"] > 0
     assert 1 <= after["ellm_sessions_resident"] <= 2 and after["ellm_sessions_stored"] >= 1
     assert 0 < after["ellm_kv_bytes_used"] < after["ellm_kv_bytes_capacity"]

@@ -6,6 +6,7 @@ import math
 import os
 import sys
 import threading
+import time
 from collections import Counter
 from importlib.metadata import entry_points
 from pathlib import Path
@@ -360,12 +361,14 @@ def test_a_search_during_a_reindex_sees_the_old_or_the_new_index(tmp_path):
     seen, errors = set(), []
     indexer = threading.Thread(target=lambda: library.index(folder))
     indexer.start()
-    while indexer.is_alive() or not seen:
+    deadline = time.monotonic() + 120
+    while (indexer.is_alive() or not seen) and time.monotonic() < deadline:
         try:
             seen.add(frozenset(p.text.split()[1] for p in library.search("apple", k=200)))
         except Exception as e:  # noqa: BLE001 (any error fails the test below)
             errors.append(e)
-    indexer.join()
+    indexer.join(timeout=60)
+    assert not indexer.is_alive() and seen, "the index run or the searches never ended"
     assert errors == [] and seen <= {frozenset({"orchard"}), frozenset({"cider"})}
     assert {p.text.split()[1] for p in library.search("apple", k=200)} == {"cider"}
 
