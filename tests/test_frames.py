@@ -86,7 +86,8 @@ def test_bad_requests_keep_the_connection(daemon):
         ({"id": 3, "op": "stats", "args": [1]}, "bad_request"),
         ({3: "x", "id": 4, "op": "stats", "args": {1: 2}}, "bad_request"),
         ({"id": 5, "op": "cancel", "args": {"request_id": [1]}}, "bad_request"),
-        ({"id": 6, "op": "session.import", "args": {"upload": [1], "data": b"x"}}, "not_found"),
+        ({"id": 6, "op": "session.import", "args": {"upload": [1], "data": b"x"}}, "bad_request"),
+        ({"id": 6, "op": "session.import", "args": {"upload": "u99", "data": b"x"}}, "not_found"),
         ({"id": 7, "op": "session.import", "args": {"data": "not binary", "more": True}}, "bad_request"),
         ({"id": 8, "op": "no.such.op", "args": {}}, "unknown_op"),
     ]:

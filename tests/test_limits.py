@@ -14,6 +14,8 @@ import urllib.request
 import msgpack
 import pytest
 
+from ellm import Busy, Client
+
 from daemon import Daemon
 from test_frames import connect, read
 from test_http import free_port
@@ -54,6 +56,8 @@ def test_connections_beyond_the_limit_are_refused(daemon):
     assert reply["error"]["code"] == "busy" and "max_connections" in reply["error"]["message"]
     assert read(sock, unpacker) is None
     sock.close()
+    with pytest.raises(Busy, match="max_connections"):  # what the client makes of it
+        Client(daemon.socket, timeout=30)
     for s, _ in held:
         s.close()
     deadline = time.monotonic() + 10

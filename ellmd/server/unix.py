@@ -322,13 +322,13 @@ class Connection:
     def upload(self, request_id, args) -> None:
         """Collect the pieces of a session.import; the last piece imports the whole blob."""
         data, upload = args.get("data"), args.get("upload")
-        if not isinstance(data, bytes):
-            self.send_error(request_id, "bad_request", "data must be binary")
+        if not isinstance(data, bytes) or not isinstance(upload, (str, type(None))):
+            self.send_error(request_id, "bad_request", "data must be binary, upload a string")
             return
         if upload is None:
             upload = f"u{request_id}"
             self.uploads[upload] = bytearray()
-        elif not isinstance(upload, str) or upload not in self.uploads:
+        elif upload not in self.uploads:
             self.send_error(request_id, "not_found", f"no upload {upload!r} on this connection")
             return
         total = sum(map(len, self.uploads.values())) + len(data)
