@@ -85,7 +85,7 @@ class UnixServer:
                 except BadFrame as e:
                     connection.send_error(None, "bad_frame", str(e))
                     break
-                except (msgpack.ExtraData, msgpack.FormatError, msgpack.StackError, ValueError) as e:
+                except (msgpack.ExtraData, msgpack.FormatError, msgpack.StackError, ValueError, TypeError) as e:
                     connection.send_error(None, "bad_frame", f"not a msgpack stream: {e}")
                     break
                 await writer.drain()
@@ -161,7 +161,7 @@ class Connection:
             "protocol": PROTOCOL_VERSION, "server": f"ellmd/{__version__}", "max_frame": MAX_FRAME, **self.server.info}})
 
     def cancel(self, request_id, target) -> None:
-        request = self.in_flight.get(target)
+        request = self.in_flight.get(target) if isinstance(target, int) else None
         if request is not None:
             request.cancelled.set()
         self.send({"id": request_id, "ok": True, "result": {"cancelled": request is not None}})
@@ -169,8 +169,8 @@ class Connection:
     def upload(self, request_id, args) -> None:
         """Collect the pieces of a session.import; the last piece imports the whole blob."""
         data, upload = args.get("data"), args.get("upload")
-        if not isinstance(data, bytes):
-            self.send_error(request_id, "bad_request", "data must be binary")
+        if not isinstance(data, bytes) or not isinstance(upload, (str, type(None))):
+            self.send_error(request_id, "bad_request", "data must be binary, upload a string")
             return
         if upload is None:
             upload = f"u{request_id}"
