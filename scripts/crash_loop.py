@@ -221,10 +221,11 @@ def crash_loop(tmp: Path, iterations: int, seed: int, txn_sleep: float = 0.03, l
     figures = {"iterations": 0, "sigkills": 0, "sessions_checked": 0, "lost": [], "logits_compared": 0,
                "in_flight": {}, "ops": {}}
     daemon = Daemon(tmp, txn_sleep)
+    in_flight = None
     for iteration in range(iterations):
         daemon.start()
         with Client(daemon.socket, timeout=120) as client:
-            result = check(client, models, workload.in_flight if iteration else None, rng, logit_checks)
+            result = check(client, models, in_flight, rng, logit_checks)
         figures["sessions_checked"] += result["sessions"]
         figures["lost"] += [f"iteration {iteration}: {x}" for x in result["lost"]]
         figures["logits_compared"] += result["logits_compared"]
@@ -238,6 +239,7 @@ def crash_loop(tmp: Path, iterations: int, seed: int, txn_sleep: float = 0.03, l
             pass  # the daemon is gone
         killer.join()
         daemon.process.wait(30)
+        in_flight = workload.in_flight
         figures["sigkills"] += 1
         figures["iterations"] += 1
         name = workload.in_flight[0] if workload.in_flight else "none"
@@ -248,7 +250,7 @@ def crash_loop(tmp: Path, iterations: int, seed: int, txn_sleep: float = 0.03, l
             progress(iteration, figures)
     daemon.start()  # the last check, then a clean stop
     with Client(daemon.socket, timeout=120) as client:
-        result = check(client, models, workload.in_flight, rng, logit_checks)
+        result = check(client, models, in_flight, rng, logit_checks)
         client.shutdown()
     figures["lost"] += result["lost"]
     figures["logits_compared"] += result["logits_compared"]

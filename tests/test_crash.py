@@ -7,11 +7,12 @@ each acknowledged turn is there and the resumed KV gives bit-identical logits to
 from __future__ import annotations
 
 import importlib.util
+import sys
 
 from daemon import ROOT
 
 spec = importlib.util.spec_from_file_location("crash_loop", ROOT / "scripts" / "crash_loop.py")
-crash_loop = importlib.util.module_from_spec(spec)
+crash_loop = sys.modules["crash_loop"] = importlib.util.module_from_spec(spec)  # dataclasses look it up
 spec.loader.exec_module(crash_loop)
 
 

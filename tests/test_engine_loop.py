@@ -173,3 +173,54 @@ def test_the_sampler_never_hands_nan_to_the_rng(params):
         assert token == 3  # an infinite bias wins outright
     if params.get("temperature") == 1e-40:
         assert token == int(np.nanargmax(logits))  # a vanishing temperature is greedy
+
+
+def test_a_snapshot_during_a_generation_stores_whole_turns(runtime):
+    sid = call(runtime, "session.open", system="Be brief.")["session_id"]
+    call(runtime, "session.append", session_id=sid, message={"role": "user", "content": "Tell a long story."})
+    before = call(runtime, "session.info", session_id=sid)
+    tokens = []
+    generating = threading.Event()
+
+    def emit(event, data):
+        tokens.extend(data["token_ids"])
+        if len(tokens) >= 5:
+            generating.set()
+
+    generation = runtime.submit("session.generate", {"session_id": sid, "max_tokens": 60, "ignore_eos": True}, emit)
+    assert generating.wait(120)
+    snapshot = runtime.submit("session.snapshot", {"session_id": sid})
+    exported = runtime.submit("session.export", {"session_id": sid})
+    snapshot.future.result(timeout=120)
+    blob = exported.future.result(timeout=120)
+    assert not generation.future.done()  # both ran while it was generating
+    stored = runtime.store.get_meta(sid)
+    assert stored["tokens"] == before["tokens"] and len(stored["turns"]) == len(before["turns"])
+    assert blob["tokens"] == before["tokens"]
+    result = generation.future.result(timeout=120)
+    assert len(result["token_ids"]) == 60
+    stored = runtime.store.get_meta(sid)
+    assert len(stored["turns"]) == len(before["turns"]) + 1  # the finished turn joined the store whole
+    assert stored["tokens"] + len(stored["pending"]) == call(runtime, "session.info", session_id=sid)["tokens"]
+
+
+def test_an_append_that_fails_to_store_has_not_appended(runtime, monkeypatch):
+    sid = call(runtime, "session.open", system="Be brief.")["session_id"]
+    before = call(runtime, "session.info", session_id=sid)
+    slot_length = int(runtime.engine.kv.lengths[runtime.sessions[sid].slot])
+
+    def full(*args, **kwargs):
+        raise StoreError("injected: the store is full")
+
+    monkeypatch.setattr(runtime.store, "snapshot", full)
+    for args in ({"text": "More words."}, {"message": {"role": "user", "content": "Hi."}}, {"tokens": [1, 2, 3]}):
+        with pytest.raises(RuntimeError_, match="injected") as raised:
+            call(runtime, "session.append", session_id=sid, **args)
+        assert raised.value.code == "store"
+        assert call(runtime, "session.info", session_id=sid) == before
+        assert int(runtime.engine.kv.lengths[runtime.sessions[sid].slot]) == slot_length
+    with pytest.raises(RuntimeError_, match="injected"):  # chat: neither the user message nor a reply
+        call(runtime, "session.chat", session_id=sid, content="Hello?", max_tokens=3)
+    assert call(runtime, "session.info", session_id=sid) == before
+    monkeypatch.undo()
+    assert call(runtime, "session.chat", session_id=sid, content="Hello?", max_tokens=3)["token_ids"]

@@ -8,13 +8,14 @@ afterwards a fresh client still opens a session and generates.
 from __future__ import annotations
 
 import importlib.util
+import sys
 
 import pytest
 
 from daemon import ROOT, Daemon
 
 spec = importlib.util.spec_from_file_location("fuzz_ops", ROOT / "scripts" / "fuzz_ops.py")
-fuzz_ops = importlib.util.module_from_spec(spec)
+fuzz_ops = sys.modules["fuzz_ops"] = importlib.util.module_from_spec(spec)  # dataclasses look it up
 spec.loader.exec_module(fuzz_ops)
 
 

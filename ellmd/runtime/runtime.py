@@ -5,6 +5,11 @@ One engine thread owns the Engine. Requests arrive on a queue; between two batch
 prefill, and every other op). Handlers on other threads never touch arrays: they submit a request
 and wait on its future. At most `slots` sessions are resident; when another is needed, the least
 recently used idle one is snapshotted and its slot reused.
+
+Arguments are validated at `submit` (schemas.py) before a request is queued, so handlers see only
+well-typed values. A request that fails is answered with its error (`protocol_error` maps
+exceptions to PROTOCOL.md codes) and leaves its session as it found it (`_restore`); a generation
+that fails ends alone (`_fail`); the loop itself failing snapshots every session first (`run`).
 """
 
 from __future__ import annotations
@@ -110,7 +115,7 @@ class Generation:
     text: list[str] = field(default_factory=list)
     token_logprobs: list[dict] = field(default_factory=list)
     first_token_at: float | None = None
-    restore: tuple[int, int] = (0, 0)  # (tokens, messages) of the session before the op: a failure goes back
+    restore: tuple = ()  # the session before the op (Runtime._before): a failure goes back to it
 
 
 class Runtime:
@@ -393,15 +398,15 @@ class Runtime:
     # ---- generation -------------------------------------------------------------------------
 
     def _start_generation(self, request: Request, session: Session, sampling: dict, prompt=None,
-                          restore: tuple[int, int] | None = None) -> None:
+                          restore: tuple | None = None) -> None:
         """Prefill the generation prompt (rendered, or the given tokens) and start decoding.
 
-        restore: the session's (tokens, messages) before the op; if the generation fails, from its
-        prompt to its last token, the session goes back to it (default: as it is now).
+        restore: the session before the op (`_before`); if the generation fails, from its prompt to
+        its last token, the session goes back to it (default: as it is now).
         """
         if session.busy:
             raise RuntimeError_("busy", f"session {session.session_id} is generating")
-        restore = restore or (session.length, len(session.messages))
+        restore = restore or self._before(session)
         stream = sampling.pop("stream", True)
         logprobs = sampling.pop("logprobs", 0)
         params = SamplingParams(**sampling)
@@ -457,14 +462,20 @@ class Runtime:
             log.exception("session %s: restoring after a failed generation failed", session.session_id)
         reply(request, error=error)
 
-    def _restore(self, session: Session, restore: tuple[int, int]) -> None:
-        """Put a session back to (tokens, messages) it had before a failed op: a cut, no recompute."""
-        length, messages = restore
+    @staticmethod
+    def _before(session: Session) -> tuple:
+        """What _restore needs to put a session back as it is now."""
+        return session.length, len(session.messages), session.updated
+
+    def _restore(self, session: Session, restore: tuple) -> None:
+        """Put a session back as it was before a failed op (`_before`): a cut, no recompute."""
+        length, messages, updated = restore
         if session.tokens is None:
             return
         if length < session.length:
             session.truncate(length)
         del session.messages[messages:]
+        session.updated = updated
         if session.slot is not None:
             self.engine.rewind(session.slot, min(len(session.tokens), int(self.engine.kv.lengths[session.slot])))
 
@@ -586,7 +597,7 @@ class Runtime:
         session = self._session(session_id, request.owner)
         if session.busy:
             raise RuntimeError_("busy", f"session {session_id} is generating")
-        before = (session.length, len(session.messages))
+        before = self._before(session)
         self._append_message(request, session, message if message is not None else {"role": "user", "content": content})
         self._start_generation(request, session, sampling, restore=before)
 
@@ -785,7 +796,9 @@ class Runtime:
         session = self._session(session_id, request.owner)
         if session.slot is not None:
             self._snapshot(session)
-        return {"session_id": session_id, "tokens": session.length, "blob": self.store.export_blob(session_id)}
+        stored = self.store.get_meta(session_id)  # a generating session is exported as of its last turn
+        return {"session_id": session_id, "tokens": stored["tokens"] + len(stored["pending"]),
+                "blob": self.store.export_blob(session_id)}
 
     def op_session_import(self, request, data):
         kv = self.engine.kv
@@ -823,6 +836,7 @@ class Runtime:
         if session.busy:
             raise RuntimeError_("busy", f"session {session.session_id} is generating")
         start, messages_before = session.length, len(session.messages)
+        before = self._before(session)
         try:
             self._prefill(request, session, tokens, need_logits=False)
             if message is not None:
@@ -832,7 +846,7 @@ class Runtime:
         except SlotsBusy:
             raise
         except Exception:  # a turn that reports an error has not been appended
-            self._restore(session, (start, messages_before))
+            self._restore(session, before)
             raise
         return {"tokens_appended": len(tokens), "tokens": session.length, "usage": self._usage(request, session)}
 
