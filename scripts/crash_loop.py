@@ -214,7 +214,7 @@ def recomputed_logits(client, model: Model) -> list:
 
 
 def crash_loop(tmp: Path, iterations: int, seed: int, txn_sleep: float = 0.03, logit_checks: int = 2,
-               progress=None) -> dict:
+               kill_after=(0.3, 2.5), progress=None) -> dict:
     """Run the loop; returns the figures (lost is the list of everything that did not come back)."""
     rng = random.Random(seed)
     models: dict[str, Model] = {}
@@ -230,7 +230,7 @@ def crash_loop(tmp: Path, iterations: int, seed: int, txn_sleep: float = 0.03, l
         figures["lost"] += [f"iteration {iteration}: {x}" for x in result["lost"]]
         figures["logits_compared"] += result["logits_compared"]
         workload = Workload(rng, models)
-        killer = threading.Timer(rng.uniform(0.3, 2.5), daemon.process.send_signal, [signal.SIGKILL])
+        killer = threading.Timer(rng.uniform(*kill_after), daemon.process.send_signal, [signal.SIGKILL])
         killer.start()
         try:
             with Client(daemon.socket, timeout=120) as client:
@@ -263,10 +263,15 @@ def main() -> int:
     parser.add_argument("--iterations", type=int, default=200)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--txn-sleep", type=float, default=0.03, help="seconds each write transaction sleeps")
+    parser.add_argument("--kill-after", type=float, nargs=2, default=(0.3, 2.5), metavar=("MIN", "MAX"),
+                        help="the SIGKILL comes this many seconds (uniform) after the workload starts")
     options = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="ellm-crash-") as tmp:
-        figures = crash_loop(Path(tmp), options.iterations, options.seed, options.txn_sleep,
-                             progress=lambda i, f: print(f"iteration {i + 1}: lost {len(f['lost'])}", file=sys.stderr))
+        figures = crash_loop(Path(tmp), options.iterations, options.seed, options.txn_sleep, kill_after=options.kill_after,
+                             progress=lambda i, f: print(f"iteration {i + 1}: sigkills {f['sigkills']}, sessions checked "
+                                                         f"{f['sessions_checked']}, logits compared {f['logits_compared']}, "
+                                                         f"lost {len(f['lost'])}, killed in {f['in_flight']}",
+                                                         file=sys.stderr, flush=True))
     print(json.dumps(figures))
     return 1 if figures["lost"] or figures["exit_code"] != 0 else 0
 
