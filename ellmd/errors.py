@@ -1,8 +1,13 @@
-"""Errors that reach users as one clear line (no traceback)."""
+"""Errors that reach users as one clear line (no traceback).
+
+Each class carries the PROTOCOL.md error code a request that raised it is answered with.
+"""
 
 
 class EllmError(Exception):
     """Base class: the message is meant for the user as is."""
+
+    code = "internal"
 
 
 class ModelError(EllmError):
@@ -11,3 +16,11 @@ class ModelError(EllmError):
 
 class CapacityError(EllmError):
     """A request does not fit: sequence length, slots, or memory."""
+
+    code = "capacity"
+
+
+class BadRequest(EllmError):
+    """A request's arguments (or an imported session) are not what the protocol allows; nothing changed."""
+
+    code = "bad_request"

@@ -162,5 +162,5 @@ def test_completion_reuses_the_longest_prefix(daemon):
         assert rebound["usage"]["reused_tokens"] == len(base) - 1
         with pytest.raises(BadRequest, match="session_id must match"):
             client.call("completion", tokens=base, session_id="a/b")
-        with pytest.raises(BadRequest, match="non-empty list"):
+        with pytest.raises(BadRequest, match="tokens: Expected `array` of length >= 1"):
             client.call("completion", tokens=[])

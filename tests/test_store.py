@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import os
+import stat
+
+import msgpack
 import numpy as np
 import pytest
 
-from ellmd.errors import EllmError
+from ellmd.errors import BadRequest, CapacityError, EllmError
 from ellmd.runtime.runtime import RuntimeError_, check_fingerprint
-from ellmd.runtime.store import CHUNK_TOKENS, Store, StoreError, _chunk_key
+from ellmd.runtime.store import CHECKSUM_BYTES, CHUNK_TOKENS, Store, StoreError, _checksum, _chunk_key, first_changed
 from ellmd.server.config import load_settings
 
 BYTES_PER_TOKEN = 12
@@ -23,9 +27,9 @@ def meta(session_id="s1"):
     return {"session_id": session_id, "fingerprint": FINGERPRINT, "title": "t"}
 
 
-def load(store, session_id):
+def load(store, session_id, bytes_per_token=None):
     chunks = {}
-    m, tokens = store.load(session_id, lambda start, data: chunks.__setitem__(start, data))
+    m, tokens = store.load(session_id, lambda start, data: chunks.__setitem__(start, bytes(data)), bytes_per_token)
     return m, tokens, b"".join(chunks[k] for k in sorted(chunks))
 
 
@@ -82,7 +86,7 @@ def test_export_import_and_fork(tmp_path):
     assert other.import_blob(blob)["session_id"] == "s1"
     assert load(other, "s1")[1:] == load(store, "s1")[1:]
     assert other.import_blob(blob)["session_id"] != "s1"  # the id is taken: a new one
-    with pytest.raises(StoreError):
+    with pytest.raises(BadRequest, match="not an exported ellm session"):  # the client's fault: bad_request
         other.import_blob(b"not a session")
     store.copy("s1", "fork", meta("fork"))
     assert load(store, "fork")[1:] == load(store, "s1")[1:]
@@ -111,3 +115,124 @@ def test_settings_precedence(tmp_path, monkeypatch):
     config.write_text('batch_size = "four"\n')
     with pytest.raises(EllmError, match="batch_size"):
         load_settings(config, {})
+
+
+def test_every_write_reads_back_with_one_msgpack_configuration(tmp_path):
+    """An int map key once written by one configuration made session.list fail for good."""
+    store = Store(tmp_path / "store")
+    tokens = list(range(5))
+    with pytest.raises(StoreError, match="refusing to write"):  # metadata is checked before it is written
+        store.snapshot({**meta(), "tools": [{7: "x"}]}, tokens, fake_kv(tokens), 0, BYTES_PER_TOKEN)
+    assert store.get_meta("s1") is None
+    store.snapshot(meta("good"), tokens, fake_kv(tokens), 0, BYTES_PER_TOKEN)
+    with store.env.begin(write=True) as txn:  # an entry left by an older version, or damaged
+        txn.put(b"old", msgpack.packb({"session_id": "old", 7: "x"}), db=store.meta)
+        txn.put(b"junk", b"\xc1\xc1", db=store.meta)
+    assert [m["session_id"] for m in store.list_meta()] == ["good"]
+    with pytest.raises(StoreError, match="session old is damaged"):
+        store.get_meta("old")
+
+
+def test_a_snapshot_never_commits_a_short_or_empty_chunk(tmp_path):
+    store = Store(tmp_path / "store")
+    tokens = list(range(CHUNK_TOKENS + 71))  # 327 tokens: a partial second chunk
+    store.snapshot(meta(), tokens, fake_kv(tokens), 0, BYTES_PER_TOKEN)
+    more = tokens + [1, 2, 3]
+    for short in (lambda a, b: b"", lambda a, b: fake_kv(more)(a, b - 1)):
+        with pytest.raises(StoreError, match="refused"):
+            store.snapshot(meta(), more, short, len(tokens), BYTES_PER_TOKEN)
+        assert load(store, "s1")[1] == tokens  # the previous snapshot is whole
+
+    def unreadable(a, b):
+        raise CapacityError("outside the slot")
+
+    with pytest.raises(StoreError, match="cannot be read"):
+        store.snapshot(meta(), more, unreadable, len(tokens), BYTES_PER_TOKEN)
+    assert load(store, "s1", BYTES_PER_TOKEN)[2] == fake_kv(tokens)(0, len(tokens))
+
+
+def test_an_evicted_session_snapshots_without_touching_its_kv(tmp_path):
+    """The metadata of a session whose KV is all stored is rewritten without reading any KV."""
+    store = Store(tmp_path / "store")
+    tokens = list(range(CHUNK_TOKENS + 71))
+    store.snapshot(meta(), tokens, fake_kv(tokens), 0, BYTES_PER_TOKEN)
+
+    def no_slot(a, b):
+        raise AssertionError("the KV of an evicted session was read")
+
+    assert store.snapshot({**meta(), "title": "new"}, tokens, no_slot, len(tokens), BYTES_PER_TOKEN)["chunks_written"] == 0
+    m, loaded, kv = load(store, "s1", BYTES_PER_TOKEN)
+    assert m["title"] == "new" and kv == fake_kv(tokens)(0, len(tokens))
+    assert first_changed(327, 327, 327) == 2 and first_changed(400, 327, 327) == 1
+    assert first_changed(300, 300, 600) == 1  # rewound into chunk 1: it is rewritten shorter
+    assert first_changed(512, 512, 512) == 2 and first_changed(10, 0, 0) == 0
+
+
+def test_load_checks_kv_length_and_writes_nothing_of_a_damaged_session(tmp_path):
+    store = Store(tmp_path / "store")
+    tokens = list(range(CHUNK_TOKENS + 71))
+    store.snapshot(meta(), tokens, fake_kv(tokens), 0, BYTES_PER_TOKEN)
+    with store.env.begin(write=True) as txn:  # what the evicted-session bug committed: an empty chunk
+        txn.put(_chunk_key("s1", 1), _checksum(b"") + b"", db=store.kv)
+    written = []
+    with pytest.raises(StoreError, match="session s1 is damaged: KV chunk 1 holds 0 tokens, not 71"):
+        store.load("s1", lambda start, data: written.append(start), bytes_per_token=BYTES_PER_TOKEN)
+    assert written == []  # chunk 0 was fine, but nothing was half-loaded
+    with store.env.begin(write=True) as txn:
+        txn.put(b"s1", np.arange(10, dtype="<i4").tobytes(), db=store.tokens)
+    with pytest.raises(StoreError, match="10 token ids, metadata says 327"):
+        store.load("s1", lambda start, data: written.append(start), bytes_per_token=BYTES_PER_TOKEN)
+
+
+def test_a_second_process_on_the_same_store_is_refused(tmp_path):
+    store = Store(tmp_path / "store")
+    with pytest.raises(StoreError, match=rf"in use by another ellmd \(pid {os.getpid()}\)"):
+        Store(tmp_path / "store")
+    store.close()
+    Store(tmp_path / "store").close()  # released with the store
+
+
+def test_store_files_are_private(tmp_path):
+    old = os.umask(0o022)
+    try:
+        store = Store(tmp_path / "store")
+        tokens = list(range(10))
+        store.snapshot(meta(), tokens, fake_kv(tokens), 0, BYTES_PER_TOKEN)
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((tmp_path / "store").stat().st_mode) == 0o700
+    for path in (tmp_path / "store").iterdir():
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600, path
+
+
+def test_import_validates_metadata_tokens_and_chunks(tmp_path):
+    store = Store(tmp_path / "a")
+    tokens = list(range(300))
+    store.snapshot(meta(), tokens, fake_kv(tokens), 0, BYTES_PER_TOKEN)
+    document = msgpack.unpackb(store.export_blob("s1"), raw=False)
+    other = Store(tmp_path / "b")
+
+    def broken(**change):
+        return msgpack.packb({**document, **change}, use_bin_type=True)
+
+    cases = [
+        (broken(meta={k: v for k, v in document["meta"].items() if k != "fingerprint"}), "fingerprint"),
+        (broken(meta={**document["meta"], "tokens": "300"}), "tokens"),
+        (broken(meta={**document["meta"], "turns": [{"index": 0}]}), "turns"),
+        (broken(tokens=document["tokens"][:-4]), "299 token ids"),
+        (broken(chunks=document["chunks"][:1]), "1 chunks"),
+        (broken(chunks=[document["chunks"][0], document["chunks"][1][:-BYTES_PER_TOKEN]]), "checksum"),
+        (broken(format="other"), "not an exported ellm session"),
+    ]
+    for blob, words in cases:
+        with pytest.raises(BadRequest, match=words):
+            other.import_blob(blob, vocab_size=1000, bytes_per_token=BYTES_PER_TOKEN)
+    with pytest.raises(BadRequest, match="outside the vocabulary"):
+        other.import_blob(store.export_blob("s1"), vocab_size=100, bytes_per_token=BYTES_PER_TOKEN)
+    short = document["chunks"][1][CHECKSUM_BYTES:-BYTES_PER_TOKEN]
+    with pytest.raises(BadRequest, match="does not hold 44 tokens"):
+        other.import_blob(broken(chunks=[document["chunks"][0], _checksum(short) + short]),
+                          vocab_size=1000, bytes_per_token=BYTES_PER_TOKEN)
+    assert other.list_meta() == []
+    assert other.import_blob(store.export_blob("s1"), vocab_size=1000, bytes_per_token=BYTES_PER_TOKEN,
+                             owner="key-a")["owner"] == "key-a"

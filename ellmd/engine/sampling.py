@@ -2,6 +2,8 @@
 
 Shapes: logits [V] f32 (one sequence at a time; the batched forward hands out one row per slot).
 Order as vLLM and transformers: penalties, logit bias, temperature, top-k, top-p, min-p, draw.
+Processing runs in float64 and never lets a NaN reach the RNG: NaN logits count as -inf, +inf ones
+share the mass, and when nothing is left (every token at -inf) the model's own argmax is taken.
 """
 
 from __future__ import annotations
@@ -65,9 +67,12 @@ class Sampler:
     def __call__(self, logits: np.ndarray) -> int:
         if self.plain_greedy:
             return int(np.argmax(logits))
-        logits = self.process(logits.astype(np.float32, copy=True))
-        token = int(np.argmax(logits)) if self.params.greedy else self.draw(logits)
-        return token
+        with np.errstate(all="ignore"):  # overflows become inf, handled below
+            processed = self.process(logits.astype(np.float64))
+        processed[np.isnan(processed)] = -np.inf
+        if processed.max() == -np.inf:  # everything banned or broken: the model's own choice
+            return int(np.argmax(np.where(np.isnan(logits), -np.inf, logits)))
+        return int(np.argmax(processed)) if self.params.greedy else self.draw(processed)
 
     def accept(self, token: int) -> None:
         """Record a generated token (for the penalties)."""
@@ -89,8 +94,15 @@ class Sampler:
         return logits
 
     def draw(self, logits: np.ndarray) -> int:
+        """Draw from processed float64 logits (no NaN, at least one above -inf)."""
         p = self.params
-        logits = logits / p.temperature
+        if np.isposinf(logits.max()):  # the +inf tokens take all the mass, evenly
+            logits = np.where(np.isposinf(logits), 0.0, -np.inf)
+        with np.errstate(over="ignore", invalid="ignore"):
+            logits = logits / p.temperature
+        logits[np.isnan(logits)] = -np.inf
+        if np.isposinf(logits.max()):  # a tiny temperature overflowed: greedy among the largest
+            logits = np.where(np.isposinf(logits), 0.0, -np.inf)
         if p.top_k and p.top_k < logits.size:
             candidates = np.argpartition(-logits, p.top_k - 1)[: p.top_k]
         else:
@@ -105,4 +117,6 @@ class Sampler:
         if p.min_p > 0.0:
             keep = min(keep, int(np.count_nonzero(probs >= p.min_p * probs[0])))
         probs = probs[:keep] / probs[:keep].sum()
+        if not np.isfinite(probs).all():  # cannot happen after the guards above; never hand NaN to the RNG
+            return int(order[0])
         return int(order[self.rng.choice(keep, p=probs)])

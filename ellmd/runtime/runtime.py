@@ -5,6 +5,11 @@ One engine thread owns the Engine. Requests arrive on a queue; between two batch
 prefill, and every other op). Handlers on other threads never touch arrays: they submit a request
 and wait on its future. At most `slots` sessions are resident; when another is needed, the least
 recently used idle one is snapshotted and its slot reused.
+
+Arguments are validated at `submit` (schemas.py) before a request is queued, so handlers see only
+well-typed values. A request that fails is answered with its error (`protocol_error` maps
+exceptions to PROTOCOL.md codes) and leaves its session as it found it (`_restore`); a generation
+that fails ends alone (`_fail`); the loop itself failing snapshots every session first (`run`).
 """
 
 from __future__ import annotations
@@ -13,10 +18,8 @@ import concurrent.futures
 import copy
 import dataclasses
 import hashlib
-import inspect
 import logging
 import queue
-import re
 import threading
 import time
 from dataclasses import dataclass, field
@@ -25,10 +28,10 @@ from pathlib import Path
 import numpy as np
 
 from ellmd.engine.sampling import Sampler, SamplingParams
-from ellmd.errors import CapacityError, EllmError
+from ellmd.errors import BadRequest, CapacityError, EllmError
+from ellmd.runtime import schemas
 from ellmd.runtime.retrieval import RetrievalError
 from ellmd.runtime.session import Session
-from ellmd.runtime.skills import SkillError
 from ellmd.runtime.store import Store, StoreError
 from ellmd.text import IncrementalDetokenizer, StopMatcher, TemplateError, detect_format, parse_tool_calls
 
@@ -51,11 +54,33 @@ class SlotsBusy(Exception):
 # thread-safe), so that indexing a folder never delays a decode step.
 ASIDE_OPS = {"rag.index", "rag.list", "rag.remove", "skill.list"}
 ANONYMOUS = "anonymous"  # the tag of sessions made by completion requests that named none
-SESSION_ID = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 
 
 def not_found(session_id) -> RuntimeError_:
     return RuntimeError_("not_found", f"no session {session_id!r}")
+
+
+def protocol_error(e: Exception) -> RuntimeError_:
+    """The one table from exceptions to PROTOCOL.md's error codes (EllmError subclasses carry theirs)."""
+    if isinstance(e, RuntimeError_):
+        return e
+    if isinstance(e, TemplateError):
+        return RuntimeError_("bad_request", str(e))
+    if isinstance(e, RetrievalError):  # an unknown index, unless it says otherwise
+        return RuntimeError_(e.__dict__.get("code", "not_found"), str(e))
+    if isinstance(e, EllmError):
+        return RuntimeError_(getattr(e, "code", "internal"), str(e))
+    return RuntimeError_("internal", f"{type(e).__name__}: {e}")
+
+
+def reply(request, result=None, error: Exception | None = None) -> None:
+    """Resolve a request's future once (a request answered already, e.g. at shutdown, stays so)."""
+    if request.future.done():
+        return
+    if error is not None:
+        request.future.set_exception(protocol_error(error))
+    else:
+        request.future.set_result(result)
 
 
 @dataclass
@@ -66,6 +91,7 @@ class Request:
     future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
     cancelled: threading.Event = field(default_factory=threading.Event)
     received: float = field(default_factory=time.perf_counter)
+    owner: str | None = None  # set by the HTTP layer: sessions stored with another owner are not found
     prefilled: int = 0  # tokens this request ran through the model
     reused: int | None = None  # tokens already computed when it first touched the session
 
@@ -89,6 +115,7 @@ class Generation:
     text: list[str] = field(default_factory=list)
     token_logprobs: list[dict] = field(default_factory=list)
     first_token_at: float | None = None
+    restore: tuple = ()  # the session before the op (Runtime._before): a failure goes back to it
 
 
 class Runtime:
@@ -116,7 +143,9 @@ class Runtime:
         self.observers: list = []  # callables given the final usage of every generation (engine thread)
         self._thread = threading.Thread(target=self.run, name="engine", daemon=True)
         self._aside = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="aside")
+        self._aside_waiting: dict[int, Request] = {}  # aside requests not started yet
         self._stopped = threading.Event()
+        self._closed = False  # set once shutdown begins: later requests are cancelled at once
 
     # ---- called from other threads ----------------------------------------------------------
 
@@ -125,10 +154,29 @@ class Runtime:
         self._thread.start()
 
     def submit(self, op: str, args: dict, emit=None) -> Request:
-        """Queue a request; its future resolves to the result dict (or raises)."""
-        request = Request(op, args or {}, emit)
+        """Queue a request; its future resolves to the result dict (or raises RuntimeError_).
+
+        The arguments are validated here, against the op's schema (schemas.py), before anything
+        runs: a bad request is answered at once and changes nothing.
+        """
+        request = Request(op, {}, emit)
+        try:
+            if op not in schemas.OPS:
+                raise RuntimeError_("unknown_op", f"unknown op {op!r}")
+            request.args = schemas.validate(op, args, self.engine.spec.vocab_size)
+            request.owner = request.args.pop("owner", None)
+            if self._closed:
+                raise RuntimeError_("cancelled", "the daemon is shutting down")
+        except (RuntimeError_, BadRequest) as e:
+            reply(request, error=e)
+            return request
+        except Exception as e:  # a bug in validation: this request fails, nothing else
+            log.exception("validating %s failed", op)
+            reply(request, error=e)
+            return request
         if op in ASIDE_OPS:
-            self._aside.submit(self._handle, request)
+            self._aside_waiting[id(request)] = request
+            self._aside.submit(self._run_aside, request)
         else:
             self.queue.put(request)
         return request
@@ -138,6 +186,12 @@ class Runtime:
         self.queue.put(None)
         self._stopped.wait(timeout)
         self._aside.shutdown(wait=False, cancel_futures=True)
+        for request in list(self._aside_waiting.values()):  # dropped before they ran
+            reply(request, error=RuntimeError_("cancelled", "the daemon is shutting down"))
+
+    def _run_aside(self, request: Request) -> None:
+        self._aside_waiting.pop(id(request), None)
+        self._handle(request)
 
     # ---- the engine thread ------------------------------------------------------------------
 
@@ -147,10 +201,19 @@ class Runtime:
         The daemon runs it on its main thread, the one that loaded the model and warmed the kernels
         up: with numba's OpenMP layer, parallel kernels launched from any other thread than the
         first to launch one pay ~0.1 ms per launch, which halved the decode speed.
+
+        A failure of one request or generation ends only that one (see _handle and _fail). Should
+        the loop itself fail, every session is snapshotted and every waiting request answered
+        before the error goes up (the daemon then exits non-zero).
         """
         try:
             self._loop()
+        except BaseException as e:
+            log.critical("the engine loop failed; snapshotting every session", exc_info=e)
+            self._shutdown()
+            raise EllmError(f"the engine loop failed ({type(e).__name__}: {e}); sessions were snapshotted") from e
         finally:
+            self._closed = True
             self._stopped.set()
 
     def _loop(self) -> None:
@@ -174,72 +237,76 @@ class Runtime:
             waiting, self.waiting = self.waiting, []
             for request in waiting:
                 if request.cancelled.is_set():
-                    request.future.set_exception(RuntimeError_("cancelled", "cancelled while waiting for a slot"))
+                    reply(request, error=RuntimeError_("cancelled", "cancelled while waiting for a slot"))
                 else:
                     self._handle(request)
 
     def _handle(self, request: Request) -> None:
-        handler = getattr(self, "op_" + request.op.replace(".", "_"), None)
+        """Run one validated request; any failure becomes its error reply, never the loop's."""
+        handler = getattr(self, "op_" + request.op.replace(".", "_"))
         try:
-            if handler is None:
-                raise RuntimeError_("unknown_op", f"unknown op {request.op!r}")
-            try:
-                inspect.signature(handler).bind(request, **request.args)
-            except TypeError as e:
-                raise RuntimeError_("bad_request", f"{request.op}: {e}") from None
             result = handler(request, **request.args)
             if result is not None:  # generations resolve later
-                request.future.set_result(result)
+                reply(request, result)
         except SlotsBusy:
             self.waiting.append(request)
-        except RuntimeError_ as e:
-            request.future.set_exception(e)
-        except StoreError as e:
-            request.future.set_exception(RuntimeError_("store", str(e)))
-        except (SkillError, RetrievalError) as e:
-            request.future.set_exception(RuntimeError_(getattr(e, "code", "not_found"), str(e)))
-        except (CapacityError, TemplateError) as e:
-            request.future.set_exception(RuntimeError_("capacity" if isinstance(e, CapacityError) else "bad_request", str(e)))
-        except ValueError as e:
-            request.future.set_exception(RuntimeError_("bad_request", f"{request.op}: {e}"))
-        except Exception as e:  # a bug: report it, keep serving
-            log.exception("op %s failed", request.op)
-            request.future.set_exception(RuntimeError_("internal", f"{request.op}: {type(e).__name__}: {e}"))
+        except Exception as e:
+            if not isinstance(e, EllmError):  # a bug: report it with its request, keep serving
+                log.exception("op %s failed (args %s)", request.op, brief(request.args))
+            reply(request, error=e)
 
     def _shutdown(self) -> None:
+        """Finish generations, snapshot every resident session (each on its own: one failure does
+        not stop the others) and answer every request still waiting."""
+        self._closed = True
         for gen in list(self.active):
-            self._finish(gen, "cancelled")
+            try:
+                self._finish(gen, "cancelled")
+            except Exception as e:
+                self._fail(gen, e)
         for session in self.slots:
             if session is not None:
-                self._snapshot(session)
+                try:
+                    self._snapshot(session)
+                except Exception:
+                    log.exception("shutdown: snapshot of session %s failed", session.session_id)
         while not self.queue.empty():
             self.waiting.append(self.queue.get_nowait())
         for request in self.waiting:
             if request:
-                request.future.set_exception(RuntimeError_("cancelled", "the daemon is shutting down"))
+                reply(request, error=RuntimeError_("cancelled", "the daemon is shutting down"))
+        self.waiting = []
 
     # ---- sessions and slots -----------------------------------------------------------------
 
-    def _session(self, session_id) -> Session:
-        if not isinstance(session_id, str):
-            raise RuntimeError_("bad_request", "session_id must be a string")
+    def _session(self, session_id: str, owner: str | None = None) -> Session:
+        """The session named by a request (loaded from the store if need be). A session stored
+        with an owner is found only by that owner's requests, or by requests without one."""
         session = self.sessions.get(session_id)
         if session is None:
             meta = self.store.get_meta(session_id)
             if meta is None:
+                raise not_found(session_id)
+            if not visible(meta.get("owner"), owner):
                 raise not_found(session_id)
             self._check_fingerprint(meta)
             session = Session.from_stored(meta, [])
             session.stored_tokens = meta["tokens"]
             session.tokens = None  # loaded with the KV on resume
             self.sessions[session_id] = session
+        if not visible(session.owner, owner):
+            raise not_found(session_id)
         return session
 
     def _check_fingerprint(self, meta: dict) -> None:
         check_fingerprint(self.fingerprint, meta)
 
     def _resident(self, session: Session) -> int:
-        """Make a session resident and return its slot (evicting the LRU idle session if needed)."""
+        """Make a session resident and return its slot (evicting the LRU idle session if needed).
+
+        A stored session whose KV does not load whole (a missing or damaged chunk, a length that is
+        not its tokens') raises StoreError and takes no slot.
+        """
         if session.slot is not None:
             session.last_used = time.monotonic()
             return session.slot
@@ -247,7 +314,12 @@ class Runtime:
         engine = self.engine
         engine.rewind(slot, 0)
         if session.tokens is None or session.stored_tokens:
-            meta, tokens = self.store.load(session.session_id, lambda start, data: engine.import_kv(slot, start, data))
+            meta, tokens = self.store.load(session.session_id, lambda start, data: engine.import_kv(slot, start, data),
+                                           bytes_per_token=engine.kv.bytes_per_token)
+            if int(engine.kv.lengths[slot]) != len(tokens):
+                engine.rewind(slot, 0)
+                raise StoreError(f"session {session.session_id} is damaged: its KV covers "
+                                 f"{int(engine.kv.lengths[slot])} of its {len(tokens)} tokens")
             session.tokens = tokens
             session.stored_tokens = len(tokens)
         session.slot = slot
@@ -270,17 +342,25 @@ class Runtime:
         return slot
 
     def _snapshot(self, session: Session) -> dict:
-        if session.tokens is None or (not session.dirty and session.stored_tokens == len(session.tokens)):
+        """Write a session's changed chunks and metadata. A session that is generating is written
+        as of its last whole turn (the generation's tokens join the next snapshot)."""
+        gen = next((g for g in self.active if g.session is session), None)
+        tokens = session.tokens if gen is None else session.tokens[:gen.start]
+        if tokens is None or (not session.dirty and session.stored_tokens == len(tokens) and gen is None):
             return {"chunks_written": 0, "bytes_written": 0, "stored_tokens": session.stored_tokens}
+        meta = session.stored_meta()
+        if gen is not None:  # during a generation, pending tokens are in the KV already
+            meta["pending"] = []
         slot = session.slot
-        if slot is None and len(session.tokens) > session.stored_tokens:
-            raise RuntimeError_("internal", f"session {session.session_id} has unsaved KV but no slot")
-        result = self.store.snapshot(
-            session.stored_meta(), session.tokens,
-            lambda a, b: self.engine.export_kv(slot, a, b), session.stored_tokens,
-        )
+
+        def export(start, stop):
+            if slot is None:
+                raise CapacityError(f"session {session.session_id} is not resident")
+            return self.engine.export_kv(slot, start, stop)
+
+        result = self.store.snapshot(meta, tokens, export, session.stored_tokens, self.engine.kv.bytes_per_token)
         session.stored_tokens = result["stored_tokens"]
-        session.dirty = False
+        session.dirty = gen is not None  # the generation's turn is still to be written
         return result
 
     def _after_turn(self, session: Session) -> None:
@@ -289,16 +369,16 @@ class Runtime:
 
     def _prefill(self, request: Request, session: Session, new_tokens: list[int], need_logits: bool):
         """Append tokens (after the session's pending ones) to its KV; returns last logits or None."""
+        if session.length + len(new_tokens) > self.engine.kv.sequence_length:  # before it takes a slot
+            raise CapacityError(
+                f"session {session.session_id} holds {session.length} tokens; adding {len(new_tokens)} "
+                f"would exceed the sequence length {self.engine.kv.sequence_length}"
+            )
         slot = self._resident(session)
         if request.reused is None:
             request.reused = len(session.tokens)
             self.counters["reused"] += request.reused
         tokens = session.pending + list(new_tokens)
-        if session.length + len(new_tokens) > self.engine.kv.sequence_length:
-            raise CapacityError(
-                f"session {session.session_id} holds {session.length} tokens; adding {len(new_tokens)} "
-                f"would exceed the sequence length {self.engine.kv.sequence_length}"
-            )
         if not tokens:
             if not need_logits:
                 return None
@@ -317,15 +397,41 @@ class Runtime:
 
     # ---- generation -------------------------------------------------------------------------
 
-    def _start_generation(self, request: Request, session: Session, sampling: dict, prompt=None) -> None:
-        """Prefill the generation prompt (rendered, or the given tokens) and start decoding."""
+    def _start_generation(self, request: Request, session: Session, sampling: dict, prompt=None,
+                          restore: tuple | None = None) -> None:
+        """Prefill the generation prompt (rendered, or the given tokens) and start decoding.
+
+        restore: the session before the op (`_before`); if the generation fails, from its prompt to
+        its last token, the session goes back to it (default: as it is now).
+        """
         if session.busy:
             raise RuntimeError_("busy", f"session {session.session_id} is generating")
-        stream = bool(sampling.pop("stream", True))
+        restore = restore or self._before(session)
+        stream = sampling.pop("stream", True)
         logprobs = sampling.pop("logprobs", 0)
-        if not isinstance(logprobs, int) or not 0 <= logprobs <= 20:
-            raise RuntimeError_("bad_request", "logprobs must be an integer in [0, 20]")
-        params = sampling_params(sampling)
+        params = SamplingParams(**sampling)
+        start = session.length  # the turn opens with the generation prompt
+        try:
+            logits = self._prefill_prompt(request, session, prompt)
+        except SlotsBusy:
+            raise
+        except Exception:
+            self._restore(session, restore)
+            raise
+        gen = Generation(
+            request=request, session=session, sampler=Sampler(params, session.tokens), params=params,
+            stream=stream, logprobs=logprobs, detok=IncrementalDetokenizer(self.engine.tokenizer, skip_special_tokens=True),
+            stopper=StopMatcher(params.stop), start=start, usage=self._usage(request, session), restore=restore,
+        )
+        session.busy = True
+        self.active.append(gen)
+        try:
+            self._accept(gen, gen.sampler(logits), logits)
+        except Exception as e:
+            self._fail(gen, e)
+
+    def _prefill_prompt(self, request: Request, session: Session, prompt):
+        """Prefill the generation prompt; returns the logits of its last position."""
         if prompt is None and self.engine.chat_template is not None and session.messages:
             text = self.engine.chat_template.render_fragment(
                 session.messages, [], tools=session.tools, add_generation_prompt=True, allow_rewrite=True)
@@ -336,16 +442,42 @@ class Runtime:
                 f"session {session.session_id} holds {session.length} tokens: no room left to generate "
                 f"within the sequence length {self.engine.kv.sequence_length}"
             )
-        start = session.length  # the turn opens with the generation prompt
-        logits = self._prefill(request, session, prompt, need_logits=True)
-        gen = Generation(
-            request=request, session=session, sampler=Sampler(params, session.tokens), params=params,
-            stream=stream, logprobs=logprobs, detok=IncrementalDetokenizer(self.engine.tokenizer, skip_special_tokens=True),
-            stopper=StopMatcher(params.stop), start=start, usage=self._usage(request, session),
-        )
-        session.busy = True
-        self.active.append(gen)
-        self._accept(gen, gen.sampler(logits), logits)
+        return self._prefill(request, session, prompt, need_logits=True)
+
+    def _fail(self, gen: Generation, error: Exception) -> None:
+        """End one generation that raised: the session goes back to where the op found it, the
+        request gets the error (internal unless it is the client's), every other generation goes on."""
+        request, session = gen.request, gen.session
+        if not isinstance(error, EllmError):
+            log.error("generation failed: op %s, session %s, args %s", request.op, session.session_id,
+                      brief(request.args), exc_info=error)
+            error = RuntimeError_("internal", f"{request.op}: the generation failed: {type(error).__name__}: {error}")
+        if gen in self.active:
+            self.active.remove(gen)
+        session.busy = False
+        try:
+            self._restore(session, gen.restore)
+            self._after_turn(session)
+        except Exception:
+            log.exception("session %s: restoring after a failed generation failed", session.session_id)
+        reply(request, error=error)
+
+    @staticmethod
+    def _before(session: Session) -> tuple:
+        """What _restore needs to put a session back as it is now."""
+        return session.length, len(session.messages), session.updated
+
+    def _restore(self, session: Session, restore: tuple) -> None:
+        """Put a session back as it was before a failed op (`_before`): a cut, no recompute."""
+        length, messages, updated = restore
+        if session.tokens is None:
+            return
+        if length < session.length:
+            session.truncate(length)
+        del session.messages[messages:]
+        session.updated = updated
+        if session.slot is not None:
+            self.engine.rewind(session.slot, min(len(session.tokens), int(self.engine.kv.lengths[session.slot])))
 
     def _accept(self, gen: Generation, token: int, logits) -> None:
         """Take a sampled token: stream its text, then finish or keep it for the next decode step."""
@@ -375,11 +507,20 @@ class Runtime:
                 gen.request.emit("token", {"text": text, "token_ids": token_ids})
 
     def _decode_step(self) -> None:
+        """One forward over every generating session; a failure ends the generations it touched."""
         gens = list(self.active)
-        logits = self.engine.decode([g.session.slot for g in gens], [g.next_token for g in gens])
+        try:
+            logits = self.engine.decode([g.session.slot for g in gens], [g.next_token for g in gens])
+        except Exception as e:
+            for gen in gens:
+                self._fail(gen, e)
+            return
         for gen, row in zip(gens, logits):
-            gen.session.tokens.append(gen.next_token)
-            self._accept(gen, gen.sampler(row), row)
+            try:
+                gen.session.tokens.append(gen.next_token)
+                self._accept(gen, gen.sampler(row), row)
+            except Exception as e:
+                self._fail(gen, e)
 
     def _finish(self, gen: Generation, reason: str) -> None:
         """End a generation: close the assistant turn as the template would, log it, reply."""
@@ -427,42 +568,38 @@ class Runtime:
     # ---- ops: each runs on the engine thread and returns the reply's result -----------------
 
     def op_session_open(self, request, title=None, tags=None, system=None, tools=None):
-        if tools is not None and not isinstance(tools, list):
-            raise RuntimeError_("bad_request", "tools must be a list")
-        session = Session.new(self.fingerprint, str(title or ""), tags, tools)
+        session = Session.new(self.fingerprint, title or "", tags, tools, owner=request.owner)
         session.tokens = []
-        if system is not None:  # may wait for a slot (SlotsBusy): register the session only after
-            self._append_message(request, session, {"role": "system", "content": str(system)})
-        else:
-            self._after_turn(session)
+        try:
+            if system is not None:  # may wait for a slot (SlotsBusy): register the session only after
+                self._append_message(request, session, {"role": "system", "content": system})
+            else:
+                self._after_turn(session)
+        except BaseException:  # no ghost: a session that failed to open holds no slot
+            if session.slot is not None:
+                self.slots[session.slot], session.slot = None, None
+            raise
         self.sessions[session.session_id] = session
         return session.info(resident=session.slot is not None)
 
     def op_session_append(self, request, session_id, message=None, text=None, tokens=None):
-        session = self._session(session_id)
-        if sum(x is not None for x in (message, text, tokens)) != 1:
-            raise RuntimeError_("bad_request", "session.append takes exactly one of message, text, tokens")
+        session = self._session(session_id, request.owner)
         if message is not None:
             return self._append_message(request, session, message)
         if text is not None:
-            if not isinstance(text, str):
-                raise RuntimeError_("bad_request", "text must be a string")
             return self._append(request, session, "text", self.engine.tokenizer.encode(text))
-        if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
-            raise RuntimeError_("bad_request", "tokens must be a list of integers")
-        if any(t < 0 or t >= self.engine.spec.vocab_size for t in tokens):
-            raise RuntimeError_("bad_request", f"token ids must be in [0, {self.engine.spec.vocab_size})")
         return self._append(request, session, "tokens", tokens)
 
     def op_session_generate(self, request, session_id, **sampling):
-        self._start_generation(request, self._session(session_id), sampling)
+        self._start_generation(request, self._session(session_id, request.owner), sampling)
 
     def op_session_chat(self, request, session_id, content=None, message=None, **sampling):
-        session = self._session(session_id)
-        if (content is None) == (message is None):
-            raise RuntimeError_("bad_request", "session.chat takes content (a user message) or message")
+        session = self._session(session_id, request.owner)
+        if session.busy:
+            raise RuntimeError_("busy", f"session {session_id} is generating")
+        before = self._before(session)
         self._append_message(request, session, message if message is not None else {"role": "user", "content": content})
-        self._start_generation(request, session, sampling)
+        self._start_generation(request, session, sampling, restore=before)
 
     def op_completion(self, request, tokens, session_id=None, messages=None, tools=None, **sampling):
         """Generate after a whole prompt, reusing the KV of its longest prefix already computed.
@@ -471,18 +608,11 @@ class Runtime:
         resident anonymous session sharing the longest prefix is continued (see _anonymous_session),
         so plain OpenAI clients get incremental prefill too.
         """
-        if not isinstance(tokens, list) or not tokens or not all(isinstance(t, int) for t in tokens):
-            raise RuntimeError_("bad_request", "tokens must be a non-empty list of integers")
-        if any(t < 0 or t >= self.engine.spec.vocab_size for t in tokens):
-            raise RuntimeError_("bad_request", f"token ids must be in [0, {self.engine.spec.vocab_size})")
-        if messages is not None and not isinstance(messages, list):
-            raise RuntimeError_("bad_request", "messages must be a list")
-        if tools is not None and not isinstance(tools, list):
-            raise RuntimeError_("bad_request", "tools must be a list")
         if len(tokens) + 1 > self.engine.kv.sequence_length:
             raise CapacityError(f"the prompt holds {len(tokens)} tokens: no room left to generate within "
                                 f"the sequence length {self.engine.kv.sequence_length}")
-        session = self._bound_session(session_id) if session_id is not None else self._anonymous_session(tokens)
+        owner = request.owner
+        session = self._bound_session(session_id, owner) if session_id is not None else self._anonymous_session(tokens, owner)
         if session.busy:
             raise RuntimeError_("busy", f"session {session.session_id} is generating")
         slot = self._resident(session)
@@ -498,19 +628,18 @@ class Runtime:
             request.emit("session", {"session_id": session.session_id})
         self._start_generation(request, session, sampling, prompt=tokens[keep:])
 
-    def _bound_session(self, session_id) -> Session:
-        if not isinstance(session_id, str) or not SESSION_ID.fullmatch(session_id):
-            raise RuntimeError_("bad_request", "session_id must match [A-Za-z0-9_.-]{1,64}")
+    def _bound_session(self, session_id: str, owner: str | None) -> Session:
         if session_id in self.sessions or self.store.get_meta(session_id) is not None:
-            return self._session(session_id)
-        session = Session.new(self.fingerprint, title=session_id)
+            return self._session(session_id, owner)
+        session = Session.new(self.fingerprint, title=session_id, owner=owner)
         session.session_id, session.tokens = session_id, []
         return session
 
-    def _anonymous_session(self, tokens: list[int]) -> Session:
-        """The anonymous session to continue: the resident one sharing the longest prefix, or a new one."""
+    def _anonymous_session(self, tokens: list[int], owner: str | None) -> Session:
+        """The anonymous session to continue: the resident one (of the same owner) sharing the
+        longest prefix, or a new one."""
         shared, best = max(((common_prefix(s.tokens, tokens), s) for s in self.slots
-                            if s is not None and not s.busy and ANONYMOUS in s.tags),
+                            if s is not None and not s.busy and ANONYMOUS in s.tags and s.owner == owner),
                            key=lambda pair: pair[0], default=(0, None))
         free = self.slots.index(None) if None in self.slots else None
         if shared and shared == len(best.tokens):
@@ -518,7 +647,7 @@ class Runtime:
         if shared and free is None and 2 * shared >= len(best.tokens):
             return best  # most of it is shared (a retry, an edited turn) and no slot to fork into: drop its tail
         shared = shared if free is not None else 0  # else a new session, in the slot of the LRU idle one
-        session = Session.new(self.fingerprint, title="anonymous", tags=[ANONYMOUS])
+        session = Session.new(self.fingerprint, title="anonymous", tags=[ANONYMOUS], owner=owner)
         session.tokens = []
         if shared:  # fork the shared part into the free slot: a memory copy, no recomputation
             self.engine.copy_slot(best.slot, free)
@@ -528,13 +657,13 @@ class Runtime:
         return session
 
     def op_session_fork(self, request, session_id, title=None):
-        source = self._session(session_id)
+        source = self._session(session_id, request.owner)
         if source.busy:
             raise RuntimeError_("busy", f"session {session_id} is generating")
         if source.slot is not None:
             self._snapshot(source)
-        fork = Session.new(self.fingerprint, str(title or f"fork of {source.title or source.session_id}"),
-                           source.tags, source.tools)
+        fork = Session.new(self.fingerprint, title or f"fork of {source.title or source.session_id}",
+                           source.tags, source.tools, owner=source.owner)
         for name in ("pending", "turns", "messages", "skills"):
             setattr(fork, name, copy.deepcopy(getattr(source, name)))
         self.store.copy(source.session_id, fork.session_id, fork.stored_meta())
@@ -543,17 +672,15 @@ class Runtime:
         return fork.info(resident=False)
 
     def op_session_rewind(self, request, session_id, turn=None, tokens=None):
-        session = self._session(session_id)
+        session = self._session(session_id, request.owner)
         if session.busy:
             raise RuntimeError_("busy", f"session {session_id} is generating")
-        if (turn is None) == (tokens is None):
-            raise RuntimeError_("bad_request", "session.rewind takes turn or tokens")
         if turn is not None:
-            if not isinstance(turn, int) or not 0 <= turn < len(session.turns):
+            if not turn < len(session.turns):
                 raise RuntimeError_("not_found", f"session {session_id} has no turn {turn!r}")
             length = session.turns[turn]["start"]
         else:
-            if not isinstance(tokens, int) or not 0 <= tokens <= session.length:
+            if not tokens <= session.length:
                 raise RuntimeError_("bad_request", f"tokens must be in [0, {session.length}]")
             length = tokens
         slot = self._resident(session)
@@ -563,20 +690,20 @@ class Runtime:
         return session.info(resident=True)
 
     def op_session_snapshot(self, request, session_id):
-        session = self._session(session_id)
+        session = self._session(session_id, request.owner)
         began = time.perf_counter()
         session.dirty = True  # an explicit snapshot always rewrites the metadata
         result = self._snapshot(session)
         return {**result, "ms": round((time.perf_counter() - began) * 1000, 2)}
 
     def op_session_resume(self, request, session_id):
-        session = self._session(session_id)
+        session = self._session(session_id, request.owner)
         began = time.perf_counter()
         self._resident(session)
         return {"session_id": session_id, "tokens": session.length, "ms": round((time.perf_counter() - began) * 1000, 2)}
 
     def op_session_close(self, request, session_id):
-        session = self._session(session_id)
+        session = self._session(session_id, request.owner)
         if session.busy:
             raise RuntimeError_("busy", f"session {session_id} is generating")
         snapshotted = session.slot is not None
@@ -587,7 +714,7 @@ class Runtime:
         return {"session_id": session_id, "snapshotted": snapshotted}
 
     def op_session_delete(self, request, session_id):
-        session = self._session(session_id)
+        session = self._session(session_id, request.owner)
         if session.busy:
             raise RuntimeError_("busy", f"session {session_id} is generating")
         if session.slot is not None:
@@ -597,16 +724,17 @@ class Runtime:
         return {"session_id": session_id}
 
     def op_session_info(self, request, session_id):
-        session = self._session(session_id)
+        session = self._session(session_id, request.owner)
         return session.info(resident=session.slot is not None)
 
     def op_session_list(self, request):
         listed = {}
         for meta in self.store.list_meta():
-            listed[meta["session_id"]] = Session.from_stored(meta, []).info(resident=False, with_turns=False)
-            listed[meta["session_id"]]["tokens"] = meta["tokens"] + len(meta.get("pending", []))
+            if visible(meta.get("owner"), request.owner):
+                listed[meta["session_id"]] = Session.from_stored(meta, []).info(resident=False, with_turns=False)
+                listed[meta["session_id"]]["tokens"] = meta["tokens"] + len(meta.get("pending", []))
         for session in self.sessions.values():
-            if session.tokens is not None:
+            if session.tokens is not None and visible(session.owner, request.owner):
                 listed[session.session_id] = session.info(resident=session.slot is not None, with_turns=False)
         return {"sessions": sorted(listed.values(), key=lambda s: s["updated"], reverse=True)}
 
@@ -614,11 +742,7 @@ class Runtime:
         return {"skills": self.skills.list() if self.skills else []}
 
     def op_skill_load(self, request, session_id, name, force=False, role=None, file=None):
-        session = self._session(session_id)
-        if not isinstance(name, str):
-            raise RuntimeError_("bad_request", "name must be a string")
-        if file is not None and not isinstance(file, str):
-            raise RuntimeError_("bad_request", "file must be a string")
+        session = self._session(session_id, request.owner)
         if self.skills is None:
             raise RuntimeError_("not_found", "no skill roots are configured (--skills-dir)")
         skill = self.skills.get(name)
@@ -636,42 +760,31 @@ class Runtime:
         def progress(data):
             if request.emit:
                 request.emit("progress", data)
-        return self._rag().index(Path(str(path)), name=str(name), retriever=retriever, progress=progress)
+        return self._rag().index(Path(path), name=name, retriever=retriever, progress=progress)
 
     def op_rag_list(self, request):
         return {"indexes": self._rag().list()}
 
     def op_rag_remove(self, request, name):
-        return self._rag().remove(str(name))
+        return self._rag().remove(name)
 
     def op_rag_inject(self, request, session_id, documents=None, query=None, k=None, index="default", role=None):
-        session = self._session(session_id)
-        if (documents is None) == (query is None):
-            raise RuntimeError_("bad_request", "rag.inject takes documents or a query")
+        session = self._session(session_id, request.owner)
         if query is not None:
-            if not isinstance(query, str):
-                raise RuntimeError_("bad_request", "query must be a string")
             k = self.rag_k if k is None else k
-            if not isinstance(k, int) or not 1 <= k <= 100:
-                raise RuntimeError_("bad_request", "k must be an integer in [1, 100]")
-            passages = [p.to_dict() for p in self._rag().search(query, k=k, name=str(index))]
+            passages = [p.to_dict() for p in self._rag().search(query, k=k, name=index)]
             if not passages:
                 return {"passages": [], "tokens_appended": 0, "tokens": session.length,
                         "usage": self._usage(request, session)}
         else:
-            if not isinstance(documents, list) or not all(isinstance(d, (str, dict)) for d in documents):
-                raise RuntimeError_("bad_request", "documents must be a list of strings or maps with a text")
-            passages = [{"text": d} if isinstance(d, str) else d for d in documents]
-            if not all(isinstance(d.get("text"), str) for d in passages):
-                raise RuntimeError_("bad_request", "every document needs a text")
+            passages = [{"text": d} if isinstance(d, str) else {k: v for k, v in d.items() if v is not None}
+                        for d in documents]
         body = "\n\n".join(f"[{i + 1}] {d.get('source') or 'document'}\n{d['text'].strip()}" for i, d in enumerate(passages))
         message = {"role": self._role(role), "content": "Context passages:\n\n" + body}
         result = self._append_message(request, session, message, kind="rag", name=query)
         return {"passages": passages, **result}
 
     def _role(self, role) -> str:
-        if role is not None and not isinstance(role, str):
-            raise RuntimeError_("bad_request", "role must be a string")
         return role or self.context_role
 
     def _rag(self):
@@ -680,16 +793,18 @@ class Runtime:
         return self.rag
 
     def op_session_export(self, request, session_id):
-        session = self._session(session_id)
+        session = self._session(session_id, request.owner)
         if session.slot is not None:
             self._snapshot(session)
-        return {"session_id": session_id, "tokens": session.length, "blob": self.store.export_blob(session_id)}
+        stored = self.store.get_meta(session_id)  # a generating session is exported as of its last turn
+        return {"session_id": session_id, "tokens": stored["tokens"] + len(stored["pending"]),
+                "blob": self.store.export_blob(session_id)}
 
     def op_session_import(self, request, data):
-        if not isinstance(data, bytes):
-            raise RuntimeError_("bad_request", "data must be binary")
-        meta = self.store.import_blob(data, check=self._check_fingerprint)
-        return self._session(meta["session_id"]).info(resident=False)
+        kv = self.engine.kv
+        meta = self.store.import_blob(data, check=self._check_fingerprint, vocab_size=self.engine.spec.vocab_size,
+                                      bytes_per_token=kv.bytes_per_token, owner=request.owner)
+        return self._session(meta["session_id"], request.owner).info(resident=False)
 
     def op_stats(self, request):
         kv = self.engine.kv
@@ -708,8 +823,6 @@ class Runtime:
     # ---- appends ----------------------------------------------------------------------------
 
     def _append_message(self, request, session: Session, message, kind="message", name=None) -> dict:
-        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-            raise RuntimeError_("bad_request", "message must be a map with a string role")
         template = self.engine.chat_template
         if template is None:
             raise RuntimeError_("bad_request", "this model has no chat template: append text or tokens")
@@ -723,17 +836,34 @@ class Runtime:
         if session.busy:
             raise RuntimeError_("busy", f"session {session.session_id} is generating")
         start, messages_before = session.length, len(session.messages)
-        self._prefill(request, session, tokens, need_logits=False)
-        if message is not None:
-            session.messages.append(message)
-        session.add_turn(kind, start, role=role, name=name, messages=messages_before)
-        self._after_turn(session)
+        before = self._before(session)
+        try:
+            self._prefill(request, session, tokens, need_logits=False)
+            if message is not None:
+                session.messages.append(message)
+            session.add_turn(kind, start, role=role, name=name, messages=messages_before)
+            self._after_turn(session)
+        except SlotsBusy:
+            raise
+        except Exception:  # a turn that reports an error has not been appended
+            self._restore(session, before)
+            raise
         return {"tokens_appended": len(tokens), "tokens": session.length, "usage": self._usage(request, session)}
 
     def _usage(self, request: Request, session: Session) -> dict:
         """Usage of this request so far: what it prefilled and what it found already computed."""
         return {"prompt_tokens": session.length, "prefilled_tokens": request.prefilled,
                 "reused_tokens": request.reused, "prefill_ms": round((time.perf_counter() - request.received) * 1000, 2)}
+
+
+def brief(args: dict) -> str:
+    """A request's arguments for a log line (long values cut)."""
+    return ", ".join(f"{k}={str(v)[:80]}" for k, v in args.items())
+
+
+def visible(stored_owner: str | None, owner: str | None) -> bool:
+    """May a request by `owner` name a session stored with `stored_owner`? (None: no restriction)"""
+    return stored_owner is None or owner is None or stored_owner == owner
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -764,20 +894,6 @@ def top_logprobs(logits, token: int, count: int) -> dict:
     top = np.argpartition(-logp, count - 1)[:count]
     top = top[np.argsort(-logp[top], kind="stable")]
     return {"token": token, "logprob": float(logp[token]), "top": [[int(t), float(logp[t])] for t in top]}
-
-
-def sampling_params(args: dict) -> SamplingParams:
-    """SamplingParams from protocol arguments, with clear errors for unknown or ill-typed ones."""
-    known = {f.name for f in dataclasses.fields(SamplingParams)}
-    unknown = set(args) - known
-    if unknown:
-        raise RuntimeError_("bad_request", f"unknown argument(s): {', '.join(sorted(unknown))}")
-    if "logit_bias" in args and isinstance(args["logit_bias"], dict):
-        args = {**args, "logit_bias": {int(k): float(v) for k, v in args["logit_bias"].items()}}
-    try:
-        return SamplingParams(**args)
-    except (TypeError, ValueError) as e:
-        raise RuntimeError_("bad_request", str(e)) from None
 
 
 def model_fingerprint(engine) -> dict:

@@ -30,6 +30,7 @@ class Session:
     messages: list[dict] = dataclasses.field(default_factory=list)
     tools: list[dict] | None = None
     skills: list[str] = dataclasses.field(default_factory=list)
+    owner: str | None = None  # who may name it over HTTP (a fingerprint of an API key); None: anyone
     # runtime state, never stored
     slot: int | None = None
     stored_tokens: int = 0  # KV on disk is valid for tokens[:stored_tokens]
@@ -38,12 +39,12 @@ class Session:
     last_used: float = dataclasses.field(default_factory=time.monotonic)
 
     STORED_FIELDS = ("session_id", "fingerprint", "title", "tags", "created", "updated", "pending", "turns",
-                     "messages", "tools", "skills")
+                     "messages", "tools", "skills", "owner")
 
     @classmethod
-    def new(cls, fingerprint: dict, title: str = "", tags=None, tools=None) -> "Session":
+    def new(cls, fingerprint: dict, title: str = "", tags=None, tools=None, owner=None) -> "Session":
         return cls(session_id=uuid.uuid4().hex[:12], fingerprint=fingerprint, title=title or "",
-                   tags=list(tags or []), tools=tools)
+                   tags=list(tags or []), tools=tools, owner=owner)
 
     @classmethod
     def from_stored(cls, meta: dict, tokens: list[int]) -> "Session":
@@ -80,12 +81,14 @@ class Session:
         """Keep the first `length` tokens (pending included) and the turns that fit in them."""
         keep = [t for t in self.turns if t["end"] <= length]
         messages = self.turns[len(keep)]["messages"] if len(keep) < len(self.turns) else len(self.messages)
-        all_tokens = self.tokens + self.pending
-        self.tokens, self.pending = all_tokens[:length], []
+        if length >= len(self.tokens):  # pending tokens stay pending: their KV is not in the slot
+            self.pending = self.pending[:length - len(self.tokens)]
+        else:
+            self.tokens, self.pending = self.tokens[:length], []
         self.turns = keep
         self.messages = self.messages[:messages]
         self.skills = [t["name"] for t in keep if t["kind"] == "skill"]
-        self.stored_tokens = min(self.stored_tokens, length)
+        self.stored_tokens = min(self.stored_tokens, len(self.tokens))
         self.touch()
 
     def info(self, resident: bool, with_turns: bool = True) -> dict:

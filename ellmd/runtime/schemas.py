@@ -1,0 +1,317 @@
+"""The validation layer: every op's arguments against a declared schema, before anything runs.
+
+Each op of PROTOCOL.md has a msgspec Struct here; `validate` converts a request's args into it
+(types, ranges, required and unknown fields), then checks what a type cannot say: token ids within
+the vocabulary, JSON-safe maps (string keys, finite numbers, bounded depth) and rules between
+fields. What passes comes back as keyword arguments for the op's handler, with absent (None)
+arguments left out, so nothing past this layer sees a wrong type. A failure is one `bad_request`
+line naming the field and the rule.
+
+The stored metadata of a session (`StoredMeta`) is declared here too: the store validates what it
+writes and what it imports against it.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Annotated, Any, Union
+
+import msgspec
+import numpy as np
+
+from ellmd.errors import BadRequest
+
+SESSION_ID_PATTERN = r"^[A-Za-z0-9_.-]{1,64}$"
+INDEX_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"  # a folder name: no leading dot
+OWNER_PATTERN = r"^[A-Za-z0-9_.:-]{1,128}$"
+MIN_TEMPERATURE = 1e-2  # below it, logits / temperature overflows float32 for ordinary logits
+MAX_JSON_DEPTH = 32
+
+SessionId = Annotated[str, msgspec.Meta(pattern=SESSION_ID_PATTERN)]
+IndexName = Annotated[str, msgspec.Meta(pattern=INDEX_NAME_PATTERN)]
+Owner = Annotated[str, msgspec.Meta(pattern=OWNER_PATTERN)]
+Text = Annotated[str, msgspec.Meta(max_length=1 << 24)]
+Short = Annotated[str, msgspec.Meta(max_length=1024)]
+Role = Annotated[str, msgspec.Meta(min_length=1, max_length=64)]
+Count = Annotated[int, msgspec.Meta(ge=0, le=1 << 31)]
+Token = Annotated[int, msgspec.Meta(ge=0, le=1 << 31)]  # the vocabulary bound is checked after
+JsonMap = dict[str, Any]  # nested values are checked by json_safe
+
+
+class Args(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """Base of every op's arguments."""
+
+
+class Owned(Args, kw_only=True):
+    """Arguments of ops that create or name a session: `owner` is set by the HTTP layer (a
+    fingerprint of the caller's API key); a session stored with another owner is not found."""
+
+    owner: Owner | None = None
+
+
+class Sampling(Owned, kw_only=True):
+    """Sampling arguments (PROTOCOL.md, Sampling arguments); ranges as OpenAI's where it has one."""
+
+    max_tokens: Count | None = None
+    temperature: Annotated[float, msgspec.Meta(ge=0, le=100)] | None = None
+    top_k: Count | None = None
+    top_p: Annotated[float, msgspec.Meta(gt=0, le=1)] | None = None
+    min_p: Annotated[float, msgspec.Meta(ge=0, le=1)] | None = None
+    repetition_penalty: Annotated[float, msgspec.Meta(ge=0.01, le=100)] | None = None
+    presence_penalty: Annotated[float, msgspec.Meta(ge=-2, le=2)] | None = None
+    frequency_penalty: Annotated[float, msgspec.Meta(ge=-2, le=2)] | None = None
+    logit_bias: Annotated[dict[Union[int, str], Annotated[float, msgspec.Meta(ge=-100, le=100)]],
+                          msgspec.Meta(max_length=4096)] | None = None
+    seed: Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)] | None = None
+    stop: Annotated[list[Annotated[str, msgspec.Meta(min_length=1, max_length=256)]],
+                    msgspec.Meta(max_length=16)] | None = None
+    stop_token_ids: Annotated[list[Token], msgspec.Meta(max_length=256)] | None = None
+    ignore_eos: bool | None = None
+    stream: bool | None = None
+    logprobs: Annotated[int, msgspec.Meta(ge=0, le=20)] | None = None
+
+    def __post_init__(self):
+        if self.temperature is not None and 0 < self.temperature < MIN_TEMPERATURE:
+            raise ValueError(f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE} - at `$.temperature`")
+        if self.logit_bias is not None:
+            bias = {}
+            for key, value in self.logit_bias.items():
+                if isinstance(key, str) and not (key.isascii() and key.isdigit() and len(key) < 11):
+                    raise ValueError(f"logit_bias keys must be token ids, not {key[:20]!r} - at `$.logit_bias`")
+                bias[int(key)] = value
+            self.logit_bias = bias
+
+
+class SessionOpen(Owned, kw_only=True):
+    title: Short | None = None
+    tags: Annotated[list[Annotated[str, msgspec.Meta(max_length=128)]], msgspec.Meta(max_length=64)] | None = None
+    system: Text | None = None
+    tools: Annotated[list[JsonMap], msgspec.Meta(max_length=256)] | None = None
+
+
+class Named(Owned, kw_only=True):
+    """Ops whose only argument is the session they name."""
+
+    session_id: SessionId
+
+
+class SessionAppend(Named, kw_only=True):
+    message: JsonMap | None = None
+    text: Text | None = None
+    tokens: list[Token] | None = None
+
+    def __post_init__(self):
+        if sum(x is not None for x in (self.message, self.text, self.tokens)) != 1:
+            raise ValueError("session.append takes exactly one of message, text, tokens")
+
+
+class SessionGenerate(Sampling, kw_only=True):
+    session_id: SessionId
+
+
+class SessionChat(Sampling, kw_only=True):
+    session_id: SessionId
+    content: Text | None = None
+    message: JsonMap | None = None
+
+    def __post_init__(self):
+        if (self.content is None) == (self.message is None):
+            raise ValueError("session.chat takes content (a user message) or message")
+        super().__post_init__()
+
+
+class SessionFork(Named, kw_only=True):
+    title: Short | None = None
+
+
+class SessionRewind(Named, kw_only=True):
+    turn: Count | None = None
+    tokens: Count | None = None
+
+    def __post_init__(self):
+        if (self.turn is None) == (self.tokens is None):
+            raise ValueError("session.rewind takes turn or tokens")
+
+
+class Completion(Sampling, kw_only=True):
+    tokens: Annotated[list[Token], msgspec.Meta(min_length=1)]
+    session_id: SessionId | None = None
+    messages: list[JsonMap] | None = None
+    tools: Annotated[list[JsonMap], msgspec.Meta(max_length=256)] | None = None
+
+
+class SkillLoad(Named, kw_only=True):
+    name: Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
+    file: Annotated[str, msgspec.Meta(min_length=1, max_length=1024)] | None = None
+    role: Role | None = None
+    force: bool | None = None
+
+
+class RagIndex(Args, kw_only=True):
+    path: Annotated[str, msgspec.Meta(min_length=1, max_length=4096)]
+    name: IndexName | None = None
+    retriever: Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_.-]{1,64}$")] | None = None
+
+
+class RagRemove(Args, kw_only=True):
+    name: IndexName
+
+
+class Document(Args, kw_only=True):
+    text: Text
+    source: Short | None = None
+
+
+class RagInject(Named, kw_only=True):
+    documents: Annotated[list[Union[Text, Document]], msgspec.Meta(max_length=1024)] | None = None
+    query: Annotated[str, msgspec.Meta(min_length=1, max_length=1 << 16)] | None = None
+    k: Annotated[int, msgspec.Meta(ge=1, le=100)] | None = None
+    index: IndexName | None = None
+    role: Role | None = None
+
+    def __post_init__(self):
+        if (self.documents is None) == (self.query is None):
+            raise ValueError("rag.inject takes documents or a query")
+
+
+class SessionImport(Owned, kw_only=True):
+    data: bytes
+
+
+class NoArgs(Args, kw_only=True):
+    pass
+
+
+OPS: dict[str, type[Args]] = {
+    "session.open": SessionOpen, "session.append": SessionAppend, "session.generate": SessionGenerate,
+    "session.chat": SessionChat, "session.fork": SessionFork, "session.rewind": SessionRewind,
+    "session.snapshot": Named, "session.resume": Named, "session.close": Named, "session.delete": Named,
+    "session.info": Named, "session.export": Named, "session.import": SessionImport,
+    "session.list": Owned, "completion": Completion, "skill.list": NoArgs, "skill.load": SkillLoad,
+    "rag.index": RagIndex, "rag.list": NoArgs, "rag.remove": RagRemove, "rag.inject": RagInject, "stats": NoArgs,
+}
+
+# Fields holding maps or lists of maps whose nested values must be JSON (the store keeps them).
+JSON_FIELDS = ("message", "messages", "tools")
+
+
+def validate(op: str, args, vocab_size: int) -> dict:
+    """The handler's keyword arguments for a request, or BadRequest naming the field and rule."""
+    schema = OPS[op]
+    if not isinstance(args, dict):
+        raise BadRequest(f"{op}: args must be a map")
+    try:
+        parsed = msgspec.convert(args, schema)
+    except msgspec.ValidationError as e:
+        raise BadRequest(f"{op}: {describe(e)}") from None
+    values = {f: getattr(parsed, f) for f in parsed.__struct_fields__}
+    for name in JSON_FIELDS:
+        if values.get(name) is not None:
+            json_safe(values[name], f"{op}: {name}")
+    if isinstance(values.get("message"), dict) and not isinstance(values["message"].get("role"), str):
+        raise BadRequest(f"{op}: message needs a string role")
+    for name in ("tokens", "stop_token_ids"):
+        check_vocabulary(op, name, values.get(name), vocab_size)
+    if values.get("logit_bias"):
+        check_vocabulary(op, "logit_bias", list(values["logit_bias"]), vocab_size)
+    if values.get("documents") is not None:
+        values["documents"] = [d if isinstance(d, str) else msgspec.structs.asdict(d) for d in values["documents"]]
+    return {k: v for k, v in values.items() if v is not None}
+
+
+def check_vocabulary(op: str, name: str, tokens, vocab_size: int) -> None:
+    if isinstance(tokens, list) and tokens and max(tokens) >= vocab_size:
+        raise BadRequest(f"{op}: {name}: token ids must be in [0, {vocab_size})")
+
+
+def json_safe(value, path: str, depth: int = 0) -> None:
+    """Refuse what JSON (and so the store and the chat template) cannot hold: non-string keys,
+    non-finite numbers, binary, too deep a nesting."""
+    if depth > MAX_JSON_DEPTH:
+        raise BadRequest(f"{path}: nested deeper than {MAX_JSON_DEPTH} levels")
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if not isinstance(key, str):
+                raise BadRequest(f"{path}: map keys must be strings, not {type(key).__name__}")
+            json_safe(item, f"{path}.{key}", depth + 1)
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            json_safe(item, f"{path}[{index}]", depth + 1)
+    elif isinstance(value, float):
+        if not math.isfinite(value):
+            raise BadRequest(f"{path}: numbers must be finite")
+    elif isinstance(value, int) and not isinstance(value, bool):
+        if not -(1 << 63) <= value < (1 << 64):
+            raise BadRequest(f"{path}: integer out of range")
+    elif not isinstance(value, (str, bool, type(None))):
+        raise BadRequest(f"{path}: {type(value).__name__} is not a JSON value")
+
+
+def describe(error: msgspec.ValidationError) -> str:
+    """msgspec's message as `field: rule` ("top_k: Expected `int`, got `float`")."""
+    rule, _, where = str(error).partition(" - at `")
+    if not where:
+        return rule
+    where = where.rstrip("`")
+    if where.startswith("key` in `"):
+        where = where.removeprefix("key` in `") + " (a key)"
+    where = where.removeprefix("$.").removeprefix("$") or "args"
+    if rule.startswith("Expected `str` matching regex '"):  # say the pattern plainly
+        return f"{where} must match {rule.split(chr(39))[1].strip('^$')}"
+    return f"{where}: {rule}"
+
+
+# ---- what the store holds ----------------------------------------------------------------------
+
+class Turn(msgspec.Struct, forbid_unknown_fields=True):
+    index: Count
+    kind: Annotated[str, msgspec.Meta(pattern=r"^(message|text|tokens|generation|skill|rag)$")]
+    start: Count
+    end: Count
+    messages: Count
+    time: float
+    role: str | None = None
+    name: str | None = None
+
+
+class StoredMeta(msgspec.Struct, forbid_unknown_fields=True):
+    """A session's metadata as the store keeps it (Session.STORED_FIELDS plus counts)."""
+
+    session_id: SessionId
+    fingerprint: dict[str, str]
+    tokens: Count
+    chunks: Count
+    title: str = ""
+    tags: list[str] = []
+    created: float = 0.0
+    updated: float = 0.0
+    pending: list[Token] = []
+    turns: list[Turn] = []
+    messages: list[JsonMap] = []
+    tools: list[JsonMap] | None = None
+    skills: list[str] = []
+    owner: Owner | None = None
+
+
+def check_meta(meta, token_ids=None, vocab_size: int | None = None) -> dict:
+    """Validate stored metadata (and, when given, its token ids against the vocabulary); returns it
+    as a plain map. Raises BadRequest naming the session and the field."""
+    name = meta.get("session_id", "?") if isinstance(meta, dict) else "?"
+    try:
+        parsed = msgspec.convert(meta, StoredMeta)
+    except msgspec.ValidationError as e:
+        raise BadRequest(f"session {name!r} has bad metadata: {describe(e)}") from None
+    for field_name in ("messages", "tools"):
+        if getattr(parsed, field_name) is not None:
+            json_safe(getattr(parsed, field_name), f"session {name!r}: {field_name}")
+    total = parsed.tokens + len(parsed.pending)
+    for turn in parsed.turns:
+        if not turn.start <= turn.end <= total or turn.messages > len(parsed.messages):
+            raise BadRequest(f"session {name!r} has bad metadata: turn {turn.index} spans [{turn.start}, "
+                               f"{turn.end}) outside its {total} tokens")
+    if vocab_size is not None:
+        for label, ids in (("tokens", token_ids), ("pending", parsed.pending)):
+            ids = np.asarray([] if ids is None else ids)
+            if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
+                raise BadRequest(f"session {name!r} has {label} outside the vocabulary [0, {vocab_size})")
+    return msgspec.to_builtins(parsed)
