@@ -204,7 +204,7 @@ def test_rag_inject_refuses_a_path_as_index_name(daemon):
     with daemon.client() as client:
         session = client.open_session()
         for name in ("../x", "/tmp/x"):
-            with pytest.raises(BadRequest, match="bad index name"):
+            with pytest.raises(BadRequest, match="index"):
                 session.inject(query="anything", index=name)
         assert session.info()["tokens"] == 0
 
