@@ -149,6 +149,20 @@ def test_bodies_are_json_with_a_json_content_type(daemon):
         assert status == 415 and "application/json" in body["error"]["message"], kind
 
 
+def test_sessions_belong_to_the_key_that_made_them(daemon):
+    port, alice, bob = daemon.port, *KEYS
+    question = {"messages": [{"role": "user", "content": "Hello."}], "max_tokens": 2, "temperature": 0}
+    status, _, body = http(port, "/v1/chat/completions", {**question, "session_id": "alices"}, key=alice)
+    assert status == 200 and body["session_id"] == "alices"
+    status, _, body = http(port, "/v1/chat/completions", {**question, "session_id": "alices"}, key=bob)
+    assert status == 404  # as if it did not exist
+    status, _, body = http(port, "/v1/chat/completions", question, key=bob,
+                           headers={"X-Session-Id": "alices"})
+    assert status == 404
+    status, _, body = http(port, "/v1/chat/completions", {**question, "session_id": "alices"}, key=alice)
+    assert status == 200 and body["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+
+
 # ---- what retrieval and skills read ------------------------------------------------------------
 
 
@@ -204,7 +218,7 @@ def test_rag_inject_refuses_a_path_as_index_name(daemon):
     with daemon.client() as client:
         session = client.open_session()
         for name in ("../x", "/tmp/x"):
-            with pytest.raises(BadRequest, match="index"):  # the op schema or the library refuses it
+            with pytest.raises(BadRequest, match="index"):
                 session.inject(query="anything", index=name)
         assert session.info()["tokens"] == 0
 
