@@ -177,11 +177,11 @@ def check(client, models: dict[str, Model], in_flight, rng: random.Random, logit
     for sid in stored - set(models):  # made by a fork, import or open in flight: unknown to the model
         client.session(sid).delete()
     compared = 0
-    for sid in rng.sample(sorted(models), min(logit_checks, len(models))):
-        if models[sid].tokens():
-            if resumed_logits(client, sid) != recomputed_logits(client, models[sid]):
-                lost.append(f"{sid}: resumed KV does not give the recomputed logits")
-            compared += 1
+    filled = sorted(sid for sid in models if models[sid].tokens())
+    for sid in rng.sample(filled, min(logit_checks, len(filled))):
+        if resumed_logits(client, sid) != recomputed_logits(client, models[sid]):
+            lost.append(f"{sid}: resumed KV does not give the recomputed logits")
+        compared += 1
     return {"sessions": len(models), "lost": lost, "logits_compared": compared}
 
 

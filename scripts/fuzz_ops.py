@@ -107,7 +107,7 @@ class Fuzzer:
         if isinstance(args.get("max_tokens"), int) and not isinstance(args["max_tokens"], bool):
             args["max_tokens"] = max(-1, min(args["max_tokens"], 4))
         if op == "rag.index" and isinstance(args.get("path"), str):
-            args["path"] = "/nonexistent/" + args["path"]  # never index a real folder
+            args["path"] = "/nonexistent/" + args["path"].replace("/", "_").replace(".", "_")  # never a real folder ("/..")
         if r.random() < 0.15:
             args[r.choice(["self", "colour", "owner", "__class__", "request"])] = self.value()
         message = {"id": request_id, "op": op, "args": args}

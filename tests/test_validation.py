@@ -76,6 +76,8 @@ BAD = [  # (op, args, words the error must contain)
     ("rag.inject", {"session_id": "s1", "query": "q", "index": "/abs"}, "index"),
     ("rag.inject", {"session_id": "s1", "documents": [{"source": "s"}]}, "text"),
     ("rag.remove", {"name": ".."}, "name"),
+    ("rag.index", {"path": "/tmp/a\x00b"}, "path must match"),
+    ("skill.load", {"session_id": "s1", "name": "x", "file": "a\x00"}, "file must match"),
     ("session.import", {"data": "not bytes"}, "data"),
     ("session.open", {"owner": "bad owner!"}, "owner"),
     ("stats", {"x": 1}, "x"),

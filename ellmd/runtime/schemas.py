@@ -36,6 +36,7 @@ Role = Annotated[str, msgspec.Meta(min_length=1, max_length=64)]
 Count = Annotated[int, msgspec.Meta(ge=0, le=1 << 31)]
 Token = Annotated[int, msgspec.Meta(ge=0, le=1 << 31)]  # the vocabulary bound is checked after
 JsonMap = dict[str, Any]  # nested values are checked by json_safe
+Path = Annotated[str, msgspec.Meta(min_length=1, max_length=4096, pattern=r"^[^\x00]+$")]  # no NUL: the OS refuses it
 
 
 class Args(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -142,13 +143,13 @@ class Completion(Sampling, kw_only=True):
 
 class SkillLoad(Named, kw_only=True):
     name: Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
-    file: Annotated[str, msgspec.Meta(min_length=1, max_length=1024)] | None = None
+    file: Path | None = None
     role: Role | None = None
     force: bool | None = None
 
 
 class RagIndex(Args, kw_only=True):
-    path: Annotated[str, msgspec.Meta(min_length=1, max_length=4096)]
+    path: Path
     name: IndexName | None = None
     retriever: Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_.-]{1,64}$")] | None = None
 
