@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ellmd import kernels
 from ellmd.kernels import formats
+from ellmd.kernels.moe import moe_block
 from ellmd.model.qwen3 import Qwen3
 
 
@@ -39,12 +39,9 @@ class Qwen3Moe(Qwen3):
         if "router" not in layer:
             return super().mlp(layer, ws, n)
         spec = self.spec
-        router_logits = ws.router_logits[:n]
-        kernels.matmul(ws.h[:n], layer["router"], formats.F32, router_logits, ws.matmul_scratch)
-        weights, experts = ws.expert_weights[:n], ws.expert_ids[:n]
-        kernels.route(router_logits, spec.num_experts_per_tok, spec.norm_topk_prob, weights, experts)
-        kernels.moe_experts(
-            ws.h[:n], experts, weights, layer["experts_gate_up"], layer["experts_down"], self.fmt,
-            ws.moe_out[:n], ws.moe_scratch,
+        moe_block(
+            ws.h[:n], layer["router"], spec.num_experts_per_tok, spec.norm_topk_prob, layer["experts_gate_up"],
+            layer["experts_down"], self.fmt, ws.moe_out[:n], ws.router_logits[:n], ws.expert_weights[:n],
+            ws.expert_ids[:n], ws.moe_scratch,
         )
         ws.h[:n] = ws.moe_out[:n]
