@@ -7,7 +7,7 @@ both read the same stored expert values as the reference, so tolerances are floa
 import numpy as np
 import pytest
 
-from ellmd.kernels import moe
+from ellmd.kernels import moe, quant
 from ellmd.kernels.formats import BF16, F16, F32, to_storage
 
 FORMATS = [F32, BF16, F16]
@@ -27,6 +27,26 @@ def expert_stacks(rng, fmt, experts, hidden, inter):
     gate_up = to_storage(randn(rng, experts, 2 * inter, hidden, scale=hidden**-0.5), fmt)  # [E, 2*I, h]
     down = to_storage(randn(rng, experts, hidden, inter, scale=inter**-0.5), fmt)  # [E, h, I]
     return gate_up, down
+
+
+def block_stacks(rng, gate_type, up_type, down_type, experts, hidden, inter):
+    """GGUF block stacks [E, rows, blocks]; gate and up separate when their types differ (a tuple)."""
+
+    def q(rows, cols, name):
+        if name in ("Q5_K", "Q6_K"):  # no quantizer for these here: random blocks with small scales
+            dtype = quant.BLOCK_DTYPES[name]
+            shape = (experts, rows, cols // quant.BLOCK_SIZES[name])
+            blocks = rng.integers(0, 256, (*shape, dtype.itemsize), np.uint8).view(dtype)[..., 0]
+            for field in ("d", "dmin"):
+                if field in dtype.names:
+                    blocks[field] = np.float16(0.02 * cols**-0.5 if field == "d" else 0.01).view(np.uint16)
+            return blocks
+        return quant.quantize(randn(rng, experts, rows, cols, scale=cols**-0.5), name)
+
+    down = q(hidden, inter, down_type)
+    if gate_type == up_type:
+        return q(2 * inter, hidden, gate_type), down
+    return (q(inter, hidden, gate_type), q(inter, hidden, up_type)), down
 
 
 # (tokens, experts, top_k, hidden, inter): widths that are not multiples of the kernels' row block (16)
@@ -85,3 +105,26 @@ def test_moe_block_tokens_sharing_experts_sum_their_own_outputs(rng):
         moe.moe_experts_ref(x[i : i + 1], chosen[i : i + 1], weights[i : i + 1], gate_up, down, F32, want[i : i + 1], scratch)
     np.testing.assert_allclose(got, want, **TOL)
     assert np.abs(got[0] - got[1]).max() > 1e-3  # the same experts, different weights
+
+
+# llama-quantize's Q4_K_M mixes (Q4_K gate/up, Q6_K down), Q8_0, and gate and up of different types
+BLOCK_CASES = [("Q4_K", "Q4_K", "Q6_K", 256, 512), ("Q8_0", "Q8_0", "Q8_0", 64, 96), ("Q4_K", "Q5_K", "Q4_K", 256, 256),
+               ("Q5_0", "Q5_0", "Q4_1", 96, 64)]
+
+
+@pytest.mark.parametrize("n", [1, 3, 20])
+@pytest.mark.parametrize("gate_type,up_type,down_type,hidden,inter", BLOCK_CASES)
+def test_moe_block_on_blocks_matches_dequantized_reference(rng, n, gate_type, up_type, down_type, hidden, inter):
+    experts, top_k = 16, 4
+    gate_up, down = block_stacks(rng, gate_type, up_type, down_type, experts, hidden, inter)
+    x = randn(rng, n, hidden)
+    router = randn(rng, experts, hidden, scale=2.0 * hidden**-0.5)
+    scratch = moe.moe_scratch(32, top_k, experts, hidden, inter)
+    outs = []
+    for block in (moe.moe_block, moe.moe_block_ref):
+        out = np.full((n, hidden), np.nan, np.float32)
+        logits, weights = np.empty((n, experts), np.float32), np.empty((n, top_k), np.float32)
+        chosen = np.empty((n, top_k), np.int64)
+        block(x, router, top_k, True, gate_up, down, BF16, out, logits, weights, chosen, scratch)
+        outs.append(out)
+    np.testing.assert_allclose(outs[0], outs[1], **TOL)

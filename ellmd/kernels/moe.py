@@ -27,7 +27,7 @@ from numba import prange
 
 from ellmd.kernels.activations import exp_f32, silu_mul, silu_mul_ref
 from ellmd.kernels.formats import F32, kernel_view, to_f32
-from ellmd.kernels.matmul import ROW_BLOCK, _rows, matmul, matmul_ref, prefill_scratch_size
+from ellmd.kernels.matmul import ROW_BLOCK, linear_rows, matmul, matmul_ref, prefill_scratch_size
 
 FUSED_MAX_TOKENS = 16  # up to this many tokens moe_block takes the fused path (decode batches)
 TASKS_PER_THREAD = 8  # parallel tasks of a fused loop per thread: balance vs long contiguous row runs
@@ -167,15 +167,18 @@ def _scatter_add(ys, pairs, weights, out):
 
 
 @numba.njit(cache=True, nogil=True, fastmath=True)
-def _gate_up_block(xs, gate_up, offsets, active, count, act, gu, c0, c1):
-    """act[:, c0:c1] = silu(gate) * up of intermediate columns c0:c1, for every routed expert."""
+def _gate_up_block(xs, gate, up, up0, offsets, active, count, act, gu, c0, c1):
+    """act[:, c0:c1] = silu(gate) * up of intermediate columns c0:c1, for every routed expert.
+
+    gate rows c0:c1 and up rows up0 + c0:up0 + c1 of each expert; gu [rows, 2*I] holds them.
+    """
     inter = act.shape[1]
     for t in range(count):
         e = active[t]
         r0, r1 = offsets[e], offsets[e + 1]
         x_e, gu_e = xs[r0:r1], gu[r0:r1]
-        _rows(x_e, gate_up[e], gu_e, c0, c1)
-        _rows(x_e, gate_up[e], gu_e, inter + c0, inter + c1)
+        linear_rows(x_e, gate[e], gu_e, c0, c1)
+        linear_rows(x_e, up[e], gu_e[:, inter - up0 :], up0 + c0, up0 + c1)
         for r in range(r0, r1):
             for c in range(c0, c1):
                 g = gu[r, c]
@@ -192,7 +195,7 @@ def _down_block(act, down, order, offsets, active, count, weights, ys, out, c0, 
     for t in range(count):
         e = active[t]
         r0, r1 = offsets[e], offsets[e + 1]
-        _rows(act[r0:r1], down[e], ys[r0:r1], c0, c1)
+        linear_rows(act[r0:r1], down[e], ys[r0:r1], c0, c1)
         for r in range(r0, r1):
             pair = order[r]
             w = weights[pair // k, pair % k]
@@ -211,56 +214,69 @@ def _task_width(rows):
     return max(ROW_BLOCK, width + width % 2)
 
 
-def _widths(down_shape):
-    """(gate_up, down) task widths for down: [E, h, I]."""
-    return _task_width(down_shape[2]), _task_width(down_shape[1])
-
-
 @numba.njit(cache=True, nogil=True, fastmath=True, parallel=True)
-def _experts_fused(x, experts, weights, gate_up, down, out, order, offsets, active, xs, gu, act, ys, widths):
+def _experts_fused(x, experts, weights, gate, up, up0, down, out, order, offsets, active, xs, gu, act, ys, widths):
     """Every routed expert's MLP for all tokens in two parallel loops; see moe_experts.
 
     widths: (gate_up task width, down task width), from _task_width.
     """
     k = experts.shape[1]
     count = _group(experts, order, offsets, active)
-    pairs = experts.shape[0] * k
-    _gather(x, order[:pairs], k, xs)
+    _gather(x, order[: experts.shape[0] * k], k, xs)
     inter, hidden = act.shape[1], out.shape[1]
     width = widths[0]
     for b in prange((inter + width - 1) // width):
-        _gate_up_block(xs, gate_up, offsets, active, count, act, gu, b * width, min(inter, b * width + width))
+        _gate_up_block(xs, gate, up, up0, offsets, active, count, act, gu, b * width, min(inter, b * width + width))
     width = widths[1]
     for b in prange((hidden + width - 1) // width):
         _down_block(act, down, order, offsets, active, count, weights, ys, out, b * width, min(hidden, b * width + width))
 
 
 @numba.njit(cache=True, nogil=True, fastmath=True, parallel=True)
-def _block_fused(x, router, top_k, normalize, gate_up, down, out, logits, weights, experts,
+def _block_fused(x, router, top_k, normalize, gate, up, up0, down, out, logits, weights, experts,
                  order, offsets, active, xs, gu, act, ys, widths):
     """moe_block in one compiled call: router logits, top-k, then _experts_fused."""
     num_experts = router.shape[0]
     for b in prange((num_experts + ROW_BLOCK - 1) // ROW_BLOCK):
-        _rows(x, router, logits, b * ROW_BLOCK, min(num_experts, b * ROW_BLOCK + ROW_BLOCK))
+        linear_rows(x, router, logits, b * ROW_BLOCK, min(num_experts, b * ROW_BLOCK + ROW_BLOCK))
     route(logits, top_k, normalize, weights, experts)
-    _experts_fused(x, experts, weights, gate_up, down, out, order, offsets, active, xs, gu, act, ys, widths)
+    _experts_fused(x, experts, weights, gate, up, up0, down, out, order, offsets, active, xs, gu, act, ys, widths)
+
+
+def _fused_args(gate_up, down, fmt, n, top_k, scratch):
+    """The stacks and scratch views of the fused kernels, or None when n tokens take the grouped path."""
+    rows, s = n * top_k, scratch
+    if n > FUSED_MAX_TOKENS or rows > s.xs.shape[0]:
+        return None
+    inter = s.act.shape[1]
+    gate, up = gate_up if isinstance(gate_up, tuple) else (gate_up, gate_up)
+    up0 = 0 if isinstance(gate_up, tuple) else inter
+    widths = (_task_width(inter), _task_width(s.xs.shape[1]))
+    views = (s.order, s.offsets, s.active, s.xs[:rows], s.gate_up[:rows], s.act[:rows], s.ys[:rows], widths)
+    return (kernel_view(gate, fmt), kernel_view(up, fmt), up0, kernel_view(down, fmt)), views
+
+
+def _expert(gate_up, e):
+    """Expert e's [2*I, h] gate_up matrix: one array, or (gate, up) when the stacks are separate."""
+    return (gate_up[0][e], gate_up[1][e]) if isinstance(gate_up, tuple) else gate_up[e]
 
 
 def moe_experts(x, experts, weights, gate_up, down, fmt, out, scratch):
     """out = sum over each token's experts of weight * down(silu(gate) * up).
 
     x: [n, h] float32; experts: [n, k] int64; weights: [n, k] float32; gate_up: [E, 2*I, h]
-    and down: [E, h, I] storage; out: [n, h] float32, overwritten; scratch: a MoeScratch for
-    at least n tokens. Allocates nothing.
+    storage (gate rows then up rows; or a tuple (gate, up) of [E, I, h] stacks, e.g. of two
+    block formats) and down: [E, h, I] storage; block formats have [..., blocks] for the last
+    axis (quant.py); out: [n, h] float32, overwritten; scratch: a MoeScratch for at least n
+    tokens. Allocates nothing.
     """
     n, k = experts.shape
-    s = scratch
-    if n <= FUSED_MAX_TOKENS and n * k <= s.xs.shape[0]:
-        rows = n * k
-        _experts_fused(x, experts, weights, kernel_view(gate_up, fmt), kernel_view(down, fmt), out, s.order,
-                       s.offsets, s.active, s.xs[:rows], s.gate_up[:rows], s.act[:rows], s.ys[:rows],
-                       _widths(down.shape))
+    fused = _fused_args(gate_up, down, fmt, n, k, scratch)
+    if fused is not None:
+        stacks, views = fused
+        _experts_fused(x, experts, weights, *stacks, out, *views)
         return
+    s = scratch
     count = _group(experts, s.order, s.offsets, s.active)
     out[:] = 0.0
     for t in range(count):
@@ -269,7 +285,7 @@ def moe_experts(x, experts, weights, gate_up, down, fmt, out, scratch):
         rows = pairs.shape[0]
         xs, gu, act, ys = s.xs[:rows], s.gate_up[:rows], s.act[:rows], s.ys[:rows]
         _gather(x, pairs, k, xs)
-        matmul(xs, gate_up[e], fmt, gu, s.matmul)
+        matmul(xs, _expert(gate_up, e), fmt, gu, s.matmul)
         silu_mul(gu, act)
         matmul(act, down[e], fmt, ys, s.matmul)
         _scatter_add(ys, pairs, weights, out)
@@ -282,14 +298,12 @@ def moe_block(x, router, top_k, normalize, gate_up, down, fmt, out, logits, weig
     logits: [n, E], weights: [n, k] float32 and experts: [n, k] int64 receive the routing.
     Up to FUSED_MAX_TOKENS tokens this is one compiled call; allocates nothing.
     """
-    n, s = x.shape[0], scratch
-    if n <= FUSED_MAX_TOKENS and n * top_k <= s.xs.shape[0]:
-        rows = n * top_k
-        _block_fused(x, router, top_k, normalize, kernel_view(gate_up, fmt), kernel_view(down, fmt), out, logits,
-                     weights, experts, s.order, s.offsets, s.active, s.xs[:rows], s.gate_up[:rows],
-                     s.act[:rows], s.ys[:rows], _widths(down.shape))
+    fused = _fused_args(gate_up, down, fmt, x.shape[0], top_k, scratch)
+    if fused is not None:
+        stacks, views = fused
+        _block_fused(x, router, top_k, normalize, *stacks, out, logits, weights, experts, *views)
         return
-    matmul(x, router, F32, logits, s.matmul)
+    matmul(x, router, F32, logits, scratch.matmul)
     route(logits, top_k, normalize, weights, experts)
     moe_experts(x, experts, weights, gate_up, down, fmt, out, scratch)
 
@@ -302,14 +316,15 @@ def moe_block_ref(x, router, top_k, normalize, gate_up, down, fmt, out, logits, 
 
 
 def moe_experts_ref(x, experts, weights, gate_up, down, fmt, out, scratch):
-    """numpy reference of moe_experts: token by token, expert by expert."""
+    """numpy reference of moe_experts: token by token, expert by expert (blocks dequantized by gguf)."""
     n, k = experts.shape
-    inter = down.shape[2]
     out[:] = 0.0
     for i in range(n):
         for j in range(k):
             e = experts[i, j]
-            gu = (x[i : i + 1].astype(np.float64) @ to_f32(gate_up[e], fmt).T).astype(np.float32)
-            act = np.empty((1, inter), np.float32)
+            parts = _expert(gate_up, e) if isinstance(gate_up, tuple) else (gate_up[e],)
+            w_gu = np.concatenate([to_f32(part, fmt) for part in parts])  # [2*I, h]
+            gu = (x[i : i + 1].astype(np.float64) @ w_gu.T).astype(np.float32)
+            act = np.empty((1, w_gu.shape[0] // 2), np.float32)
             silu_mul_ref(gu, act)
             out[i] += weights[i, j] * (act.astype(np.float64) @ to_f32(down[e], fmt).T)[0].astype(np.float32)
