@@ -403,6 +403,30 @@ def ellm_weights(model) -> tuple[str, int]:
     return held, decode_bytes(tensors, spec.num_experts_per_tok, spec.num_experts)
 
 
+def check_ellm_fits(path: Path, dtype: str | None) -> None:
+    """Refuse a GGUF whose weights would not fit in memory as ellm's loader holds them (rather than be
+    killed by the kernel half-way): blocks it keeps count their bytes, tensors it converts count 2 or 4
+    bytes a weight. The loader is probed on the file's smallest quantized matrix."""
+    from ellmd.engine.kvcache import available_memory
+    from ellmd.kernels import quant
+    from ellmd.model.weights import GGUFCheckpoint
+
+    checkpoint = GGUFCheckpoint(path)
+    tensors = checkpoint.reader.tensors
+    quantized = [t for t in tensors if t.tensor_type.name not in ("F32", "F16", "BF16") and len(t.shape) >= 2]
+    element = 4 if dtype == "f32" else 2
+    if quantized and dtype is None:
+        probe = min(quantized, key=lambda t: int(t.n_bytes))
+        name = next(n for n, t in checkpoint._tensors.items() if t is probe)
+        if quant.is_blocks(checkpoint.get(name, checkpoint.native_format())):
+            return  # blocks stay blocks: the file's size, which is mapped
+    need = sum(int(t.n_elements) * (4 if len(t.shape) == 1 else element) for t in tensors)
+    free = available_memory()
+    if need > 0.9 * free:
+        raise MemoryError(f"ellm would hold {need / 2**30:.1f} GiB of weights (converted to "
+                          f"{dtype or 'bf16'} at load), {free / 2**30:.1f} GiB is available")
+
+
 def measure_ellm(case: ModelCase, source, dtype: str | None, tokens: BenchTokens, args) -> dict:
     """ellm on `source` (a GGUF path or a RandomCheckpoint) with weight dtype `dtype` (None: the file's own)."""
     import numba
@@ -410,6 +434,8 @@ def measure_ellm(case: ModelCase, source, dtype: str | None, tokens: BenchTokens
     from ellmd.bench import run_bench
     from ellmd.cli import load_engine
 
+    if isinstance(source, Path):
+        check_ellm_fits(source, dtype)
     engine = load_engine(
         source, weight_dtype=dtype, kv_dtype=args.kv_dtype, sequence_length=capacity(args), batch_size=1,
         chunk_size=args.chunk_size, threads=args.threads,
