@@ -4,6 +4,8 @@ Shape legend:
   n   tokens
   E   experts; k experts per token (top_k)
   h   hidden size; I expert intermediate size
+  expert stacks: gate_up [E, 2*I, h] (gate rows, then up rows) or a tuple (gate, up) of [E, I, h];
+  down [E, h, I]; in a block format (quant.py) the last axis counts blocks
 
 Two paths, both reading each routed expert's weights once per call whatever its number of tokens:
 
