@@ -38,3 +38,11 @@ def test_kv_dtype_report(alignment_dir):
 
 def test_smollm2_greedy():
     assert run("smollm2_greedy", ["--prompts", "5"]) == 0
+
+
+def test_quantized_at_load(alignment_dir):
+    assert run("quantized_at_load", ["--dir", str(alignment_dir)]) == 0
+
+
+def test_smollm2_gguf_blocks():
+    assert run("quantized", ["--prompts", "2"]) == 0

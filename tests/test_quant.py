@@ -120,3 +120,18 @@ def test_tuple_of_formats_fills_consecutive_columns(rng):
     matmul.linear_ref(x, (q, k, v), BF16, ref)
     assert_f32_close(out, ref)
     assert_f32_close(out[:, 8:14], x.astype(np.float64) @ quant.dequantize(k).T)
+
+
+def test_quantize_weight_falls_back_as_llama_quantize(rng):
+    from ellmd.model.weights import quantize_weight
+
+    wide = rng.standard_normal((4, 512)).astype(np.float32)
+    assert quant.block_name(quantize_weight(wide, F32, "Q4_K")) == "Q4_K"
+    narrow = rng.standard_normal((4, 96)).astype(np.float32)
+    assert quant.block_name(quantize_weight(narrow, F32, "Q4_K")) == "Q5_0"
+    odd = rng.standard_normal((4, 40)).astype(np.float32)
+    assert quantize_weight(odd, F32, "Q8_0") is odd  # no block fits: stays float
+    stack = rng.standard_normal((3, 4, 256)).astype(np.float32)  # an expert stack
+    blocks = quantize_weight(stack, F32, "Q4_K")
+    assert blocks.shape == (3, 4, 1)
+    assert np.array_equal(quant.dequantize(blocks[1]), quant.dequantize(quant.quantize(stack[1], "Q4_K")))
