@@ -78,8 +78,8 @@ def linear_rows(x, w, out, j0, j1):
 
     x: [n, k] float32; w: [m, k] storage (float32, uint16 bf16, int16 f16) or [m, blocks] of a
     block dtype (quant.py); out: [n, m] float32 (any layout). Serial: callers split the rows.
-    Rows go in pairs (an odd last row is computed twice, as both rows of the pair); block rows
-    are decoded to float32 first (two rows of scratch, in L1), then multiplied like bf16 rows.
+    x must be C-contiguous. Float rows go in pairs (an odd last row is computed twice, as both
+    rows of the pair); block rows are unpacked in registers once for all n inputs (quant.dot_rows).
     """
     raise NotImplementedError("numba only")
 
@@ -96,12 +96,7 @@ def _linear_rows_overload(x, w, out, j0, j1):
         return impl
 
     def impl_blocks(x, w, out, j0, j1):
-        buf = np.empty((2, x.shape[1]), np.float32)
-        for j in range(j0, j1, 2):
-            j2 = min(j + 1, j1 - 1)
-            decode_row(w[j], buf[0])
-            decode_row(w[j2], buf[1])
-            _dot_pair(x, buf[0], buf[1], out, j, j2)
+        quant.dot_rows(x, w, out, j0, j1)
 
     return impl_blocks
 
