@@ -81,7 +81,8 @@ def describe_engine(engine) -> str:
         f"KV {budget['kv'] / mib:.1f} MiB ({budget['kv_bytes_per_token']} B/token x {kv.sequence_length} tokens "
         f"x {kv.slots} slots, {format_name(kv.fmt)}) + workspace {budget['workspace'] / mib:.1f} MiB\n"
         f"start-up  load {engine.timings['load']:.1f}s, KV commit {engine.timings['kv_commit']:.1f}s, "
-        f"kernel compile {engine.timings['compile']:.1f}s, {engine.threads} threads"
+        f"kernel compile {engine.timings['compile']:.1f}s, {engine.threads} threads\n"
+        f"kernels   {engine.describe_kernels()}"
     )
 
 

@@ -6,6 +6,7 @@ Shapes: logits [V] for one position, [n, V] for several, [B, V] for a batched de
 from __future__ import annotations
 
 import importlib.util
+import os
 import time
 from collections import Counter
 from pathlib import Path
@@ -84,6 +85,10 @@ class Engine:
         ):
             if value is not None and value not in choices:
                 raise ModelError(f"unknown {name} {value!r} (choose from {', '.join(choices)})")
+        requested = os.environ.get("ELLM_KERNELS", "auto").strip().lower() or "auto"
+        if requested not in quant.KERNEL_SETS:
+            raise ModelError(f"ELLM_KERNELS={requested!r}: choose from {', '.join(quant.KERNEL_SETS)}")
+        self.kernel_set = quant.KERNEL_SET  # detected once, at import of the kernels
         if sequence_length < 2 or batch_size < 1 or chunk_size < 1:
             raise CapacityError("the sequence length must be >= 2, batch and chunk sizes >= 1")
 
@@ -153,6 +158,13 @@ class Engine:
         """The formats of the weight matrices by decreasing bytes, e.g. "Q5_0+Q8_0+Q6_K+Q4_K"."""
         names = [k.split(":")[1] for k in self.memory_budget() if k.startswith("weights:")]
         return "+".join(n for n in names if n != "f32" or len(names) == 1)
+
+    def describe_kernels(self) -> str:
+        """The kernel set in use, for the start-up lines."""
+        if self.kernel_set == "vnni":
+            return (f"int8 vpdpbusd (AVX512-VNNI) for {'/'.join(quant.VNNI_BLOCKS)} blocks, activations "
+                    "quantized per 32; f32 FMA for other blocks, bf16, f16 (ELLM_KERNELS=portable: f32 FMA only)")
+        return "portable: f32 FMA for every weight format (no AVX512-VNNI, or ELLM_KERNELS=portable)"
 
     def memory_budget(self) -> dict[str, int]:
         """Bytes of weights (in all, and by format: "weights:Q4_K", ...), KV cache and workspace."""

@@ -111,16 +111,35 @@ def _linear(x, w, out):
         linear_rows(x, w, out, b * ROW_BLOCK, min(m, b * ROW_BLOCK + ROW_BLOCK))
 
 
+@numba.njit(cache=True, nogil=True, fastmath=True, parallel=True)
+def _linear_vnni(x, w, out):
+    n, k = x.shape
+    m = w.shape[0]
+    xq = np.empty((n, k), np.int8)  # the activations, quantized once for every weight row
+    xd = np.empty((n, k // 32), np.float32)
+    xs = np.empty((n, k // 32), np.int32)
+    quant.quantize_activations(x, xq, xd, xs)
+    if n * m * k < 8 * PARALLEL_MIN:
+        quant.rows_vnni(xq, xd, xs, w, out, 0, m)
+        return
+    for b in prange((m + ROW_BLOCK - 1) // ROW_BLOCK):
+        quant.rows_vnni(xq, xd, xs, w, out, b * ROW_BLOCK, min(m, b * ROW_BLOCK + ROW_BLOCK))
+
+
 def linear(x, w, fmt, out):
     """out = x @ w.T for small n (decode): reads each weight row once, converts on the fly.
 
     x: [n, k] float32; w: [m, k] storage (float32 for F32, uint16 bits for BF16/F16), or
     [m, blocks] of a block dtype (fmt is then ignored), or a tuple of such matrices whose rows
     follow one another (a fusion of tensors of different formats); out: [n, m] float32,
-    written in place. Parallel over blocks of weight rows.
+    written in place. Parallel over blocks of weight rows. With the "vnni" kernel set, blocks of
+    quant.VNNI_BLOCKS meet x quantized to int8 per 32 values (as llama.cpp does).
     """
     for part, cols in _parts(w, out):
-        _linear(x, kernel_view(part, fmt), cols)
+        if quant.KERNEL_SET == "vnni" and quant.block_name(part) in quant.VNNI_BLOCKS:
+            _linear_vnni(x, part, cols)
+        else:
+            _linear(x, kernel_view(part, fmt), cols)
 
 
 def _parts(w, out):

@@ -15,11 +15,18 @@ njit API (callable from other numba code, every storage format):
   decode_row(w_row, out)            out[:k] = w_row as float32 (w_row: 1-D storage or blocks)
   linear_rows(x, w, out, j0, j1)    out[:, j0:j1] = x @ w[j0:j1].T, x [n, k] float32
 Kernels read the block bytes through as_bytes (a uint8 view, no copy).
+
+Kernel sets (KERNEL_SET, chosen once at import from the CPU's features; ELLM_KERNELS=portable
+forces the portable one): "vnni" multiplies Q8_0/Q4_0/Q4_1 blocks by int8-quantized activations
+with vpdpbusd (rows_vnni); "portable" (and every other block type) converts blocks to float32 in
+vector registers (dot_rows), with LLVM's generic vectors (AVX2, AVX-512 or SSE).
 """
+
+import os
 
 import numba
 import numpy as np
-from llvmlite import ir
+from llvmlite import binding, ir
 from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
@@ -27,6 +34,17 @@ from numba.extending import intrinsic, overload
 from ellmd.kernels.formats import decode, f16_to_f32
 
 QK = 256  # weights per K-quant super-block
+KERNEL_SETS = ("auto", "portable")  # values of ELLM_KERNELS
+
+
+def detect_kernel_set(request: str = "auto") -> str:
+    """ "vnni" where the CPU has AVX512-VNNI (with AVX512VL) and request is "auto", else "portable"."""
+    features = binding.get_host_cpu_features()
+    has_vnni = bool(features.get("avx512vnni")) and bool(features.get("avx512vl"))
+    return "vnni" if request == "auto" and has_vnni else "portable"
+
+
+KERNEL_SET = detect_kernel_set(os.environ.get("ELLM_KERNELS", "auto").strip().lower() or "auto")
 
 BLOCK_DTYPES = {
     "Q8_0": np.dtype([("d", "<u2"), ("qs", "i1", (32,))]),
@@ -590,5 +608,171 @@ def _dot_rows_overload(x, w, out, j0, j1):
                 for l in range(_LANES * ACC_SLOTS):
                     total += acc[i, l]
                 out[i, j] = total
+
+    return impl
+
+
+# ---- numba: the int8 path (AVX512-VNNI vpdpbusd) ---------------------------------------------
+#
+# As llama.cpp's q8 x q8: the activations are quantized per block of 32 to int8 with a float
+# scale (quantize_activations), and a Q8_0 weight block meets them in one vpdpbusd (32 byte
+# products summed by fours into 8 int32 lanes). vpdpbusd multiplies unsigned by signed bytes,
+# so the weights' sign bit is flipped (w + 128) and 128 * sum(xq) taken off per block.
+
+
+@numba.njit(cache=True, nogil=True, fastmath=True)
+def quantize_activations(x, xq, xd, xs):
+    """x [n, k] float32 -> xq [n, k] int8, xd [n, k/32] float32 scales, xs [n, k/32] int32 sums."""
+    n, k = x.shape
+    for i in range(n):
+        for blk in range(k // 32):
+            amax = np.float32(0.0)
+            for l in range(32):
+                amax = max(amax, abs(x[i, blk * 32 + l]))
+            d = amax / np.float32(127.0)
+            inv = np.float32(1.0) / d if d > 0 else np.float32(0.0)
+            total = 0
+            for l in range(32):
+                q = np.int32(np.rint(x[i, blk * 32 + l] * inv))
+                xq[i, blk * 32 + l] = np.int8(q)
+                total += q
+            xd[i, blk] = d
+            xs[i, blk] = total
+
+
+def quantize_activations_ref(x):
+    """numpy reference of quantize_activations: returns (xq, xd, xs)."""
+    n, k = x.shape
+    blocks = x.reshape(n, k // 32, 32)
+    d = np.abs(blocks).max(axis=2) / np.float32(127.0)  # [n, k/32]
+    with np.errstate(divide="ignore"):
+        inv = np.where(d > 0, np.float32(1.0) / d, np.float32(0.0)).astype(np.float32)
+    q = np.rint(blocks * inv[..., None]).astype(np.int32)
+    return q.astype(np.int8).reshape(n, k), d.astype(np.float32), q.sum(axis=2).astype(np.int32)
+
+
+def rows_vnni_ref(xq, xd, xs, w, out, j0, j1):
+    """numpy reference of rows_vnni: the dequantized activations times the dequantized blocks."""
+    n, k = xq.shape
+    x = (xq.astype(np.float64).reshape(n, -1, 32) * xd[..., None]).reshape(n, k)
+    out[:, j0:j1] = (x @ dequantize(w[j0:j1]).astype(np.float64).T).astype(np.float32)
+
+
+# block type -> (bytes per block, offset of the codes, per-block correction): the block's value
+# is sum(code * xq) * d * dx + correction * dx * sum(xq)
+_VNNI_BLOCKS = {"Q8_0": (34, 2, "flip"), "Q4_0": (18, 2, "minus8"), "Q4_1": (20, 4, "min")}
+
+
+def _make_rows_vnni(name):
+    size, codes_at, correction = _VNNI_BLOCKS[name]
+
+    @intrinsic
+    def rows_vnni(typingctx, wb, xq, xd, xs, out, j):
+        """out[:, j] = block row wb (bytes) times every quantized activation row, by vpdpbusd."""
+        if not (isinstance(wb, types.Array) and wb.dtype == types.uint8 and wb.ndim == 1):
+            return None
+        return types.void(wb, xq, xd, xs, out, types.intp), _rows_vnni_codegen(size, codes_at, correction)
+
+    return rows_vnni
+
+
+def _rows_vnni_codegen(size, codes_at, correction):
+    def codegen(context, builder, signature, args):
+        arrays = [context.make_array(t)(context, builder, v) for t, v in zip(signature.args[:5], args[:5])]
+        w_a, xq_a, xd_a, xs_a, out_a = arrays
+        j_v = args[5]
+        i8, i32, f32, f16 = ir.IntType(8), ir.IntType(32), ir.FloatType(), ir.HalfType()
+        i8x16, i8x32, i32x8, f32x8 = (ir.VectorType(i8, 16), ir.VectorType(i8, 32), ir.VectorType(i32, 8),
+                                      ir.VectorType(f32, 8))
+        intp = context.get_value_type(types.intp)
+        dpbusd = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(i32x8, [i32x8] * 3), "llvm.x86.avx512.vpdpbusd.256"
+        )
+        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(f32x8, [f32x8] * 3), "llvm.fma.v8f32")
+        n, k = cgutils.unpack_tuple(builder, xq_a.shape)
+        nb = cgutils.unpack_tuple(builder, xd_a.shape)[1]
+        acc = cgutils.alloca_once(builder, f32x8)
+        corr = cgutils.alloca_once(builder, f32)
+
+        def const(v):
+            return ir.Constant(intp, v)
+
+        def f16_at(offset):
+            ptr = builder.bitcast(builder.gep(w_a.data, [offset]), f16.as_pointer())
+            return builder.fpext(builder.load(ptr, align=1), f32)
+
+        def codes(o):
+            """The block's 32 codes as unsigned bytes, in value order."""
+            ptr = builder.gep(w_a.data, [builder.add(o, const(codes_at))])
+            if correction == "flip":  # int8: flip the sign bit
+                raw = builder.load(builder.bitcast(ptr, i8x32.as_pointer()), align=1)
+                return builder.xor(raw, ir.Constant(i8x32, [0x80] * 32))
+            raw = builder.load(builder.bitcast(ptr, i8x16.as_pointer()), align=1)
+            lo = builder.and_(raw, ir.Constant(i8x16, [15] * 16))
+            hi = builder.lshr(raw, ir.Constant(i8x16, [4] * 16))
+            return builder.shuffle_vector(lo, hi, ir.Constant(ir.VectorType(i32, 32), list(range(32))))
+
+        with cgutils.for_range(builder, n) as rows:
+            i = rows.index
+            builder.store(ir.Constant(f32x8, [0.0] * 8), acc)
+            builder.store(ir.Constant(f32, 0.0), corr)
+            with cgutils.for_range(builder, nb) as blocks:
+                blk = blocks.index
+                o = builder.mul(blk, const(size))
+                dw = f16_at(o)
+                xi = builder.add(builder.mul(i, k), builder.mul(blk, const(32)))
+                xv = builder.load(builder.bitcast(builder.gep(xq_a.data, [xi]), i8x32.as_pointer()), align=1)
+                dp = builder.call(dpbusd, [ir.Constant(i32x8, [0] * 8), builder.bitcast(codes(o), i32x8),
+                                           builder.bitcast(xv, i32x8)])
+                bi = builder.add(builder.mul(i, nb), blk)
+                dx = builder.load(builder.gep(xd_a.data, [bi]))
+                s = builder.fmul(dw, dx)
+                sv = builder.shuffle_vector(
+                    builder.insert_element(ir.Constant(f32x8, ir.Undefined), s, ir.Constant(i32, 0)),
+                    ir.Constant(f32x8, ir.Undefined), ir.Constant(i32x8, [0] * 8),
+                )
+                builder.store(builder.call(fma, [builder.sitofp(dp, f32x8), sv, builder.load(acc)]), acc)
+                if correction == "min":
+                    c = builder.fmul(f16_at(builder.add(o, const(2))), dx)
+                else:
+                    c = builder.fmul(s, ir.Constant(f32, -128.0 if correction == "flip" else -8.0))
+                xsum = builder.sitofp(builder.load(builder.gep(xs_a.data, [bi])), f32)
+                builder.store(builder.fadd(builder.load(corr), builder.fmul(c, xsum)), corr)
+            total = builder.load(acc)
+            lanes = [builder.extract_element(total, ir.Constant(i32, lane)) for lane in range(8)]
+            while len(lanes) > 1:
+                lanes = [builder.fadd(lanes[a], lanes[a + 1]) for a in range(0, len(lanes), 2)]
+            value = builder.fadd(lanes[0], builder.load(corr))
+            st0, st1 = cgutils.unpack_tuple(builder, out_a.strides)  # out may be a column slice
+            at = builder.add(builder.mul(i, st0), builder.mul(j_v, st1))
+            ptr = builder.gep(builder.bitcast(out_a.data, ir.IntType(8).as_pointer()), [at])
+            builder.store(value, builder.bitcast(ptr, f32.as_pointer()))
+        return context.get_dummy_value()
+
+    return codegen
+
+
+_ROWS_VNNI = {name: _make_rows_vnni(name) for name in _VNNI_BLOCKS}
+VNNI_BLOCKS = tuple(_VNNI_BLOCKS)
+
+
+def rows_vnni(xq, xd, xs, w, out, j0, j1):
+    """out[:, j0:j1] = x @ w[j0:j1].T for w in a VNNI_BLOCKS type, x given quantized
+    (quantize_activations): xq [n, k] int8, xd [n, k/32] float32, xs [n, k/32] int32, all
+    C-contiguous; out: [n, m] float32, any layout. Needs AVX512-VNNI (KERNEL_SET "vnni")."""
+    raise NotImplementedError("numba only")
+
+
+@overload(rows_vnni, jit_options={"fastmath": True, "nogil": True})
+def _rows_vnni_overload(xq, xd, xs, w, out, j0, j1):
+    name = record_name(w.dtype)
+    if name not in _ROWS_VNNI:
+        return None
+    row_kernel = _ROWS_VNNI[name]
+
+    def impl(xq, xd, xs, w, out, j0, j1):
+        wb = as_bytes(w)
+        for j in range(j0, j1):
+            row_kernel(wb[j], xq, xd, xs, out, j)
 
     return impl
