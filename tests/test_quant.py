@@ -72,15 +72,48 @@ def test_q4_k_quantizer_roundtrip(rng):
     assert np.abs(y - x).mean() < 0.1
 
 
+@pytest.mark.parametrize("kernels", ["vnni", "portable"])
 @pytest.mark.parametrize("name", NAMES)
 @pytest.mark.parametrize("n", [1, 3, 6, 70])
-def test_matmul_on_blocks(rng, name, n):
+def test_matmul_on_blocks(rng, monkeypatch, kernels, name, n):
+    monkeypatch.setattr(quant, "KERNEL_SET", kernels)
     w = blocks(rng, name, 37)  # odd row count: the last row pair is a single row
     x = rng.standard_normal((n, K)).astype(np.float32)
     out = np.full((n, 37), np.nan, np.float32)
     scratch = np.zeros(matmul.prefill_scratch_size(37, K), np.float32)
     matmul.matmul(x, w, F32, out, scratch)  # n=70 takes the packed prefill path
-    assert_f32_close(out, (x.astype(np.float64) @ quant.dequantize(w).T.astype(np.float64)))
+    if kernels == "vnni" and name in quant.VNNI_BLOCKS and n < matmul.PREFILL_MIN_ROWS:
+        want = np.zeros_like(out)  # int8 activations: the reference quantizes them the same way
+        quant.rows_vnni_ref(*quant.quantize_activations_ref(x), w, want, 0, 37)
+        exact = x.astype(np.float64) @ quant.dequantize(w).T.astype(np.float64)
+        assert np.abs(out - exact).max() < 0.02 * np.abs(exact).max()  # what int8 activations cost
+    else:
+        want = x.astype(np.float64) @ quant.dequantize(w).T.astype(np.float64)
+    assert_f32_close(out, want)
+
+
+def test_quantize_activations_matches_reference(rng):
+    x = rng.standard_normal((3, K)).astype(np.float32)
+    x[1, :32] = 0.0  # an all-zero block: scale 0, codes 0
+    xq, xd, xs = np.zeros((3, K), np.int8), np.zeros((3, K // 32), np.float32), np.zeros((3, K // 32), np.int32)
+    quant.quantize_activations(x, xq, xd, xs)
+    ref_q, ref_d, ref_s = quant.quantize_activations_ref(x)
+    assert np.array_equal(xq, ref_q) and np.array_equal(xs, ref_s)
+    np.testing.assert_allclose(xd, ref_d, rtol=1e-7)
+    assert xd[1, 0] == 0 and not xq[1, :32].any()
+
+
+def test_kernel_set_detection_and_override():
+    import subprocess
+    import sys
+
+    assert quant.detect_kernel_set("portable") == "portable"
+    code = "from ellmd.kernels import quant; print(quant.KERNEL_SET)"
+    env = {"ELLM_KERNELS": "portable", "PATH": ""}
+    forced = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert forced.stdout.strip() == "portable"
+    cpu = open("/proc/cpuinfo").read()
+    assert quant.detect_kernel_set("auto") == ("vnni" if " avx512_vnni" in cpu else "portable")
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -120,3 +153,18 @@ def test_tuple_of_formats_fills_consecutive_columns(rng):
     matmul.linear_ref(x, (q, k, v), BF16, ref)
     assert_f32_close(out, ref)
     assert_f32_close(out[:, 8:14], x.astype(np.float64) @ quant.dequantize(k).T)
+
+
+def test_quantize_weight_falls_back_as_llama_quantize(rng):
+    from ellmd.model.weights import quantize_weight
+
+    wide = rng.standard_normal((4, 512)).astype(np.float32)
+    assert quant.block_name(quantize_weight(wide, F32, "Q4_K")) == "Q4_K"
+    narrow = rng.standard_normal((4, 96)).astype(np.float32)
+    assert quant.block_name(quantize_weight(narrow, F32, "Q4_K")) == "Q5_0"
+    odd = rng.standard_normal((4, 40)).astype(np.float32)
+    assert quantize_weight(odd, F32, "Q8_0") is odd  # no block fits: stays float
+    stack = rng.standard_normal((3, 4, 256)).astype(np.float32)  # an expert stack
+    blocks = quantize_weight(stack, F32, "Q4_K")
+    assert blocks.shape == (3, 4, 1)
+    assert np.array_equal(quant.dequantize(blocks[1]), quant.dequantize(quant.quantize(stack[1], "Q4_K")))

@@ -78,8 +78,8 @@ def linear_rows(x, w, out, j0, j1):
 
     x: [n, k] float32; w: [m, k] storage (float32, uint16 bf16, int16 f16) or [m, blocks] of a
     block dtype (quant.py); out: [n, m] float32 (any layout). Serial: callers split the rows.
-    Rows go in pairs (an odd last row is computed twice, as both rows of the pair); block rows
-    are decoded to float32 first (two rows of scratch, in L1), then multiplied like bf16 rows.
+    x must be C-contiguous. Float rows go in pairs (an odd last row is computed twice, as both
+    rows of the pair); block rows are unpacked in registers once for all n inputs (quant.dot_rows).
     """
     raise NotImplementedError("numba only")
 
@@ -96,12 +96,7 @@ def _linear_rows_overload(x, w, out, j0, j1):
         return impl
 
     def impl_blocks(x, w, out, j0, j1):
-        buf = np.empty((2, x.shape[1]), np.float32)
-        for j in range(j0, j1, 2):
-            j2 = min(j + 1, j1 - 1)
-            decode_row(w[j], buf[0])
-            decode_row(w[j2], buf[1])
-            _dot_pair(x, buf[0], buf[1], out, j, j2)
+        quant.dot_rows(x, w, out, j0, j1)
 
     return impl_blocks
 
@@ -116,16 +111,35 @@ def _linear(x, w, out):
         linear_rows(x, w, out, b * ROW_BLOCK, min(m, b * ROW_BLOCK + ROW_BLOCK))
 
 
+@numba.njit(cache=True, nogil=True, fastmath=True, parallel=True)
+def _linear_vnni(x, w, out):
+    n, k = x.shape
+    m = w.shape[0]
+    xq = np.empty((n, k), np.int8)  # the activations, quantized once for every weight row
+    xd = np.empty((n, k // 32), np.float32)
+    xs = np.empty((n, k // 32), np.int32)
+    quant.quantize_activations(x, xq, xd, xs)
+    if n * m * k < 8 * PARALLEL_MIN:
+        quant.rows_vnni(xq, xd, xs, w, out, 0, m)
+        return
+    for b in prange((m + ROW_BLOCK - 1) // ROW_BLOCK):
+        quant.rows_vnni(xq, xd, xs, w, out, b * ROW_BLOCK, min(m, b * ROW_BLOCK + ROW_BLOCK))
+
+
 def linear(x, w, fmt, out):
     """out = x @ w.T for small n (decode): reads each weight row once, converts on the fly.
 
     x: [n, k] float32; w: [m, k] storage (float32 for F32, uint16 bits for BF16/F16), or
     [m, blocks] of a block dtype (fmt is then ignored), or a tuple of such matrices whose rows
     follow one another (a fusion of tensors of different formats); out: [n, m] float32,
-    written in place. Parallel over blocks of weight rows.
+    written in place. Parallel over blocks of weight rows. With the "vnni" kernel set, blocks of
+    quant.VNNI_BLOCKS meet x quantized to int8 per 32 values (as llama.cpp does).
     """
     for part, cols in _parts(w, out):
-        _linear(x, kernel_view(part, fmt), cols)
+        if quant.KERNEL_SET == "vnni" and quant.block_name(part) in quant.VNNI_BLOCKS:
+            _linear_vnni(x, part, cols)
+        else:
+            _linear(x, kernel_view(part, fmt), cols)
 
 
 def _parts(w, out):
