@@ -112,9 +112,8 @@ BLOCK_CASES = [("Q4_K", "Q4_K", "Q6_K", 256, 512), ("Q8_0", "Q8_0", "Q8_0", 64, 
                ("Q5_0", "Q5_0", "Q4_1", 96, 64)]
 
 
-@pytest.mark.parametrize("n", [1, 3, 20])
-@pytest.mark.parametrize("gate_type,up_type,down_type,hidden,inter", BLOCK_CASES)
-def test_moe_block_on_blocks_matches_dequantized_reference(rng, n, gate_type, up_type, down_type, hidden, inter):
+def run_blocks(rng, n, gate_type, up_type, down_type, hidden, inter):
+    """(moe_block, moe_block_ref) outputs on random block stacks."""
     experts, top_k = 16, 4
     gate_up, down = block_stacks(rng, gate_type, up_type, down_type, experts, hidden, inter)
     x = randn(rng, n, hidden)
@@ -127,4 +126,21 @@ def test_moe_block_on_blocks_matches_dequantized_reference(rng, n, gate_type, up
         chosen = np.empty((n, top_k), np.int64)
         block(x, router, top_k, True, gate_up, down, BF16, out, logits, weights, chosen, scratch)
         outs.append(out)
-    np.testing.assert_allclose(outs[0], outs[1], **TOL)
+    return outs
+
+
+@pytest.mark.parametrize("n", [1, 3, 20])
+@pytest.mark.parametrize("gate_type,up_type,down_type,hidden,inter", BLOCK_CASES)
+def test_moe_block_on_blocks_matches_dequantized_reference(rng, monkeypatch, n, gate_type, up_type, down_type, hidden,
+                                                           inter):
+    # the portable kernels: float32 products of the blocks (the grouped path's dense matmul would
+    # otherwise quantize activations to int8 for Q8_0/Q4_0/Q4_1 where VNNI exists; checked below)
+    monkeypatch.setattr(quant, "KERNEL_SET", "portable")
+    got, want = run_blocks(rng, n, gate_type, up_type, down_type, hidden, inter)
+    np.testing.assert_allclose(got, want, **TOL)
+
+
+def test_grouped_path_with_int8_activations_costs_what_int8_costs(rng, monkeypatch):
+    monkeypatch.setattr(quant, "KERNEL_SET", quant.detect_kernel_set("auto"))  # int8 activations where VNNI exists
+    got, want = run_blocks(rng, 20, "Q8_0", "Q8_0", "Q8_0", 64, 96)
+    assert np.abs(got - want).max() < 0.02 * np.abs(want).max()
