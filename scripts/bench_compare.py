@@ -28,8 +28,8 @@ and torch's slowed transformers 15x in one process.
 
 The systems and their weights (a weight format of the table is a GGUF type):
   ellm          in-process Engine (ellmd.bench.run_bench): F16 row: the same weights in --ellm-dtypes
-                (bf16 default); Q8_0, Q4_K_M rows: the quantized GGUF, in the weights it keeps in
-                memory (the "memory" column says what they are)
+                (bf16 default); Q8_0, Q4_K_M rows: the quantized GGUF as the loader holds it (its
+                blocks; the "weights in memory" column says what they are)
   llama.cpp     native llama-bench (-fa on, n_ubatch 512, F16 KV cache) on the F16 GGUF and on the
                 llama-quantize'd --quant GGUFs; built on demand into $LLAMA_NATIVE (scripts/llama_native.py,
                 --build-llama; ~10-15 minutes once)
@@ -418,7 +418,7 @@ def check_ellm_fits(path: Path, dtype: str | None) -> None:
     if quantized and dtype is None:
         probe = min(quantized, key=lambda t: int(t.n_bytes))
         name = next(n for n, t in checkpoint._tensors.items() if t is probe)
-        if quant.is_blocks(checkpoint.get(name, checkpoint.native_format())):
+        if quant.is_blocks(checkpoint.get(name, checkpoint.native_format(), keep_blocks=True)):
             return  # blocks stay blocks: the file's size, which is mapped
     need = sum(int(t.n_elements) * (4 if len(t.shape) == 1 else element) for t in tensors)
     free = available_memory()
