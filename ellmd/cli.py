@@ -20,7 +20,12 @@ app = typer.Typer(
 )
 
 ModelPath = typer.Option(None, "--model-path", "-m", help="HF checkpoint directory or .gguf file [default: built-in SmolLM2-135M-Instruct]")
-WeightDtype = typer.Option(None, help="Weight precision in memory: bf16, f16 or f32 [default: the checkpoint's own; bf16 for quantized GGUF]")
+WeightDtype = typer.Option(
+    None,
+    help="Weights in memory: bf16, f16 or f32 (quantized GGUF tensors dequantized to it), or q8_0, q4_0, q4_k "
+    "(float weights quantized at load; q4_k falls back to q5_0 for widths 256 does not divide) "
+    "[default: the checkpoint's own; a GGUF keeps its blocks]",
+)
 KvDtype = typer.Option("bf16", help="KV cache precision: bf16, f16 or f32")
 Threads = typer.Option(None, help="Kernel and BLAS threads [default: all cores]")
 ChunkSize = typer.Option(512, help="Tokens per forward pass in prefill (activation buffers are sized for it)")
@@ -68,14 +73,16 @@ def format_name(fmt: int) -> str:
 def describe_engine(engine) -> str:
     budget, spec, kv = engine.memory_budget(), engine.spec, engine.kv
     mib = 2**20
+    by_format = ", ".join(f"{k.split(':')[1]} {v / mib:.1f}" for k, v in budget.items() if k.startswith("weights:"))
     return (
         f"model     {engine.model_path.name}: {spec.model_type}, {spec.num_hidden_layers} layers, "
         f"hidden {spec.hidden_size}, vocab {spec.vocab_size}\n"
-        f"memory    weights {budget['weights'] / mib:.1f} MiB ({format_name(engine.fmt)}) + "
+        f"memory    weights {budget['weights'] / mib:.1f} MiB ({by_format}) + "
         f"KV {budget['kv'] / mib:.1f} MiB ({budget['kv_bytes_per_token']} B/token x {kv.sequence_length} tokens "
         f"x {kv.slots} slots, {format_name(kv.fmt)}) + workspace {budget['workspace'] / mib:.1f} MiB\n"
         f"start-up  load {engine.timings['load']:.1f}s, KV commit {engine.timings['kv_commit']:.1f}s, "
-        f"kernel compile {engine.timings['compile']:.1f}s, {engine.threads} threads"
+        f"kernel compile {engine.timings['compile']:.1f}s, {engine.threads} threads\n"
+        f"kernels   {engine.describe_kernels()}"
     )
 
 
@@ -197,7 +204,7 @@ def bench(
         rows = run_bench(engine, sizes, decode, context, repetitions)
     except EllmError as e:
         fail(str(e))
-    info = {"model": engine.model_path.name, "weight_dtype": format_name(engine.fmt), "kv_dtype": kv_dtype,
+    info = {"model": engine.model_path.name, "weight_dtype": engine.weight_formats, "kv_dtype": kv_dtype,
             "threads": engine.threads}
     if json_output:
         print(json.dumps([{**info, **row} for row in rows]))

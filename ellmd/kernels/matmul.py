@@ -21,9 +21,12 @@ slower than BLAS alone. One pool (numba's) for every kernel avoids that.
 import numba
 import numpy as np
 from numba import prange
+from numba.extending import overload
 
+from ellmd.kernels import quant
 from ellmd.kernels.activations import PARALLEL_MIN
 from ellmd.kernels.formats import decode, kernel_view, to_f32
+from ellmd.kernels.quant import decode_row
 from ellmd.kernels.tile import MR, NR, micro_kernel
 
 ROW_BLOCK = 16  # weight rows per parallel task of linear
@@ -33,69 +36,124 @@ INPUT_BLOCK = 128  # input rows multiplied per packed panel pass (stay in L2)
 DEPTH_BLOCK = 256  # depth of one micro-kernel call (its operands stay in L1)
 
 
-@numba.njit(cache=True, nogil=True, fastmath=True)
-def _rows(x, w, out, j0, j1):
-    """out[:, j0:j1] = x @ w[j0:j1].T, w decoded in registers (format from its dtype)."""
+@numba.njit(cache=True, nogil=True, fastmath=True, inline="always")
+def _dot_pair(x, w0, w1, out, j, j2):
+    """out[:, j] = x @ w0, out[:, j2] = x @ w1; w0, w1 rows of storage, decoded in registers."""
     n, k = x.shape
     zero = np.float32(0.0)
-    for j in range(j0, j1, 2):
-        # an odd last row is computed twice, as both rows of the pair
-        j2 = min(j + 1, j1 - 1)
-        w0, w1 = w[j], w[j2]
-        for i in range(0, n - 3, 4):
-            x0, x1, x2, x3 = x[i], x[i + 1], x[i + 2], x[i + 3]
-            a0 = a1 = a2 = a3 = b0 = b1 = b2 = b3 = zero
-            for c in range(k):
-                u = decode(w0[c])
-                v = decode(w1[c])
-                a0 += x0[c] * u
-                a1 += x1[c] * u
-                a2 += x2[c] * u
-                a3 += x3[c] * u
-                b0 += x0[c] * v
-                b1 += x1[c] * v
-                b2 += x2[c] * v
-                b3 += x3[c] * v
-            out[i, j] = a0
-            out[i + 1, j] = a1
-            out[i + 2, j] = a2
-            out[i + 3, j] = a3
-            out[i, j2] = b0
-            out[i + 1, j2] = b1
-            out[i + 2, j2] = b2
-            out[i + 3, j2] = b3
-        for i in range(n - n % 4, n):
-            xi = x[i]
-            a0 = b0 = zero
-            for c in range(k):
-                a0 += xi[c] * decode(w0[c])
-                b0 += xi[c] * decode(w1[c])
-            out[i, j] = a0
-            out[i, j2] = b0
+    for i in range(0, n - 3, 4):
+        x0, x1, x2, x3 = x[i], x[i + 1], x[i + 2], x[i + 3]
+        a0 = a1 = a2 = a3 = b0 = b1 = b2 = b3 = zero
+        for c in range(k):
+            u = decode(w0[c])
+            v = decode(w1[c])
+            a0 += x0[c] * u
+            a1 += x1[c] * u
+            a2 += x2[c] * u
+            a3 += x3[c] * u
+            b0 += x0[c] * v
+            b1 += x1[c] * v
+            b2 += x2[c] * v
+            b3 += x3[c] * v
+        out[i, j] = a0
+        out[i + 1, j] = a1
+        out[i + 2, j] = a2
+        out[i + 3, j] = a3
+        out[i, j2] = b0
+        out[i + 1, j2] = b1
+        out[i + 2, j2] = b2
+        out[i + 3, j2] = b3
+    for i in range(n - n % 4, n):
+        xi = x[i]
+        a0 = b0 = zero
+        for c in range(k):
+            a0 += xi[c] * decode(w0[c])
+            b0 += xi[c] * decode(w1[c])
+        out[i, j] = a0
+        out[i, j2] = b0
+
+
+def linear_rows(x, w, out, j0, j1):
+    """out[:, j0:j1] = x @ w[j0:j1].T inside numba code, for every weight format.
+
+    x: [n, k] float32; w: [m, k] storage (float32, uint16 bf16, int16 f16) or [m, blocks] of a
+    block dtype (quant.py); out: [n, m] float32 (any layout). Serial: callers split the rows.
+    x must be C-contiguous. Float rows go in pairs (an odd last row is computed twice, as both
+    rows of the pair); block rows are unpacked in registers once for all n inputs (quant.dot_rows).
+    """
+    raise NotImplementedError("numba only")
+
+
+@overload(linear_rows, jit_options={"fastmath": True, "nogil": True})
+def _linear_rows_overload(x, w, out, j0, j1):
+    if quant.record_name(w.dtype) is None:
+
+        def impl(x, w, out, j0, j1):
+            for j in range(j0, j1, 2):
+                j2 = min(j + 1, j1 - 1)
+                _dot_pair(x, w[j], w[j2], out, j, j2)
+
+        return impl
+
+    def impl_blocks(x, w, out, j0, j1):
+        quant.dot_rows(x, w, out, j0, j1)
+
+    return impl_blocks
 
 
 @numba.njit(cache=True, nogil=True, fastmath=True, parallel=True)
 def _linear(x, w, out):
     m = w.shape[0]
     if x.shape[0] * m * x.shape[1] < 8 * PARALLEL_MIN:
-        _rows(x, w, out, 0, m)
+        linear_rows(x, w, out, 0, m)
         return
     for b in prange((m + ROW_BLOCK - 1) // ROW_BLOCK):
-        _rows(x, w, out, b * ROW_BLOCK, min(m, b * ROW_BLOCK + ROW_BLOCK))
+        linear_rows(x, w, out, b * ROW_BLOCK, min(m, b * ROW_BLOCK + ROW_BLOCK))
+
+
+@numba.njit(cache=True, nogil=True, fastmath=True, parallel=True)
+def _linear_vnni(x, w, out):
+    n, k = x.shape
+    m = w.shape[0]
+    xq = np.empty((n, k), np.int8)  # the activations, quantized once for every weight row
+    xd = np.empty((n, k // 32), np.float32)
+    xs = np.empty((n, k // 32), np.int32)
+    quant.quantize_activations(x, xq, xd, xs)
+    if n * m * k < 8 * PARALLEL_MIN:
+        quant.rows_vnni(xq, xd, xs, w, out, 0, m)
+        return
+    for b in prange((m + ROW_BLOCK - 1) // ROW_BLOCK):
+        quant.rows_vnni(xq, xd, xs, w, out, b * ROW_BLOCK, min(m, b * ROW_BLOCK + ROW_BLOCK))
 
 
 def linear(x, w, fmt, out):
     """out = x @ w.T for small n (decode): reads each weight row once, converts on the fly.
 
-    x: [n, k] float32; w: [m, k] storage (float32 for F32, uint16 bits for BF16/F16);
-    out: [n, m] float32, written in place. Parallel over blocks of weight rows.
+    x: [n, k] float32; w: [m, k] storage (float32 for F32, uint16 bits for BF16/F16), or
+    [m, blocks] of a block dtype (fmt is then ignored), or a tuple of such matrices whose rows
+    follow one another (a fusion of tensors of different formats); out: [n, m] float32,
+    written in place. Parallel over blocks of weight rows. With the "vnni" kernel set, blocks of
+    quant.VNNI_BLOCKS meet x quantized to int8 per 32 values (as llama.cpp does).
     """
-    _linear(x, kernel_view(w, fmt), out)
+    for part, cols in _parts(w, out):
+        if quant.KERNEL_SET == "vnni" and quant.block_name(part) in quant.VNNI_BLOCKS:
+            _linear_vnni(x, part, cols)
+        else:
+            _linear(x, kernel_view(part, fmt), cols)
+
+
+def _parts(w, out):
+    """(matrix, out columns) of a weight or of each part of a tuple of weights."""
+    if not isinstance(w, tuple):
+        return ((w, out),)
+    bounds = np.cumsum([0] + [p.shape[0] for p in w])
+    return tuple((p, out[:, a:b]) for p, a, b in zip(w, bounds[:-1], bounds[1:]))
 
 
 def linear_ref(x, w, fmt, out):
     """numpy reference of linear."""
-    out[:] = (x.astype(np.float64) @ to_f32(w, fmt).T.astype(np.float64)).astype(np.float32)
+    for part, cols in _parts(w, out):
+        cols[:] = (x.astype(np.float64) @ to_f32(part, fmt).T.astype(np.float64)).astype(np.float32)
 
 
 def _worker_floats(k):
@@ -111,13 +169,13 @@ def prefill_scratch_size(m, k):
 
 
 @numba.njit(cache=True, nogil=True, fastmath=True)
-def _pack(w, j0, rows, panel):
-    """panel[d, c] = w[j0 + c, d] as float32, zero columns past rows. panel: [k, PANEL]."""
-    k = w.shape[1]
+def _pack(w, j0, rows, panel, row):
+    """panel[d, c] = w[j0 + c, d] as float32, zero columns past rows. panel: [k, PANEL]; row: [k]."""
+    k = panel.shape[0]
     for c in range(rows):
-        src = w[j0 + c]
+        decode_row(w[j0 + c], row)  # blocks are decoded once per row here
         for d in range(k):
-            panel[d, c] = decode(src[d])
+            panel[d, c] = row[d]
     for c in range(rows, PANEL):
         for d in range(k):
             panel[d, c] = np.float32(0.0)
@@ -132,7 +190,7 @@ def _panel_product(x, w, out, j0, panel, block, xpad):
     """
     n, k = x.shape
     rows = min(PANEL, w.shape[0] - j0)
-    _pack(w, j0, rows, panel)
+    _pack(w, j0, rows, panel, xpad[0])  # xpad is free until the products below
     for i0 in range(0, n, INPUT_BLOCK):
         nb = min(INPUT_BLOCK, n - i0)
         nbp = (nb + MR - 1) // MR * MR
@@ -156,7 +214,7 @@ def _panel_product(x, w, out, j0, panel, block, xpad):
 
 @numba.njit(cache=True, nogil=True, fastmath=True, parallel=True)
 def _prefill_product(x, w, out, work):
-    m, k = w.shape
+    m, k = w.shape[0], x.shape[1]
     workers = work.shape[0]
     panels = (m + PANEL - 1) // PANEL
     for wk in prange(workers):
@@ -172,14 +230,15 @@ def _prefill_product(x, w, out, work):
 def linear_prefill(x, w, fmt, out, scratch):
     """out = x @ w.T for large n (prefill): packed weight panels on the SIMD micro-kernel.
 
-    x: [n, k] float32; w: [m, k] storage; out: [n, m] float32; scratch: 1-D float32 of
+    x: [n, k] float32; w: as in linear; out: [n, m] float32; scratch: 1-D float32 of
     prefill_scratch_size(m, k) elements (room for fewer threads only lowers the parallelism).
     Each weight row is converted once; compute-bound, ~75 GFLOP/s per core.
     """
-    per = _worker_floats(w.shape[1])
+    per = _worker_floats(x.shape[1])
     workers = max(1, min(numba.get_num_threads(), scratch.size // per))
     work = scratch[: workers * per].reshape(workers, per)  # [workers, per]
-    _prefill_product(x, kernel_view(w, fmt), out, work)
+    for part, cols in _parts(w, out):
+        _prefill_product(x, kernel_view(part, fmt), cols, work)
 
 
 def linear_prefill_ref(x, w, fmt, out, scratch):
@@ -207,16 +266,13 @@ def matmul_ref(x, w, fmt, out, scratch):
 def _embed(tokens, table, out):
     # serial: one row per token, memory-bound
     for i in range(tokens.shape[0]):
-        src = table[tokens[i]]
-        dst = out[i]
-        for c in range(dst.shape[0]):
-            dst[c] = decode(src[c])
+        decode_row(table[tokens[i]], out[i])
 
 
 def embed(tokens, table, fmt, out):
     """out[i] = table[tokens[i]] as float32.
 
-    tokens: [n] int64; table: [V, d] storage; out: [n, d] float32.
+    tokens: [n] int64; table: [V, d] storage or [V, blocks] of a block dtype; out: [n, d] float32.
     """
     _embed(tokens, kernel_view(table, fmt), out)
 

@@ -4,20 +4,35 @@ Shape legend:
   n   tokens
   E   experts; k experts per token (top_k)
   h   hidden size; I expert intermediate size
+  expert stacks: gate_up [E, 2*I, h] (gate rows, then up rows) or a tuple (gate, up) of [E, I, h];
+  down [E, h, I]; in a block format (quant.py) the last axis counts blocks
 
-Experts run one at a time over the tokens routed to them (gathered into contiguous rows), so
-each expert's weights are read once per call whatever the number of tokens, through the same
-matmul as dense layers (decode kernel for few rows, BLAS for many).
+Two paths, both reading each routed expert's weights once per call whatever its number of tokens:
+
+- few tokens (decode, short appends; n <= FUSED_MAX_TOKENS): moe_block runs the router, the top-k,
+  and every routed expert's gate_up, silu, down and weighted sum in one compiled call. Each
+  parallel task owns a block of weight rows across all routed experts (gate_up: a block of
+  intermediate columns, with its silu; down: a block of hidden columns of the output), so tasks
+  write disjoint outputs and need no reduction, and a decode step costs one Python-to-numba
+  transition per layer instead of a few per expert.
+- many tokens (prefill): experts run one at a time over the tokens routed to them (gathered into
+  contiguous rows), through the same matmul as dense layers (packed panels for many rows).
+
+(token, slot) pairs are grouped by expert in both, so one expert's inputs are contiguous rows.
 """
 
 from typing import NamedTuple
 
 import numba
 import numpy as np
+from numba import prange
 
-from ellmd.kernels.activations import silu_mul, silu_mul_ref
-from ellmd.kernels.formats import to_f32
-from ellmd.kernels.matmul import matmul, prefill_scratch_size
+from ellmd.kernels.activations import exp_f32, silu_mul, silu_mul_ref
+from ellmd.kernels.formats import F32, kernel_view, to_f32
+from ellmd.kernels.matmul import ROW_BLOCK, linear_rows, matmul, matmul_ref, prefill_scratch_size
+
+FUSED_MAX_TOKENS = 16  # up to this many tokens moe_block takes the fused path (decode batches)
+TASKS_PER_THREAD = 8  # parallel tasks of a fused loop per thread: balance vs long contiguous row runs
 
 
 @numba.njit(cache=True, nogil=True, fastmath=True)
@@ -76,23 +91,26 @@ class MoeScratch(NamedTuple):
     order: np.ndarray  # [n*k] int64: (token, slot) pairs grouped by expert, pair = token * k + slot
     offsets: np.ndarray  # [E + 1] int64: expert e owns order[offsets[e]:offsets[e + 1]]
     active: np.ndarray  # [E] int64: experts with tokens, first `count` entries
-    xs: np.ndarray  # [n, h] float32: gathered inputs of one expert
-    gate_up: np.ndarray  # [n, 2*I] float32
-    act: np.ndarray  # [n, I] float32
-    ys: np.ndarray  # [n, h] float32: one expert's outputs
+    # rows: max(n, k * min(n, FUSED_MAX_TOKENS)); the grouped path uses one expert's rows,
+    # the fused path all pairs at once, in `order`
+    xs: np.ndarray  # [rows, h] float32: gathered inputs
+    gate_up: np.ndarray  # [rows, 2*I] float32
+    act: np.ndarray  # [rows, I] float32
+    ys: np.ndarray  # [rows, h] float32: expert outputs before weighting
     matmul: np.ndarray  # 1-D float32: matmul's prefill scratch
 
 
 def moe_scratch(max_tokens, top_k, num_experts, hidden, inter):
-    """Allocate the scratch of moe_experts for up to max_tokens tokens."""
+    """Allocate the scratch of moe_experts and moe_block for up to max_tokens tokens."""
+    rows = max(max_tokens, top_k * min(max_tokens, FUSED_MAX_TOKENS))
     return MoeScratch(
         order=np.zeros(max_tokens * top_k, np.int64),
         offsets=np.zeros(num_experts + 1, np.int64),
         active=np.zeros(num_experts, np.int64),
-        xs=np.zeros((max_tokens, hidden), np.float32),
-        gate_up=np.zeros((max_tokens, 2 * inter), np.float32),
-        act=np.zeros((max_tokens, inter), np.float32),
-        ys=np.zeros((max_tokens, hidden), np.float32),
+        xs=np.zeros((rows, hidden), np.float32),
+        gate_up=np.zeros((rows, 2 * inter), np.float32),
+        act=np.zeros((rows, inter), np.float32),
+        ys=np.zeros((rows, hidden), np.float32),
         matmul=np.zeros(
             max(prefill_scratch_size(2 * inter, hidden), prefill_scratch_size(hidden, inter)), np.float32
         ),
@@ -150,37 +168,165 @@ def _scatter_add(ys, pairs, weights, out):
             dst[c] += w * src[c]
 
 
+@numba.njit(cache=True, nogil=True, fastmath=True)
+def _gate_up_block(xs, gate, up, up0, offsets, active, count, act, gu, c0, c1):
+    """act[:, c0:c1] = silu(gate) * up of intermediate columns c0:c1, for every routed expert.
+
+    gate rows c0:c1 and up rows up0 + c0:up0 + c1 of each expert; gu [rows, 2*I] holds them.
+    """
+    inter = act.shape[1]
+    for t in range(count):
+        e = active[t]
+        r0, r1 = offsets[e], offsets[e + 1]
+        x_e, gu_e = xs[r0:r1], gu[r0:r1]
+        linear_rows(x_e, gate[e], gu_e, c0, c1)
+        linear_rows(x_e, up[e], gu_e[:, inter - up0 :], up0 + c0, up0 + c1)
+        for r in range(r0, r1):
+            for c in range(c0, c1):
+                g = gu[r, c]
+                act[r, c] = g / (np.float32(1.0) + exp_f32(-g)) * gu[r, inter + c]
+
+
+@numba.njit(cache=True, nogil=True, fastmath=True)
+def _down_block(act, down, order, offsets, active, count, weights, ys, out, c0, c1):
+    """out[:, c0:c1] = sum over routed experts of weight * down rows c0:c1 (overwrites out's columns)."""
+    k = weights.shape[1]
+    for i in range(out.shape[0]):
+        for c in range(c0, c1):
+            out[i, c] = np.float32(0.0)
+    for t in range(count):
+        e = active[t]
+        r0, r1 = offsets[e], offsets[e + 1]
+        linear_rows(act[r0:r1], down[e], ys[r0:r1], c0, c1)
+        for r in range(r0, r1):
+            pair = order[r]
+            w = weights[pair // k, pair % k]
+            dst, src = out[pair // k], ys[r]
+            for c in range(c0, c1):
+                dst[c] += w * src[c]
+
+
+def _task_width(rows):
+    """Weight rows per task of a fused loop: TASKS_PER_THREAD tasks per thread, at least ROW_BLOCK
+    rows (an even count). Long runs of one expert's consecutive rows keep the hardware prefetcher
+    streaming. (numba.get_num_threads inside njit code would defeat the on-disk cache.)
+    """
+    tasks = TASKS_PER_THREAD * numba.get_num_threads()
+    width = (rows + tasks - 1) // tasks
+    return max(ROW_BLOCK, width + width % 2)
+
+
+@numba.njit(cache=True, nogil=True, fastmath=True, parallel=True)
+def _experts_fused(x, experts, weights, gate, up, up0, down, out, order, offsets, active, xs, gu, act, ys, widths):
+    """Every routed expert's MLP for all tokens in two parallel loops; see moe_experts.
+
+    widths: (gate_up task width, down task width), from _task_width.
+    """
+    k = experts.shape[1]
+    count = _group(experts, order, offsets, active)
+    _gather(x, order[: experts.shape[0] * k], k, xs)
+    inter, hidden = act.shape[1], out.shape[1]
+    width = widths[0]
+    for b in prange((inter + width - 1) // width):
+        _gate_up_block(xs, gate, up, up0, offsets, active, count, act, gu, b * width, min(inter, b * width + width))
+    width = widths[1]
+    for b in prange((hidden + width - 1) // width):
+        _down_block(act, down, order, offsets, active, count, weights, ys, out, b * width, min(hidden, b * width + width))
+
+
+@numba.njit(cache=True, nogil=True, fastmath=True, parallel=True)
+def _block_fused(x, router, top_k, normalize, gate, up, up0, down, out, logits, weights, experts,
+                 order, offsets, active, xs, gu, act, ys, widths):
+    """moe_block in one compiled call: router logits, top-k, then _experts_fused."""
+    num_experts = router.shape[0]
+    for b in prange((num_experts + ROW_BLOCK - 1) // ROW_BLOCK):
+        linear_rows(x, router, logits, b * ROW_BLOCK, min(num_experts, b * ROW_BLOCK + ROW_BLOCK))
+    route(logits, top_k, normalize, weights, experts)
+    _experts_fused(x, experts, weights, gate, up, up0, down, out, order, offsets, active, xs, gu, act, ys, widths)
+
+
+def _fused_args(gate_up, down, fmt, n, top_k, scratch):
+    """The stacks and scratch views of the fused kernels, or None when n tokens take the grouped path."""
+    rows, s = n * top_k, scratch
+    if n > FUSED_MAX_TOKENS or rows > s.xs.shape[0]:
+        return None
+    inter = s.act.shape[1]
+    gate, up = gate_up if isinstance(gate_up, tuple) else (gate_up, gate_up)
+    up0 = 0 if isinstance(gate_up, tuple) else inter
+    widths = (_task_width(inter), _task_width(s.xs.shape[1]))
+    views = (s.order, s.offsets, s.active, s.xs[:rows], s.gate_up[:rows], s.act[:rows], s.ys[:rows], widths)
+    return (kernel_view(gate, fmt), kernel_view(up, fmt), up0, kernel_view(down, fmt)), views
+
+
+def _expert(gate_up, e):
+    """Expert e's [2*I, h] gate_up matrix: one array, or (gate, up) when the stacks are separate."""
+    return (gate_up[0][e], gate_up[1][e]) if isinstance(gate_up, tuple) else gate_up[e]
+
+
 def moe_experts(x, experts, weights, gate_up, down, fmt, out, scratch):
     """out = sum over each token's experts of weight * down(silu(gate) * up).
 
     x: [n, h] float32; experts: [n, k] int64; weights: [n, k] float32; gate_up: [E, 2*I, h]
-    and down: [E, h, I] storage; out: [n, h] float32, overwritten; scratch: a MoeScratch for
-    at least n tokens. Allocates nothing.
+    storage (gate rows then up rows; or a tuple (gate, up) of [E, I, h] stacks, e.g. of two
+    block formats) and down: [E, h, I] storage; block formats have [..., blocks] for the last
+    axis (quant.py); out: [n, h] float32, overwritten; scratch: a MoeScratch for at least n
+    tokens. Allocates nothing.
     """
-    k = experts.shape[1]
-    count = _group(experts, scratch.order, scratch.offsets, scratch.active)
+    n, k = experts.shape
+    fused = _fused_args(gate_up, down, fmt, n, k, scratch)
+    if fused is not None:
+        stacks, views = fused
+        _experts_fused(x, experts, weights, *stacks, out, *views)
+        return
+    s = scratch
+    count = _group(experts, s.order, s.offsets, s.active)
     out[:] = 0.0
     for t in range(count):
-        e = scratch.active[t]
-        pairs = scratch.order[scratch.offsets[e] : scratch.offsets[e + 1]]
+        e = s.active[t]
+        pairs = s.order[s.offsets[e] : s.offsets[e + 1]]
         rows = pairs.shape[0]
-        xs, gu, act, ys = scratch.xs[:rows], scratch.gate_up[:rows], scratch.act[:rows], scratch.ys[:rows]
+        xs, gu, act, ys = s.xs[:rows], s.gate_up[:rows], s.act[:rows], s.ys[:rows]
         _gather(x, pairs, k, xs)
-        matmul(xs, gate_up[e], fmt, gu, scratch.matmul)
+        matmul(xs, _expert(gate_up, e), fmt, gu, s.matmul)
         silu_mul(gu, act)
-        matmul(act, down[e], fmt, ys, scratch.matmul)
+        matmul(act, down[e], fmt, ys, s.matmul)
         _scatter_add(ys, pairs, weights, out)
 
 
+def moe_block(x, router, top_k, normalize, gate_up, down, fmt, out, logits, weights, experts, scratch):
+    """The whole MoE block: out = moe_experts(x) with the experts and weights of route(x @ router.T).
+
+    x: [n, h] float32; router: [E, h] float32; gate_up, down, out, scratch as in moe_experts;
+    logits: [n, E], weights: [n, k] float32 and experts: [n, k] int64 receive the routing.
+    Up to FUSED_MAX_TOKENS tokens this is one compiled call; allocates nothing.
+    """
+    fused = _fused_args(gate_up, down, fmt, x.shape[0], top_k, scratch)
+    if fused is not None:
+        stacks, views = fused
+        _block_fused(x, router, top_k, normalize, *stacks, out, logits, weights, experts, *views)
+        return
+    matmul(x, router, F32, logits, scratch.matmul)
+    route(logits, top_k, normalize, weights, experts)
+    moe_experts(x, experts, weights, gate_up, down, fmt, out, scratch)
+
+
+def moe_block_ref(x, router, top_k, normalize, gate_up, down, fmt, out, logits, weights, experts, scratch):
+    """numpy reference of moe_block."""
+    matmul_ref(x, router, F32, logits, None)
+    route_ref(logits, top_k, normalize, weights, experts)
+    moe_experts_ref(x, experts, weights, gate_up, down, fmt, out, scratch)
+
+
 def moe_experts_ref(x, experts, weights, gate_up, down, fmt, out, scratch):
-    """numpy reference of moe_experts: token by token, expert by expert."""
+    """numpy reference of moe_experts: token by token, expert by expert (blocks dequantized by gguf)."""
     n, k = experts.shape
-    inter = down.shape[2]
     out[:] = 0.0
     for i in range(n):
         for j in range(k):
             e = experts[i, j]
-            gu = (x[i : i + 1].astype(np.float64) @ to_f32(gate_up[e], fmt).T).astype(np.float32)
-            act = np.empty((1, inter), np.float32)
+            parts = _expert(gate_up, e) if isinstance(gate_up, tuple) else (gate_up[e],)
+            w_gu = np.concatenate([to_f32(part, fmt) for part in parts])  # [2*I, h]
+            gu = (x[i : i + 1].astype(np.float64) @ w_gu.T).astype(np.float32)
+            act = np.empty((1, w_gu.shape[0] // 2), np.float32)
             silu_mul_ref(gu, act)
             out[i] += weights[i, j] * (act.astype(np.float64) @ to_f32(down[e], fmt).T)[0].astype(np.float32)

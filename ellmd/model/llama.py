@@ -5,6 +5,8 @@ Shapes (n tokens in this forward, h hidden, H query heads, G kv heads, d head_di
   qkv_proj               [(H+2G)*d, h]  storage format; q, k and v fused at load
   gate_up_proj           [2*I, h]     storage format; gate and up fused at load
   K, V cache of a layer  [slots, G, S, d]
+A weight in a block format (ellmd.kernels.quant) is [rows, h / block size] of its block dtype;
+a fusion of tensors of different formats is the tuple of its parts (kernels.matmul takes both).
 """
 
 from __future__ import annotations
@@ -12,22 +14,50 @@ from __future__ import annotations
 import numpy as np
 
 from ellmd import kernels
-from ellmd.kernels import formats
+from ellmd.kernels import formats, quant
 from ellmd.model.spec import ModelSpec
+from ellmd.model.weights import quantize_weight
 
 
 class TensorSource:
-    """Checkpoint tensors by Hugging Face name, in the engine's weight format unless told otherwise."""
+    """Checkpoint tensors by Hugging Face name, in the engine's weight format unless told otherwise.
 
-    def __init__(self, checkpoint, fmt: int):
-        self.checkpoint, self.fmt = checkpoint, fmt
+    blocks: None (every tensor in fmt), "keep" (GGUF block tensors stay in their blocks), or a
+    block type such as "Q4_K" (blocks stay, float weight matrices are quantized to it at load).
+    An explicit fmt (norms, routers: F32) always gets floats.
+    """
+
+    def __init__(self, checkpoint, fmt: int, blocks: str | None = None):
+        self.checkpoint, self.fmt, self.blocks = checkpoint, fmt, blocks
         self.names = set(checkpoint.names())
 
     def __call__(self, name: str, fmt: int | None = None) -> np.ndarray:
-        return self.checkpoint.get(name, self.fmt if fmt is None else fmt)
+        if fmt is not None or self.blocks is None:
+            return self.checkpoint.get(name, self.fmt if fmt is None else fmt)
+        array = self.checkpoint.get(name, self.fmt, keep_blocks=True)
+        if self.blocks != "keep" and not quant.is_blocks(array) and array.ndim >= 2:
+            array = quantize_weight(array, self.fmt, self.blocks)
+        return array
 
     def __contains__(self, name: str) -> bool:
         return name in self.names
+
+
+def fuse(parts: list, axis: int = 0):
+    """Concatenate weights along their rows when they share a format, else keep the tuple of them."""
+    if len({p.dtype for p in parts}) == 1:
+        return np.concatenate(parts, axis=axis)
+    if axis != 0:
+        raise ValueError("weights of different formats fuse only along their first axis")
+    return tuple(np.ascontiguousarray(p) for p in parts)
+
+
+def logical_shape(w) -> tuple:
+    """Shape of a weight in values ([rows, k]), whatever its format or fusion."""
+    if isinstance(w, tuple):
+        shapes = [logical_shape(p) for p in w]
+        return (sum(s[0] for s in shapes), *shapes[0][1:])
+    return (*w.shape[:-1], quant.columns(w)) if w.ndim >= 2 else w.shape
 
 
 class Llama:
@@ -45,10 +75,10 @@ class Llama:
     # ---- loading -------------------------------------------------------------------------
 
     @classmethod
-    def sanitize(cls, checkpoint, spec: ModelSpec, fmt: int, progress=None) -> dict:
-        """Read a checkpoint's tensors and fuse them into engine layout."""
+    def sanitize(cls, checkpoint, spec: ModelSpec, fmt: int, progress=None, blocks: str | None = None) -> dict:
+        """Read a checkpoint's tensors and fuse them into engine layout (blocks: see TensorSource)."""
 
-        get = TensorSource(checkpoint, fmt)
+        get = TensorSource(checkpoint, fmt, blocks)
         embed = get("model.embed_tokens.weight")
         weights = {
             "embed_tokens": embed,
@@ -69,7 +99,7 @@ class Llama:
         layer = {
             "input_layernorm": get(f"{prefix}.input_layernorm.weight", formats.F32),
             "post_attention_layernorm": get(f"{prefix}.post_attention_layernorm.weight", formats.F32),
-            "qkv_proj": np.concatenate([get(f"{attn}.{p}_proj.weight") for p in "qkv"]),
+            "qkv_proj": fuse([get(f"{attn}.{p}_proj.weight") for p in "qkv"]),
             "o_proj": np.ascontiguousarray(get(f"{attn}.o_proj.weight")),
         }
         if spec.attention_bias:
@@ -81,7 +111,7 @@ class Llama:
     def sanitize_mlp(cls, get, spec: ModelSpec, prefix: str, index: int) -> dict:
         mlp = f"{prefix}.mlp"
         return {
-            "gate_up_proj": np.concatenate([get(f"{mlp}.gate_proj.weight"), get(f"{mlp}.up_proj.weight")]),
+            "gate_up_proj": fuse([get(f"{mlp}.gate_proj.weight"), get(f"{mlp}.up_proj.weight")]),
             "down_proj": np.ascontiguousarray(get(f"{mlp}.down_proj.weight")),
         }
 
@@ -96,14 +126,14 @@ class Llama:
             "norm": (h,),
         }
         for name, shape in expected.items():
-            if weights[name].shape != shape:
-                raise ModelError(f"tensor {name} has shape {weights[name].shape}, the config implies {shape}")
+            if logical_shape(weights[name]) != shape:
+                raise ModelError(f"tensor {name} has shape {logical_shape(weights[name])}, the config implies {shape}")
         layer_expected = {"qkv_proj": ((H + 2 * G) * d, h), "o_proj": (h, H * d), "input_layernorm": (h,)}
         for i, layer in enumerate(weights["layers"]):
             for name, shape in layer_expected.items():
-                if layer[name].shape != shape:
+                if logical_shape(layer[name]) != shape:
                     raise ModelError(
-                        f"layer {i} tensor {name} has shape {layer[name].shape}, the config implies {shape}"
+                        f"layer {i} tensor {name} has shape {logical_shape(layer[name])}, the config implies {shape}"
                     )
 
     # ---- forward -------------------------------------------------------------------------

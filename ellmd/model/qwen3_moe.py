@@ -2,16 +2,20 @@
 
 Shapes (E experts, k experts per token, I moe_intermediate_size):
   router           [E, h]        f32 (small, and top-k choices are sensitive to its precision)
-  experts_gate_up  [E, 2*I, h]   storage format; gate and up fused at load
+  experts_gate     [E, I, h]     storage format ([E, I, blocks] for GGUF blocks)
+  experts_up       [E, I, h]     storage format
   experts_down     [E, h, I]     storage format
+Gate and up stay two stacks: a GGUF's stacks are then views of the file (no copy of two thirds
+of the weights), may have different block types, and the fused kernel reads them as two row
+streams either way.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from ellmd import kernels
 from ellmd.kernels import formats
+from ellmd.kernels.moe import moe_block
 from ellmd.model.qwen3 import Qwen3
 
 
@@ -23,7 +27,7 @@ class Qwen3Moe(Qwen3):
         mlp = f"{prefix}.mlp"
         if f"{mlp}.experts.gate_proj.weight" in get:  # GGUF stacks the experts of a layer in one tensor
             gate, up = get(f"{mlp}.experts.gate_proj.weight"), get(f"{mlp}.experts.up_proj.weight")
-            down = np.ascontiguousarray(get(f"{mlp}.experts.down_proj.weight"))
+            down = get(f"{mlp}.experts.down_proj.weight")
         else:  # Hugging Face keeps one tensor per expert
             experts = range(spec.num_experts)
             gate = np.stack([get(f"{mlp}.experts.{e}.gate_proj.weight") for e in experts])
@@ -31,20 +35,18 @@ class Qwen3Moe(Qwen3):
             down = np.stack([get(f"{mlp}.experts.{e}.down_proj.weight") for e in experts])
         return {
             "router": get(f"{mlp}.gate.weight", formats.F32),
-            "experts_gate_up": np.concatenate([gate, up], axis=1),
-            "experts_down": down,
+            "experts_gate": np.ascontiguousarray(gate),
+            "experts_up": np.ascontiguousarray(up),
+            "experts_down": np.ascontiguousarray(down),
         }
 
     def mlp(self, layer, ws, n) -> None:
         if "router" not in layer:
             return super().mlp(layer, ws, n)
         spec = self.spec
-        router_logits = ws.router_logits[:n]
-        kernels.matmul(ws.h[:n], layer["router"], formats.F32, router_logits, ws.matmul_scratch)
-        weights, experts = ws.expert_weights[:n], ws.expert_ids[:n]
-        kernels.route(router_logits, spec.num_experts_per_tok, spec.norm_topk_prob, weights, experts)
-        kernels.moe_experts(
-            ws.h[:n], experts, weights, layer["experts_gate_up"], layer["experts_down"], self.fmt,
-            ws.moe_out[:n], ws.moe_scratch,
+        moe_block(
+            ws.h[:n], layer["router"], spec.num_experts_per_tok, spec.norm_topk_prob,
+            (layer["experts_gate"], layer["experts_up"]), layer["experts_down"], self.fmt, ws.moe_out[:n],
+            ws.router_logits[:n], ws.expert_weights[:n], ws.expert_ids[:n], ws.moe_scratch,
         )
         ws.h[:n] = ws.moe_out[:n]

@@ -1,8 +1,10 @@
-"""Checkpoint readers: safetensors directories (memory-mapped) and GGUF files (dequantized).
+"""Checkpoint readers: safetensors directories and GGUF files, both memory-mapped.
 
 Both expose tensors under Hugging Face names, as numpy arrays in a requested storage format
 (ellmd.kernels.formats: F32 float32, BF16/F16 uint16 bit patterns). A tensor already in the
-requested format comes straight from the memory map, so a bf16 checkpoint stays bf16.
+requested format comes straight from the memory map, so a bf16 checkpoint stays bf16. GGUF
+tensors in a block format (Q8_0, Q4_K, ...) come as block arrays (ellmd.kernels.quant) when the
+caller keeps blocks, again straight from the memory map, or dequantized otherwise.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from ellmd.errors import ModelError
-from ellmd.kernels import formats
+from ellmd.kernels import formats, quant
 from ellmd.model.spec import ModelSpec
 
 # safetensors dtype -> (numpy dtype of the raw bytes, storage format or None if unsupported)
@@ -49,7 +51,7 @@ GGUF_LAYER_NAMES = {
     "ffn_up_exps": "mlp.experts.up_proj",
     "ffn_down_exps": "mlp.experts.down_proj",
 }
-GGUF_SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K")
+GGUF_SUPPORTED_TYPES = ("F32", "F16", "BF16", *quant.BLOCK_DTYPES)
 
 
 def convert(array: np.ndarray, src_fmt: int, dst_fmt: int) -> np.ndarray:
@@ -123,7 +125,8 @@ class SafetensorsCheckpoint:
         counts = Counter(dtype for _, dtype, shape, _, _ in self._tensors.values() if len(shape) >= 2)
         return SAFETENSORS_DTYPES[counts.most_common(1)[0][0]][1]
 
-    def get(self, name: str, fmt: int) -> np.ndarray:
+    def get(self, name: str, fmt: int, keep_blocks: bool = False) -> np.ndarray:
+        """Tensor `name` in storage format fmt (a safetensors file has no blocks to keep)."""
         if name not in self._tensors:
             raise ModelError(f"{self.directory}: tensor {name} is missing")
         file, dtype, shape, begin, end = self._tensors[name]
@@ -178,9 +181,13 @@ class GGUFCheckpoint:
         kind = counts.most_common(1)[0][0]
         return {"F32": formats.F32, "F16": formats.F16}.get(kind, formats.BF16)
 
-    def get(self, name: str, fmt: int) -> np.ndarray:
-        import gguf
+    def block_type(self, name: str) -> str | None:
+        """The block format of a tensor (Q4_K, ...), None for F32/F16/BF16."""
+        kind = self._tensors[name].tensor_type.name
+        return kind if kind in quant.BLOCK_DTYPES else None
 
+    def get(self, name: str, fmt: int, keep_blocks: bool = False) -> np.ndarray:
+        """Tensor `name` in storage format fmt, or as blocks (a view of the file) if keep_blocks."""
         if name not in self._tensors:
             raise ModelError(f"{self.file}: tensor {name} is missing")
         tensor = self._tensors[name]
@@ -193,14 +200,38 @@ class GGUFCheckpoint:
                 array = np.asarray(tensor.data).view(np.uint16).reshape(shape)
                 src = formats.F16 if kind == "F16" else formats.BF16
             else:
-                array = gguf.quants.dequantize(tensor.data, tensor.tensor_type).reshape(shape)
-                src = formats.F32
+                array, src = quant.from_bytes(tensor.data, kind, shape), None
         except ValueError as e:
             raise ModelError(f"{self.file}: tensor {tensor.name} is corrupt ({e})") from None
         if self.spec.model_type == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = self.spec.num_attention_heads if "q_proj" in name else self.spec.num_key_value_heads
-            array = _unpermute_rope_rows(array, heads)
-        return convert(np.ascontiguousarray(array), src, fmt)
+            array = _unpermute_rope_rows(array, heads)  # whole rows: blocks move with them
+        array = np.ascontiguousarray(array)
+        if src is None:
+            if keep_blocks:
+                return array
+            array, src = quant.dequantize(array), formats.F32
+        return convert(array, src, fmt)
+
+
+def quantize_weight(array: np.ndarray, src_fmt: int, name: str) -> np.ndarray:
+    """A float weight [..., k] quantized to block type name, as llama-quantize falls back.
+
+    A width that Q4_K's 256-value super-blocks do not divide gets Q5_0 (llama.cpp's choice); a
+    width that 32 does not divide stays in its float format. Rows go by chunks, to bound the
+    float32 copy.
+    """
+    k = array.shape[-1]
+    if name == "Q4_K" and k % quant.QK:
+        name = "Q5_0"
+    if k % quant.BLOCK_SIZES[name]:
+        return array
+    rows = array.reshape(-1, k)
+    out = np.empty((len(rows), k // quant.BLOCK_SIZES[name]), quant.BLOCK_DTYPES[name])
+    step = max(1, (1 << 22) // k)
+    for r in range(0, len(rows), step):
+        out[r : r + step] = quant.quantize(formats.to_f32(rows[r : r + step], src_fmt), name)
+    return out.reshape(*array.shape[:-1], out.shape[-1])
 
 
 def files_digest(files) -> str:
@@ -265,7 +296,7 @@ class RandomCheckpoint:
     def digest(self) -> str:
         return hashlib.sha256(repr((self.spec, self.seed)).encode()).hexdigest()
 
-    def get(self, name: str, fmt: int) -> np.ndarray:
+    def get(self, name: str, fmt: int, keep_blocks: bool = False) -> np.ndarray:
         shape = self._shapes[name]
         rng = np.random.default_rng([self.seed, len(name), sum(map(ord, name))])
         if len(shape) == 1:  # norm weights: near 1, as trained models have them

@@ -1,0 +1,146 @@
+"""The MoE block (ellmd.kernels.moe): fused and grouped paths against the numpy reference.
+
+moe_experts takes the fused path up to FUSED_MAX_TOKENS tokens and groups tokens by expert above;
+both read the same stored expert values as the reference, so tolerances are float32 arithmetic's.
+"""
+
+import numpy as np
+import pytest
+
+from ellmd.kernels import moe, quant
+from ellmd.kernels.formats import BF16, F16, F32, to_storage
+
+FORMATS = [F32, BF16, F16]
+TOL = dict(rtol=1e-5, atol=2e-5)
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng(99)
+
+
+def randn(rng, *shape, scale=1.0):
+    return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+
+def expert_stacks(rng, fmt, experts, hidden, inter):
+    gate_up = to_storage(randn(rng, experts, 2 * inter, hidden, scale=hidden**-0.5), fmt)  # [E, 2*I, h]
+    down = to_storage(randn(rng, experts, hidden, inter, scale=inter**-0.5), fmt)  # [E, h, I]
+    return gate_up, down
+
+
+def block_stacks(rng, gate_type, up_type, down_type, experts, hidden, inter):
+    """GGUF block stacks [E, rows, blocks]; gate and up separate when their types differ (a tuple)."""
+
+    def q(rows, cols, name):
+        if name in ("Q5_K", "Q6_K"):  # no quantizer for these here: random blocks with small scales
+            dtype = quant.BLOCK_DTYPES[name]
+            shape = (experts, rows, cols // quant.BLOCK_SIZES[name])
+            blocks = rng.integers(0, 256, (*shape, dtype.itemsize), np.uint8).view(dtype)[..., 0]
+            for field in ("d", "dmin"):
+                if field in dtype.names:
+                    blocks[field] = np.float16(0.02 * cols**-0.5 if field == "d" else 0.01).view(np.uint16)
+            return blocks
+        return quant.quantize(randn(rng, experts, rows, cols, scale=cols**-0.5), name)
+
+    down = q(hidden, inter, down_type)
+    if gate_type == up_type:
+        return q(2 * inter, hidden, gate_type), down
+    return (q(inter, hidden, gate_type), q(inter, hidden, up_type)), down
+
+
+# (tokens, experts, top_k, hidden, inter): widths that are not multiples of the kernels' row block (16)
+# or of the 2-row / 4-input unrolling; a batch where tokens share experts; the grouped path (n > 16)
+SHAPES = [(1, 8, 2, 32, 48), (1, 128, 8, 72, 40), (5, 16, 4, 64, 37), (16, 4, 2, 48, 24), (17, 8, 2, 33, 20),
+          (40, 8, 2, 48, 32)]
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("n,experts,top_k,hidden,inter", SHAPES)
+def test_moe_experts_matches_reference(rng, fmt, n, experts, top_k, hidden, inter):
+    x = randn(rng, n, hidden)
+    weights, chosen = np.empty((n, top_k), np.float32), np.empty((n, top_k), np.int64)
+    moe.route(randn(rng, n, experts, scale=2.0), top_k, True, weights, chosen)
+    gate_up, down = expert_stacks(rng, fmt, experts, hidden, inter)
+    scratch = moe.moe_scratch(64, top_k, experts, hidden, inter)
+    got, want = np.full((n, hidden), np.nan, np.float32), np.empty((n, hidden), np.float32)
+    moe.moe_experts(x, chosen, weights, gate_up, down, fmt, got, scratch)
+    moe.moe_experts_ref(x, chosen, weights, gate_up, down, fmt, want, scratch)
+    np.testing.assert_allclose(got, want, **TOL)
+
+
+@pytest.mark.parametrize("fmt", [F32, BF16])
+@pytest.mark.parametrize("normalize", [True, False])
+@pytest.mark.parametrize("n,experts,top_k,hidden,inter", SHAPES)
+def test_moe_block_matches_reference(rng, fmt, normalize, n, experts, top_k, hidden, inter):
+    x = randn(rng, n, hidden)
+    router = randn(rng, experts, hidden, scale=2.0 * hidden**-0.5)  # [E, h]
+    gate_up, down = expert_stacks(rng, fmt, experts, hidden, inter)
+    scratch = moe.moe_scratch(64, top_k, experts, hidden, inter)
+    results = []
+    for block in (moe.moe_block, moe.moe_block_ref):
+        out = np.full((n, hidden), np.nan, np.float32)
+        logits = np.empty((n, experts), np.float32)
+        weights, chosen = np.empty((n, top_k), np.float32), np.empty((n, top_k), np.int64)
+        block(x, router, top_k, normalize, gate_up, down, fmt, out, logits, weights, chosen, scratch)
+        results.append((out, logits, weights, chosen))
+    (out, logits, weights, chosen), (want_out, want_logits, want_weights, want_chosen) = results
+    np.testing.assert_allclose(logits, want_logits, **TOL)
+    np.testing.assert_array_equal(chosen, want_chosen)
+    np.testing.assert_allclose(weights, want_weights, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(out, want_out, **TOL)
+
+
+def test_moe_block_tokens_sharing_experts_sum_their_own_outputs(rng):
+    """Two tokens routed to the same experts with different weights: each gets its own mix, not the other's."""
+    hidden, inter, experts = 32, 24, 4
+    gate_up, down = expert_stacks(rng, F32, experts, hidden, inter)
+    x = randn(rng, 3, hidden)
+    chosen = np.array([[1, 2], [2, 1], [1, 3]], np.int64)
+    weights = np.array([[0.75, 0.25], [0.5, 0.5], [1.0, 0.0]], np.float32)
+    scratch = moe.moe_scratch(4, 2, experts, hidden, inter)
+    got, want = np.empty((3, hidden), np.float32), np.empty((3, hidden), np.float32)
+    moe.moe_experts(x, chosen, weights, gate_up, down, F32, got, scratch)
+    for i in range(3):  # one token at a time: nothing to share
+        moe.moe_experts_ref(x[i : i + 1], chosen[i : i + 1], weights[i : i + 1], gate_up, down, F32, want[i : i + 1], scratch)
+    np.testing.assert_allclose(got, want, **TOL)
+    assert np.abs(got[0] - got[1]).max() > 1e-3  # the same experts, different weights
+
+
+# llama-quantize's Q4_K_M mixes (Q4_K gate/up, Q6_K down), Q8_0, and gate and up of different types
+BLOCK_CASES = [("Q4_K", "Q4_K", "Q6_K", 256, 512), ("Q8_0", "Q8_0", "Q8_0", 64, 96), ("Q4_K", "Q5_K", "Q4_K", 256, 256),
+               ("Q5_0", "Q5_0", "Q4_1", 96, 64)]
+
+
+def run_blocks(rng, n, gate_type, up_type, down_type, hidden, inter):
+    """(moe_block, moe_block_ref) outputs on random block stacks."""
+    experts, top_k = 16, 4
+    gate_up, down = block_stacks(rng, gate_type, up_type, down_type, experts, hidden, inter)
+    x = randn(rng, n, hidden)
+    router = randn(rng, experts, hidden, scale=2.0 * hidden**-0.5)
+    scratch = moe.moe_scratch(32, top_k, experts, hidden, inter)
+    outs = []
+    for block in (moe.moe_block, moe.moe_block_ref):
+        out = np.full((n, hidden), np.nan, np.float32)
+        logits, weights = np.empty((n, experts), np.float32), np.empty((n, top_k), np.float32)
+        chosen = np.empty((n, top_k), np.int64)
+        block(x, router, top_k, True, gate_up, down, BF16, out, logits, weights, chosen, scratch)
+        outs.append(out)
+    return outs
+
+
+@pytest.mark.parametrize("n", [1, 3, 20])
+@pytest.mark.parametrize("gate_type,up_type,down_type,hidden,inter", BLOCK_CASES)
+def test_moe_block_on_blocks_matches_dequantized_reference(rng, monkeypatch, n, gate_type, up_type, down_type, hidden,
+                                                           inter):
+    # the portable kernels: float32 products of the blocks (the grouped path's dense matmul would
+    # otherwise quantize activations to int8 for Q8_0/Q4_0/Q4_1 where VNNI exists; checked below)
+    monkeypatch.setattr(quant, "KERNEL_SET", "portable")
+    got, want = run_blocks(rng, n, gate_type, up_type, down_type, hidden, inter)
+    np.testing.assert_allclose(got, want, **TOL)
+
+
+def test_grouped_path_with_int8_activations_costs_what_int8_costs(rng, monkeypatch):
+    monkeypatch.setattr(quant, "KERNEL_SET", quant.detect_kernel_set("auto"))  # int8 activations where VNNI exists
+    got, want = run_blocks(rng, 20, "Q8_0", "Q8_0", "Q8_0", 64, 96)
+    assert np.abs(got - want).max() < 0.02 * np.abs(want).max()

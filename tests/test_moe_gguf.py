@@ -1,0 +1,77 @@
+"""scripts/make_moe_gguf.py at a tiny width: the file it writes is a Qwen3-MoE GGUF that ellm reads
+(shapes, Q8_0 blocks, the real Qwen3 tokenizer and chat template) and runs. The full-width files are
+made on demand by the benchmarks, never here; llama-quantize is not needed for the Q8_0 file.
+"""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+FIXTURES = ROOT.parent / "shared" / "fixtures"
+
+
+def _script(name):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def tiny_moe(tmp_path_factory):
+    """The 30B-A3B config at a tiny width (the real vocabulary), 2 layers, written as Q8_0."""
+    make = _script("make_moe_gguf")
+    config = json.loads((FIXTURES / "configs" / "qwen3-coder-30b-a3b-instruct.json").read_text())
+    config.update(hidden_size=64, head_dim=16, num_attention_heads=4, num_key_value_heads=2, num_experts=8,
+                  num_experts_per_tok=2, moe_intermediate_size=32, intermediate_size=96)
+    root = tmp_path_factory.mktemp("moe-gguf")
+    config_file = root / "tiny-moe.json"
+    config_file.write_text(json.dumps(config))
+    assert make.main(["--config", str(config_file), "--layers", "2", "--formats", "Q8_0", "--out-dir", str(root)]) == 0
+    return config, root / "tiny-moe-L2-seed0.Q8_0.gguf"
+
+
+def test_spec_and_block_types_follow_the_config(tiny_moe):
+    import gguf
+
+    from ellmd.model.weights import GGUFCheckpoint
+
+    config, path = tiny_moe
+    spec = GGUFCheckpoint(path).spec
+    for key in ("hidden_size", "head_dim", "num_attention_heads", "num_key_value_heads", "num_experts",
+                "num_experts_per_tok", "moe_intermediate_size", "vocab_size", "rope_theta", "rms_norm_eps"):
+        assert getattr(spec, key) == pytest.approx(config[key], rel=1e-6), key  # GGUF stores floats as f32
+    assert spec.model_type == "qwen3_moe" and spec.num_hidden_layers == 2 and spec.norm_topk_prob
+    types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(path).tensors}
+    assert types["blk.1.ffn_down_exps.weight"] == "Q8_0" and types["token_embd.weight"] == "Q8_0"
+    assert types["blk.0.ffn_gate_inp.weight"] == "F32" and types["blk.0.attn_q_norm.weight"] == "F32"
+    down = next(t for t in gguf.GGUFReader(path).tensors if t.name == "blk.0.ffn_down_exps.weight")
+    values = gguf.quants.dequantize(down.data, down.tensor_type)  # [E, h, I]: std fan_in**-0.5, Q8_0-rounded
+    assert values.shape == (8, 64, 32) and abs(values.std() - 32**-0.5) < 0.01
+
+
+def test_tokenizer_is_qwen3s(tiny_moe):
+    import tokenizers
+
+    from ellmd.text.tokenizer import Tokenizer
+
+    _, path = tiny_moe
+    ours = Tokenizer.from_gguf(path)
+    reference = tokenizers.Tokenizer.from_file(str(FIXTURES / "qwen3-tokenizer" / "tokenizer.json"))
+    text = "<|im_start|>user\nHello, wörld! 12345 def f(x): return x**2<|im_end|>\n"
+    assert ours.encode(text) == reference.encode(text, add_special_tokens=False).ids
+    assert "<|im_start|>" in ours.chat_template and ours.eos_token == "<|im_end|>"
+
+
+def test_ellm_loads_and_generates(tiny_moe):
+    from ellmd.engine import Engine
+
+    _, path = tiny_moe
+    engine = Engine(path, sequence_length=64, threads=2)
+    logits = engine.prefill(0, engine.tokenizer.encode("Hello there"), logits="last")
+    step = engine.decode([0], [int(np.argmax(logits))])
+    assert np.isfinite(logits).all() and np.isfinite(step).all() and logits.std() > 0

@@ -1,0 +1,170 @@
+"""GGUF block formats: kernels on the blocks against numpy on the gguf package's dequantization.
+
+The reference of every check is gguf.quants.dequantize of the very same blocks, so the kernels
+must agree to float32 rounding whatever the quantization error.
+"""
+
+from importlib import import_module
+
+import gguf
+import numba
+import numpy as np
+import pytest
+
+from ellmd.kernels.formats import BF16, F32
+
+quant, matmul = (import_module(f"ellmd.kernels.{name}") for name in ("quant", "matmul"))
+
+NAMES = list(quant.BLOCK_DTYPES)
+K = 512  # a multiple of every block size
+GGUF_QUANTIZERS = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng(99)
+
+
+def blocks(rng, name, rows, k=K):
+    """A [rows, k] weight of block type name: quantized random values, or random blocks with
+    bounded scales for the types the gguf package cannot quantize (Q5_K, Q6_K)."""
+    x = rng.standard_normal((rows, k)).astype(np.float32) * 0.05
+    if name in GGUF_QUANTIZERS or name == "Q4_K":
+        return quant.quantize(x, name)
+    dt = quant.BLOCK_DTYPES[name]
+    nb = rows * k // quant.BLOCK_SIZES[name]
+    w = rng.integers(0, 256, nb * dt.itemsize, dtype=np.uint8).view(dt).reshape(rows, -1)
+    w["d"] = (rng.uniform(1e-3, 2e-3, w.shape)).astype(np.float16).view(np.uint16)
+    if "dmin" in dt.names:
+        w["dmin"] = (rng.uniform(1e-3, 2e-3, w.shape)).astype(np.float16).view(np.uint16)
+    return w
+
+
+def assert_f32_close(got, want):
+    scale = np.abs(want).max()
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=2e-6 * scale)
+
+
+def test_layouts_are_ggufs():
+    for name, dt in quant.BLOCK_DTYPES.items():
+        size, nbytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[name]]
+        assert (quant.BLOCK_SIZES[name], dt.itemsize) == (size, nbytes)
+
+
+@pytest.mark.parametrize("name", GGUF_QUANTIZERS)
+def test_quantize_is_gguf_quantizer(rng, name):
+    x = rng.standard_normal((8, K)).astype(np.float32)
+    ours = quant.quantize(x, name)
+    theirs = gguf.quants.quantize(x, gguf.GGMLQuantizationType[name])
+    assert np.array_equal(ours.view(np.uint8).reshape(theirs.shape), theirs)
+
+
+def test_q4_k_quantizer_roundtrip(rng):
+    x = rng.standard_normal((16, K)).astype(np.float32)
+    w = quant.quantize(x, "Q4_K")
+    assert w.shape == (16, K // 256) and quant.block_name(w) == "Q4_K"
+    y = quant.dequantize(w)
+    # 4-bit codes over each sub-block's range (6-bit scales): error within ~a step of 32 values
+    sub = x.reshape(16, -1, 32)
+    step = (sub.max(axis=2) - np.minimum(sub.min(axis=2), 0)) / 15
+    err = np.abs(y - x).reshape(16, -1, 32).max(axis=2)
+    assert np.all(err <= 1.1 * step)
+    assert np.abs(y - x).mean() < 0.1
+
+
+@pytest.mark.parametrize("kernels", ["vnni", "portable"])
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("n", [1, 3, 6, 70])
+def test_matmul_on_blocks(rng, monkeypatch, kernels, name, n):
+    monkeypatch.setattr(quant, "KERNEL_SET", kernels)
+    w = blocks(rng, name, 37)  # odd row count: the last row pair is a single row
+    x = rng.standard_normal((n, K)).astype(np.float32)
+    out = np.full((n, 37), np.nan, np.float32)
+    scratch = np.zeros(matmul.prefill_scratch_size(37, K), np.float32)
+    matmul.matmul(x, w, F32, out, scratch)  # n=70 takes the packed prefill path
+    if kernels == "vnni" and name in quant.VNNI_BLOCKS and n < matmul.PREFILL_MIN_ROWS:
+        want = np.zeros_like(out)  # int8 activations: the reference quantizes them the same way
+        quant.rows_vnni_ref(*quant.quantize_activations_ref(x), w, want, 0, 37)
+        exact = x.astype(np.float64) @ quant.dequantize(w).T.astype(np.float64)
+        assert np.abs(out - exact).max() < 0.02 * np.abs(exact).max()  # what int8 activations cost
+    else:
+        want = x.astype(np.float64) @ quant.dequantize(w).T.astype(np.float64)
+    assert_f32_close(out, want)
+
+
+def test_quantize_activations_matches_reference(rng):
+    x = rng.standard_normal((3, K)).astype(np.float32)
+    x[1, :32] = 0.0  # an all-zero block: scale 0, codes 0
+    xq, xd, xs = np.zeros((3, K), np.int8), np.zeros((3, K // 32), np.float32), np.zeros((3, K // 32), np.int32)
+    quant.quantize_activations(x, xq, xd, xs)
+    ref_q, ref_d, ref_s = quant.quantize_activations_ref(x)
+    assert np.array_equal(xq, ref_q) and np.array_equal(xs, ref_s)
+    np.testing.assert_allclose(xd, ref_d, rtol=1e-7)
+    assert xd[1, 0] == 0 and not xq[1, :32].any()
+
+
+def test_kernel_set_detection_and_override():
+    import subprocess
+    import sys
+
+    assert quant.detect_kernel_set("portable") == "portable"
+    code = "from ellmd.kernels import quant; print(quant.KERNEL_SET)"
+    env = {"ELLM_KERNELS": "portable", "PATH": ""}
+    forced = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert forced.stdout.strip() == "portable"
+    cpu = open("/proc/cpuinfo").read()
+    assert quant.detect_kernel_set("auto") == ("vnni" if " avx512_vnni" in cpu else "portable")
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_embed_on_blocks(rng, name):
+    table = blocks(rng, name, 20)
+    tokens = np.array([19, 0, 7, 7])
+    out = np.zeros((4, K), np.float32)
+    matmul.embed(tokens, table, F32, out)
+    assert_f32_close(out, quant.dequantize(table)[tokens])
+
+
+@numba.njit(cache=True)
+def _two_halves(x, w, out):
+    half = w.shape[0] // 2
+    matmul.linear_rows(x, w, out, 0, half)
+    matmul.linear_rows(x, w, out, half, w.shape[0])
+
+
+@pytest.mark.parametrize("name", ["Q4_K", "Q8_0"])
+def test_linear_rows_inside_numba_on_an_expert_stack(rng, name):
+    stack = np.stack([blocks(rng, name, 10) for _ in range(3)])  # [E, rows, blocks]
+    x = rng.standard_normal((2, K)).astype(np.float32)
+    for e in range(3):
+        out = np.zeros((2, 10), np.float32)
+        _two_halves(x, stack[e], out)
+        assert_f32_close(out, x.astype(np.float64) @ quant.dequantize(stack[e]).T)
+
+
+def test_tuple_of_formats_fills_consecutive_columns(rng):
+    q, k = blocks(rng, "Q6_K", 8), blocks(rng, "Q4_K", 6)
+    v = rng.standard_normal((4, K)).astype(np.float32).view(np.uint32) >> 16
+    v = v.astype(np.uint16)  # bf16 bits
+    x = rng.standard_normal((2, K)).astype(np.float32)
+    out = np.zeros((2, 18), np.float32)
+    matmul.matmul(x, (q, k, v), BF16, out, None)
+    ref = np.zeros_like(out)
+    matmul.linear_ref(x, (q, k, v), BF16, ref)
+    assert_f32_close(out, ref)
+    assert_f32_close(out[:, 8:14], x.astype(np.float64) @ quant.dequantize(k).T)
+
+
+def test_quantize_weight_falls_back_as_llama_quantize(rng):
+    from ellmd.model.weights import quantize_weight
+
+    wide = rng.standard_normal((4, 512)).astype(np.float32)
+    assert quant.block_name(quantize_weight(wide, F32, "Q4_K")) == "Q4_K"
+    narrow = rng.standard_normal((4, 96)).astype(np.float32)
+    assert quant.block_name(quantize_weight(narrow, F32, "Q4_K")) == "Q5_0"
+    odd = rng.standard_normal((4, 40)).astype(np.float32)
+    assert quantize_weight(odd, F32, "Q8_0") is odd  # no block fits: stays float
+    stack = rng.standard_normal((3, 4, 256)).astype(np.float32)  # an expert stack
+    blocks = quantize_weight(stack, F32, "Q4_K")
+    assert blocks.shape == (3, 4, 1)
+    assert np.array_equal(quant.dequantize(blocks[1]), quant.dequantize(quant.quantize(stack[1], "Q4_K")))
