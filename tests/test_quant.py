@@ -108,12 +108,12 @@ def test_kernel_set_detection_and_override():
     import sys
 
     assert quant.detect_kernel_set("portable") == "portable"
+    cpu = " avx512_vnni" in open("/proc/cpuinfo").read()
     code = "from ellmd.kernels import quant; print(quant.KERNEL_SET)"
-    env = {"ELLM_KERNELS": "portable", "PATH": ""}
-    forced = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-    assert forced.stdout.strip() == "portable"
-    cpu = open("/proc/cpuinfo").read()
-    assert quant.detect_kernel_set("auto") == ("vnni" if " avx512_vnni" in cpu else "portable")
+    for env, want in (({}, "portable"), ({"ELLM_KERNELS": "vnni"}, "vnni" if cpu else "portable")):
+        got = subprocess.run([sys.executable, "-c", code], env={"PATH": "", **env}, capture_output=True, text=True, check=True)
+        assert got.stdout.strip() == want
+    assert quant.detect_kernel_set("auto") == ("vnni" if cpu else "portable")
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -85,7 +85,7 @@ class Engine:
         ):
             if value is not None and value not in choices:
                 raise ModelError(f"unknown {name} {value!r} (choose from {', '.join(choices)})")
-        requested = os.environ.get("ELLM_KERNELS", "auto").strip().lower() or "auto"
+        requested = os.environ.get("ELLM_KERNELS", "").strip().lower() or "portable"
         if requested not in quant.KERNEL_SETS:
             raise ModelError(f"ELLM_KERNELS={requested!r}: choose from {', '.join(quant.KERNEL_SETS)}")
         self.kernel_set = quant.KERNEL_SET  # detected once, at import of the kernels
@@ -163,8 +163,9 @@ class Engine:
         """The kernel set in use, for the start-up lines."""
         if self.kernel_set == "vnni":
             return (f"int8 vpdpbusd (AVX512-VNNI) for {'/'.join(quant.VNNI_BLOCKS)} blocks, activations "
-                    "quantized per 32; f32 FMA for other blocks, bf16, f16 (ELLM_KERNELS=portable: f32 FMA only)")
-        return "portable: f32 FMA for every weight format (no AVX512-VNNI, or ELLM_KERNELS=portable)"
+                    "quantized per 32; f32 FMA for other blocks, bf16, f16")
+        has_vnni = quant.detect_kernel_set("vnni") == "vnni"
+        return "f32 FMA for every weight format" + (" (AVX512-VNNI present: ELLM_KERNELS=vnni for the int8 path)" if has_vnni else "")
 
     def memory_budget(self) -> dict[str, int]:
         """Bytes of weights (in all, and by format: "weights:Q4_K", ...), KV cache and workspace."""
