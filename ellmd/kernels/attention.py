@@ -12,7 +12,10 @@ Shape legend:
 
 Both kernels are flash attention: keys are visited in tiles with an online softmax (running
 max, running sum, rescaled accumulator), the products run on the SIMD kernel of tile.py, and no
-n x n matrix is ever built. Storage: see formats.py (f16 is viewed as int16 inside kernels).
+n x n matrix is ever built. Any head_dim: prefill converts keys and values into float32 tiles
+padded to hdp columns; decode reads values from storage with the SIMD kernel over the first
+hd // NR * NR columns and the rest in a plain loop, so the KV layout is exactly [.., hd].
+Storage: see formats.py (f16 is viewed as int16 inside kernels).
 Loops index from 0 over views: an index that may be negative, like range(lo, n), makes numba
 emit wraparound checks that stop LLVM from vectorizing.
 """
@@ -150,7 +153,7 @@ def _prefill_task(q, k_slot, v_slot, start, scale, out, h, q0, nq):
     rows_p = _round_up(rows, NR)
     qt = np.zeros((hd, rows_p), np.float32)  # [hd, Rp]
     kt = np.empty((TILE_KEYS, hdp), np.float32)  # [KB, hdp]
-    vt = np.empty((TILE_KEYS, hdp), np.float32)  # [KB, hdp]
+    vt = np.zeros((TILE_KEYS, hdp), np.float32)  # [KB, hdp]; zeros past hd, never stray denormals
     st = np.empty((TILE_KEYS, rows_p), np.float32)  # [KB, Rp]
     acc = np.zeros((hdp, rows_p), np.float32)  # [hdp, Rp]
     m = np.full(rows_p, _NO_MAX, np.float32)  # [Rp]
@@ -221,8 +224,6 @@ def decode_scratch_shapes(max_batch, H, hd, max_splits):
     Every sequence is cut into min(max_splits, threads) key splits: max_splits = the thread
     count is enough.
     """
-    if hd % NR:
-        raise ValueError(f"attention_decode needs head_dim % {NR} == 0, got {hd}")
     rows_p = _round_up(H, MR)  # bounds the padded group size
     tile = rows_p * (2 * hd + TILE_KEYS)
     return {
@@ -282,12 +283,29 @@ def _decode_scores(qs, k_head, k0, nk, rows, scores):
 
 
 @numba.njit(cache=True, nogil=True, fastmath=True)
+def _values_tail(scores, values, g, lo, acc):
+    """acc[r, lo:] += sum_j scores[r, j] * values[j, lo:] for r < g: the last hd % NR columns.
+
+    scores: [Rp, KB]; values: [nk, hd] storage; acc: [Rp, hd].
+    """
+    tail = values.shape[1] - lo
+    for j in range(values.shape[0]):
+        v = values[j, lo:]
+        for r in range(g):
+            w = scores[r, j]
+            a = acc[r, lo:]
+            for d in range(tail):
+                a[d] += w * decode(v[d])
+
+
+@numba.njit(cache=True, nogil=True, fastmath=True)
 def _decode_split(q, k_head, v_head, b, h, k0, k1, scale, m, l, acc_out, tile):
     """Attention of the g query heads of (batch row b, kv head h) over keys [k0, k1).
 
     Writes this split's partial results m, l: [g] and acc_out: [g, hd]; tile: its scratch.
     """
     g, hd = acc_out.shape
+    hd_main = hd // NR * NR  # the SIMD kernel's columns; the rest (hd % NR) by _values_tail
     rows_p = _round_up(g, MR)
     o1 = rows_p * hd
     o2 = o1 + rows_p * TILE_KEYS
@@ -321,7 +339,9 @@ def _decode_split(q, k_head, v_head, b, h, k0, k1, scale, m, l, acc_out, tile):
             for d in range(hd):
                 a[d] *= alpha
         # values straight from storage, converted in registers; padding rows have zero scores
-        gemm_tile(scores, False, v_head[t0 : t0 + nk], acc, rows_p, hd, nk, True)
+        gemm_tile(scores, False, v_head[t0 : t0 + nk], acc, rows_p, hd_main, nk, True)
+        if hd_main < hd:
+            _values_tail(scores, v_head[t0 : t0 + nk], g, hd_main, acc)
     for gi in range(g):
         for d in range(hd):
             acc_out[gi, d] = acc[gi, d]
