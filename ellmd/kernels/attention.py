@@ -13,8 +13,8 @@ Shape legend:
 Both kernels are flash attention: keys are visited in tiles with an online softmax (running
 max, running sum, rescaled accumulator), the products run on the SIMD kernel of tile.py, and no
 n x n matrix is ever built. Any head_dim: prefill converts keys and values into float32 tiles
-padded to hdp columns; decode reads values from storage with the SIMD kernel over the first
-hd // NR * NR columns and the rest in a plain loop, so the KV layout is exactly [.., hd].
+padded to hdp columns, and so does decode when hd % NR != 0 (it reads storage directly
+otherwise): the KV layout stays exactly [..., hd] whatever hd.
 Storage: see formats.py (f16 is viewed as int16 inside kernels).
 Loops index from 0 over views: an index that may be negative, like range(lo, n), makes numba
 emit wraparound checks that stop LLVM from vectorizing.
@@ -225,7 +225,8 @@ def decode_scratch_shapes(max_batch, H, hd, max_splits):
     count is enough.
     """
     rows_p = _round_up(H, MR)  # bounds the padded group size
-    tile = rows_p * (2 * hd + TILE_KEYS)
+    hdp = _round_up(hd, NR)
+    tile = rows_p * (2 * hdp + TILE_KEYS) + (2 * TILE_KEYS * hdp if hd % NR else 0)
     return {
         "partial_m": (max_splits, max_batch, H),
         "partial_l": (max_splits, max_batch, H),
@@ -283,45 +284,43 @@ def _decode_scores(qs, k_head, k0, nk, rows, scores):
 
 
 @numba.njit(cache=True, nogil=True, fastmath=True)
-def _values_tail(scores, values, g, lo, acc):
-    """acc[r, lo:] += sum_j scores[r, j] * values[j, lo:] for r < g: the last hd % NR columns.
-
-    scores: [Rp, KB]; values: [nk, hd] storage; acc: [Rp, hd].
-    """
-    tail = values.shape[1] - lo
-    for j in range(values.shape[0]):
-        v = values[j, lo:]
-        for r in range(g):
-            w = scores[r, j]
-            a = acc[r, lo:]
-            for d in range(tail):
-                a[d] += w * decode(v[d])
-
-
-@numba.njit(cache=True, nogil=True, fastmath=True)
 def _decode_split(q, k_head, v_head, b, h, k0, k1, scale, m, l, acc_out, tile):
     """Attention of the g query heads of (batch row b, kv head h) over keys [k0, k1).
 
     Writes this split's partial results m, l: [g] and acc_out: [g, hd]; tile: its scratch.
     """
     g, hd = acc_out.shape
-    hd_main = hd // NR * NR  # the SIMD kernel's columns; the rest (hd % NR) by _values_tail
+    hdp = _round_up(hd, NR)
     rows_p = _round_up(g, MR)
-    o1 = rows_p * hd
+    o1 = rows_p * hdp
     o2 = o1 + rows_p * TILE_KEYS
-    qs = tile[:o1].reshape((rows_p, hd))  # [Rp, hd]
+    o3 = o2 + rows_p * hdp
+    qs = tile[:o1].reshape((rows_p, hdp))  # [Rp, hdp]
     scores = tile[o1:o2].reshape((rows_p, TILE_KEYS))  # [Rp, KB]
-    acc = tile[o2 : o2 + rows_p * hd].reshape((rows_p, hd))  # [Rp, hd]
+    acc = tile[o2:o3].reshape((rows_p, hdp))  # [Rp, hdp]
+    # hd % NR != 0: each tile is converted into zero-padded float32 rows [KB, hdp], so that the
+    # dot products and the SIMD kernel run whole vectors (a scalar remainder of every key's
+    # dot product would cost more than the conversion)
+    padded = hdp > hd
+    kt = tile[o3 : o3 + (TILE_KEYS * hdp if padded else 0)].reshape((-1, hdp))  # [KB, hdp] or empty
+    vt = tile[o3 + kt.size : o3 + 2 * kt.size].reshape((-1, hdp))  # [KB, hdp] or empty
+    kt[:] = np.float32(0.0)
+    vt[:] = np.float32(0.0)
     for r in range(rows_p):
-        for d in range(hd):
-            qs[r, d] = q[b, h * g + r, d] * np.float32(scale) if r < g else np.float32(0.0)
+        for d in range(hdp):
+            inside = r < g and d < hd
+            qs[r, d] = q[b, h * g + r, d] * np.float32(scale) if inside else np.float32(0.0)
             acc[r, d] = np.float32(0.0)
     for gi in range(g):
         m[gi] = _NO_MAX
         l[gi] = np.float32(0.0)
     for t0 in range(k0, k1, TILE_KEYS):
         nk = min(TILE_KEYS, k1 - t0)
-        _decode_scores(qs, k_head, t0, nk, g, scores)
+        if padded:
+            _load_rows(k_head, t0, nk, kt)
+            _decode_scores(qs, kt, 0, nk, g, scores)
+        else:
+            _decode_scores(qs, k_head, t0, nk, g, scores)
         for r in range(g):
             s = scores[r, :nk]
             mx = m[r]
@@ -338,10 +337,13 @@ def _decode_split(q, k_head, v_head, b, h, k0, k1, scale, m, l, acc_out, tile):
             a = acc[r]
             for d in range(hd):
                 a[d] *= alpha
-        # values straight from storage, converted in registers; padding rows have zero scores
-        gemm_tile(scores, False, v_head[t0 : t0 + nk], acc, rows_p, hd_main, nk, True)
-        if hd_main < hd:
-            _values_tail(scores, v_head[t0 : t0 + nk], g, hd_main, acc)
+        # values straight from storage (converted in registers) unless padded; padding rows of
+        # scores are zero
+        if padded:
+            _load_rows(v_head, t0, nk, vt)
+            gemm_tile(scores, False, vt, acc, rows_p, hdp, nk, True)
+        else:
+            gemm_tile(scores, False, v_head[t0 : t0 + nk], acc, rows_p, hd, nk, True)
     for gi in range(g):
         for d in range(hd):
             acc_out[gi, d] = acc[gi, d]
