@@ -75,11 +75,14 @@ def test_attention_prefill(rng, fmt, n, start, kvh, group, hd):
     [
         (BF16, [1, 7, 300, 1500], 2, 3),  # the parallel split-K path, GQA
         (F16, [65, 2], 2, 4),  # short: the calling thread
-        (F32, [900, 1], 1, 1),  # MHA: the single-row score pass
+        (F32, [900, 1], 1, 1),  # MHA: the single-row passes
+        (BF16, [2100, 33], 2, 2),  # groups of 2 (Qwen3-1.7B): the two-row passes
+        (F32, [700], 1, 6),  # a block of 4 rows and one of 2
+        (F16, [130, 1300], 1, 5),  # a block of 4 rows and one of 1
     ],
 )
 def test_attention_decode(rng, fmt, lengths, kvh, group, hd):
-    heads, batch, slots, seq = kvh * group, len(lengths), 5, 1500
+    heads, batch, slots, seq = kvh * group, len(lengths), 5, 2100
     q = randn(rng, batch, heads, hd)
     k = formats.to_storage(randn(rng, slots, kvh, seq, hd), fmt)
     v = formats.to_storage(randn(rng, slots, kvh, seq, hd), fmt)

@@ -236,28 +236,13 @@ def decode_scratch_shapes(max_batch, H, hd, max_splits):
 
 
 @numba.njit(cache=True, nogil=True, fastmath=True)
-def _decode_scores(qs, k_head, k0, nk, rows, scores):
-    """scores[r, j] = qs[r] . key k0 + j for r < rows, keys read from storage.
-
-    Dot products along hd, 4 rows x 2 keys per pass sharing each key load: with a handful of
-    query rows this beats transposing keys for the SIMD kernel. Blocks run into the zero
-    padding rows of qs; a single row (MHA) has its own pass.
-    qs: [Rp, hd]; k_head: [S, hd] storage; scores: [Rp, KB].
-    """
+def _scores_rows4(qs, k_head, k0, nk, rows, scores):
+    """_decode_scores in blocks of 4 rows."""
     hd = qs.shape[1]
     zero = np.float32(0.0)
     for j in range(0, nk, 2):
-        b0 = k_head[k0 + j]
-        b1 = k_head[k0 + min(j + 1, nk - 1)]  # an odd last key is computed twice
-        if rows == 1:
-            a0 = qs[0]
-            s0 = s1 = zero
-            for d in range(hd):
-                s0 += a0[d] * decode(b0[d])
-                s1 += a0[d] * decode(b1[d])
-            scores[0, j] = s0
-            scores[0, min(j + 1, nk - 1)] = s1
-            continue
+        j1 = min(j + 1, nk - 1)  # an odd last key is computed twice
+        b0, b1 = k_head[k0 + j], k_head[k0 + j1]
         for r in range(0, rows, 4):
             a0, a1, a2, a3 = qs[r], qs[r + 1], qs[r + 2], qs[r + 3]
             s00 = s01 = s10 = s11 = s20 = s21 = s30 = s31 = zero
@@ -272,7 +257,6 @@ def _decode_scores(qs, k_head, k0, nk, rows, scores):
                 s21 += a2[d] * v
                 s30 += a3[d] * u
                 s31 += a3[d] * v
-            j1 = min(j + 1, nk - 1)
             scores[r, j] = s00
             scores[r + 1, j] = s10
             scores[r + 2, j] = s20
@@ -281,6 +265,101 @@ def _decode_scores(qs, k_head, k0, nk, rows, scores):
             scores[r + 1, j1] = s11
             scores[r + 2, j1] = s21
             scores[r + 3, j1] = s31
+
+
+@numba.njit(cache=True, nogil=True, fastmath=True)
+def _scores_rows2(qs, k_head, k0, nk, scores):
+    """_decode_scores of rows 0 and 1."""
+    hd = qs.shape[1]
+    a0, a1 = qs[0], qs[1]
+    zero = np.float32(0.0)
+    for j in range(0, nk, 2):
+        j1 = min(j + 1, nk - 1)
+        b0, b1 = k_head[k0 + j], k_head[k0 + j1]
+        s00 = s01 = s10 = s11 = zero
+        for d in range(hd):
+            u = decode(b0[d])
+            v = decode(b1[d])
+            s00 += a0[d] * u
+            s01 += a0[d] * v
+            s10 += a1[d] * u
+            s11 += a1[d] * v
+        scores[0, j] = s00
+        scores[1, j] = s10
+        scores[0, j1] = s01
+        scores[1, j1] = s11
+
+
+@numba.njit(cache=True, nogil=True, fastmath=True)
+def _scores_rows1(qs, k_head, k0, nk, scores):
+    """_decode_scores of row 0."""
+    hd = qs.shape[1]
+    a0 = qs[0]
+    zero = np.float32(0.0)
+    for j in range(0, nk, 2):
+        j1 = min(j + 1, nk - 1)
+        b0, b1 = k_head[k0 + j], k_head[k0 + j1]
+        s0 = s1 = zero
+        for d in range(hd):
+            s0 += a0[d] * decode(b0[d])
+            s1 += a0[d] * decode(b1[d])
+        scores[0, j] = s0
+        scores[0, j1] = s1
+
+
+@numba.njit(cache=True, nogil=True, fastmath=True, inline="always")
+def _decode_scores(qs, k_head, k0, nk, rows, scores):
+    """scores[r, j] = qs[r] . key k0 + j for r < rows, keys read from storage.
+
+    Dot products along hd, 4 rows x 2 keys per pass sharing each key load: with a handful of
+    query rows this beats transposing keys for the SIMD kernel. Blocks run into the zero
+    padding rows of qs; groups of 1 (MHA) and 2 rows have passes of their own, where a 4-row
+    block would be mostly padding (one loop nest per function: LLVM vectorizes those best).
+    qs: [Rp, hd]; k_head: [S, hd] storage; scores: [Rp, KB].
+    """
+    if rows == 1:
+        _scores_rows1(qs, k_head, k0, nk, scores)
+    elif rows == 2:
+        _scores_rows2(qs, k_head, k0, nk, scores)
+    else:
+        _scores_rows4(qs, k_head, k0, nk, rows, scores)
+
+
+@numba.njit(cache=True, nogil=True, fastmath=True)
+def _values_rows1(scores, values, acc):
+    """_values_rows of row 0."""
+    a0 = acc[0]
+    for j in range(values.shape[0]):
+        row = values[j]
+        s0 = scores[0, j]
+        for d in range(row.shape[0]):
+            a0[d] += s0 * decode(row[d])
+
+
+@numba.njit(cache=True, nogil=True, fastmath=True)
+def _values_rows2(scores, values, acc):
+    """_values_rows of rows 0 and 1."""
+    a0, a1 = acc[0], acc[1]
+    for j in range(values.shape[0]):
+        row = values[j]
+        s0, s1 = scores[0, j], scores[1, j]
+        for d in range(row.shape[0]):
+            x = decode(row[d])
+            a0[d] += s0 * x
+            a1[d] += s1 * x
+
+
+@numba.njit(cache=True, nogil=True, fastmath=True, inline="always")
+def _values_rows(scores, values, g, acc):
+    """acc[:g] += scores[:g, :nk] @ values for g of 1 or 2, where the SIMD kernel's 4-row blocks
+    would be mostly padding: one pass over each value row, the accumulators in L1.
+
+    values: [nk, hd] storage or float32; scores: [Rp, KB]; acc: [Rp, >=hd].
+    """
+    if g == 1:
+        _values_rows1(scores, values, acc)
+    else:
+        _values_rows2(scores, values, acc)
 
 
 @numba.njit(cache=True, nogil=True, fastmath=True)
@@ -337,11 +416,16 @@ def _decode_split(q, k_head, v_head, b, h, k0, k1, scale, m, l, acc_out, tile):
             a = acc[r]
             for d in range(hd):
                 a[d] *= alpha
-        # values straight from storage (converted in registers) unless padded; padding rows of
-        # scores are zero
+        # values straight from storage (converted in registers) unless padded; the SIMD kernel
+        # for groups of 3 rows or more (dispatched here: behind one more call it runs slower)
         if padded:
             _load_rows(v_head, t0, nk, vt)
-            gemm_tile(scores, False, vt, acc, rows_p, hdp, nk, True)
+            if g <= 2:
+                _values_rows(scores, vt[:nk], g, acc)
+            else:
+                gemm_tile(scores, False, vt, acc, rows_p, hdp, nk, True)
+        elif g <= 2:
+            _values_rows(scores, v_head[t0 : t0 + nk], g, acc)
         else:
             gemm_tile(scores, False, v_head[t0 : t0 + nk], acc, rows_p, hd, nk, True)
     for gi in range(g):
