@@ -315,7 +315,7 @@ def _decode_scores(qs, k_head, k0, nk, rows, scores):
     query rows this beats transposing keys for the SIMD kernel. Blocks run into the zero
     padding rows of qs; groups of 1 (MHA) and 2 rows have passes of their own, where a 4-row
     block would be mostly padding (one loop nest per function: LLVM vectorizes those best).
-    qs: [Rp, hd]; k_head: [S, hd] storage; scores: [Rp, KB].
+    qs: [Rp, hd]; k_head: [S, hd] storage (or float32); scores: [Rp, KB].
     """
     if rows == 1:
         _scores_rows1(qs, k_head, k0, nk, scores)
