@@ -36,7 +36,7 @@ SHAPE = dict(
     num_hidden_layers=3,
     num_attention_heads=6,
     num_key_value_heads=2,
-    head_dim=32,  # != 96 / 6 (and a multiple of 16, which attention_decode requires)
+    head_dim=32,  # != 96 / 6 (alignment/head_dim.py covers head_dims that are not multiples of 16)
     max_position_embeddings=1024,
     rms_norm_eps=1e-6,
     bos_token_id=None,

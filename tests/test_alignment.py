@@ -32,6 +32,11 @@ def test_model(script, variant, alignment_dir):
     assert run(script, ["--dir", str(alignment_dir), "--variant", variant]) == 0
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_head_dim(family, alignment_dir):
+    assert run("head_dim", ["--dir", str(alignment_dir), "--family", family]) == 0
+
+
 def test_kv_dtype_report(alignment_dir):
     assert run("kv_dtype_report", ["--dir", str(alignment_dir)]) == 0
 

@@ -12,7 +12,10 @@ Shape legend:
 
 Both kernels are flash attention: keys are visited in tiles with an online softmax (running
 max, running sum, rescaled accumulator), the products run on the SIMD kernel of tile.py, and no
-n x n matrix is ever built. Storage: see formats.py (f16 is viewed as int16 inside kernels).
+n x n matrix is ever built. Any head_dim: prefill converts keys and values into float32 tiles
+padded to hdp columns, and so does decode when hd % NR != 0 (it reads storage directly
+otherwise): the KV layout stays exactly [..., hd] whatever hd.
+Storage: see formats.py (f16 is viewed as int16 inside kernels).
 Loops index from 0 over views: an index that may be negative, like range(lo, n), makes numba
 emit wraparound checks that stop LLVM from vectorizing.
 """
@@ -150,7 +153,7 @@ def _prefill_task(q, k_slot, v_slot, start, scale, out, h, q0, nq):
     rows_p = _round_up(rows, NR)
     qt = np.zeros((hd, rows_p), np.float32)  # [hd, Rp]
     kt = np.empty((TILE_KEYS, hdp), np.float32)  # [KB, hdp]
-    vt = np.empty((TILE_KEYS, hdp), np.float32)  # [KB, hdp]
+    vt = np.zeros((TILE_KEYS, hdp), np.float32)  # [KB, hdp]; zeros past hd, never stray denormals
     st = np.empty((TILE_KEYS, rows_p), np.float32)  # [KB, Rp]
     acc = np.zeros((hdp, rows_p), np.float32)  # [hdp, Rp]
     m = np.full(rows_p, _NO_MAX, np.float32)  # [Rp]
@@ -221,10 +224,9 @@ def decode_scratch_shapes(max_batch, H, hd, max_splits):
     Every sequence is cut into min(max_splits, threads) key splits: max_splits = the thread
     count is enough.
     """
-    if hd % NR:
-        raise ValueError(f"attention_decode needs head_dim % {NR} == 0, got {hd}")
     rows_p = _round_up(H, MR)  # bounds the padded group size
-    tile = rows_p * (2 * hd + TILE_KEYS)
+    hdp = _round_up(hd, NR)
+    tile = rows_p * (2 * hdp + TILE_KEYS) + (2 * TILE_KEYS * hdp if hd % NR else 0)
     return {
         "partial_m": (max_splits, max_batch, H),
         "partial_l": (max_splits, max_batch, H),
@@ -234,28 +236,13 @@ def decode_scratch_shapes(max_batch, H, hd, max_splits):
 
 
 @numba.njit(cache=True, nogil=True, fastmath=True)
-def _decode_scores(qs, k_head, k0, nk, rows, scores):
-    """scores[r, j] = qs[r] . key k0 + j for r < rows, keys read from storage.
-
-    Dot products along hd, 4 rows x 2 keys per pass sharing each key load: with a handful of
-    query rows this beats transposing keys for the SIMD kernel. Blocks run into the zero
-    padding rows of qs; a single row (MHA) has its own pass.
-    qs: [Rp, hd]; k_head: [S, hd] storage; scores: [Rp, KB].
-    """
+def _scores_rows4(qs, k_head, k0, nk, rows, scores):
+    """_decode_scores in blocks of 4 rows."""
     hd = qs.shape[1]
     zero = np.float32(0.0)
     for j in range(0, nk, 2):
-        b0 = k_head[k0 + j]
-        b1 = k_head[k0 + min(j + 1, nk - 1)]  # an odd last key is computed twice
-        if rows == 1:
-            a0 = qs[0]
-            s0 = s1 = zero
-            for d in range(hd):
-                s0 += a0[d] * decode(b0[d])
-                s1 += a0[d] * decode(b1[d])
-            scores[0, j] = s0
-            scores[0, min(j + 1, nk - 1)] = s1
-            continue
+        j1 = min(j + 1, nk - 1)  # an odd last key is computed twice
+        b0, b1 = k_head[k0 + j], k_head[k0 + j1]
         for r in range(0, rows, 4):
             a0, a1, a2, a3 = qs[r], qs[r + 1], qs[r + 2], qs[r + 3]
             s00 = s01 = s10 = s11 = s20 = s21 = s30 = s31 = zero
@@ -270,7 +257,6 @@ def _decode_scores(qs, k_head, k0, nk, rows, scores):
                 s21 += a2[d] * v
                 s30 += a3[d] * u
                 s31 += a3[d] * v
-            j1 = min(j + 1, nk - 1)
             scores[r, j] = s00
             scores[r + 1, j] = s10
             scores[r + 2, j] = s20
@@ -282,28 +268,138 @@ def _decode_scores(qs, k_head, k0, nk, rows, scores):
 
 
 @numba.njit(cache=True, nogil=True, fastmath=True)
+def _scores_rows2(qs, k_head, k0, nk, scores):
+    """_decode_scores of rows 0 and 1."""
+    hd = qs.shape[1]
+    a0, a1 = qs[0], qs[1]
+    zero = np.float32(0.0)
+    for j in range(0, nk, 2):
+        j1 = min(j + 1, nk - 1)
+        b0, b1 = k_head[k0 + j], k_head[k0 + j1]
+        s00 = s01 = s10 = s11 = zero
+        for d in range(hd):
+            u = decode(b0[d])
+            v = decode(b1[d])
+            s00 += a0[d] * u
+            s01 += a0[d] * v
+            s10 += a1[d] * u
+            s11 += a1[d] * v
+        scores[0, j] = s00
+        scores[1, j] = s10
+        scores[0, j1] = s01
+        scores[1, j1] = s11
+
+
+@numba.njit(cache=True, nogil=True, fastmath=True)
+def _scores_rows1(qs, k_head, k0, nk, scores):
+    """_decode_scores of row 0."""
+    hd = qs.shape[1]
+    a0 = qs[0]
+    zero = np.float32(0.0)
+    for j in range(0, nk, 2):
+        j1 = min(j + 1, nk - 1)
+        b0, b1 = k_head[k0 + j], k_head[k0 + j1]
+        s0 = s1 = zero
+        for d in range(hd):
+            s0 += a0[d] * decode(b0[d])
+            s1 += a0[d] * decode(b1[d])
+        scores[0, j] = s0
+        scores[0, j1] = s1
+
+
+@numba.njit(cache=True, nogil=True, fastmath=True, inline="always")
+def _decode_scores(qs, k_head, k0, nk, rows, scores):
+    """scores[r, j] = qs[r] . key k0 + j for r < rows, keys read from storage.
+
+    Dot products along hd, 4 rows x 2 keys per pass sharing each key load: with a handful of
+    query rows this beats transposing keys for the SIMD kernel. Blocks run into the zero
+    padding rows of qs; groups of 1 (MHA) and 2 rows have passes of their own, where a 4-row
+    block would be mostly padding (one loop nest per function: LLVM vectorizes those best).
+    qs: [Rp, hd]; k_head: [S, hd] storage (or float32); scores: [Rp, KB].
+    """
+    if rows == 1:
+        _scores_rows1(qs, k_head, k0, nk, scores)
+    elif rows == 2:
+        _scores_rows2(qs, k_head, k0, nk, scores)
+    else:
+        _scores_rows4(qs, k_head, k0, nk, rows, scores)
+
+
+@numba.njit(cache=True, nogil=True, fastmath=True)
+def _values_rows1(scores, values, acc):
+    """_values_rows of row 0."""
+    a0 = acc[0]
+    for j in range(values.shape[0]):
+        row = values[j]
+        s0 = scores[0, j]
+        for d in range(row.shape[0]):
+            a0[d] += s0 * decode(row[d])
+
+
+@numba.njit(cache=True, nogil=True, fastmath=True)
+def _values_rows2(scores, values, acc):
+    """_values_rows of rows 0 and 1."""
+    a0, a1 = acc[0], acc[1]
+    for j in range(values.shape[0]):
+        row = values[j]
+        s0, s1 = scores[0, j], scores[1, j]
+        for d in range(row.shape[0]):
+            x = decode(row[d])
+            a0[d] += s0 * x
+            a1[d] += s1 * x
+
+
+@numba.njit(cache=True, nogil=True, fastmath=True, inline="always")
+def _values_rows(scores, values, g, acc):
+    """acc[:g] += scores[:g, :nk] @ values for g of 1 or 2, where the SIMD kernel's 4-row blocks
+    would be mostly padding: one pass over each value row, the accumulators in L1.
+
+    values: [nk, hd] storage or float32; scores: [Rp, KB]; acc: [Rp, >=hd].
+    """
+    if g == 1:
+        _values_rows1(scores, values, acc)
+    else:
+        _values_rows2(scores, values, acc)
+
+
+@numba.njit(cache=True, nogil=True, fastmath=True)
 def _decode_split(q, k_head, v_head, b, h, k0, k1, scale, m, l, acc_out, tile):
     """Attention of the g query heads of (batch row b, kv head h) over keys [k0, k1).
 
     Writes this split's partial results m, l: [g] and acc_out: [g, hd]; tile: its scratch.
     """
     g, hd = acc_out.shape
+    hdp = _round_up(hd, NR)
     rows_p = _round_up(g, MR)
-    o1 = rows_p * hd
+    o1 = rows_p * hdp
     o2 = o1 + rows_p * TILE_KEYS
-    qs = tile[:o1].reshape((rows_p, hd))  # [Rp, hd]
+    o3 = o2 + rows_p * hdp
+    qs = tile[:o1].reshape((rows_p, hdp))  # [Rp, hdp]
     scores = tile[o1:o2].reshape((rows_p, TILE_KEYS))  # [Rp, KB]
-    acc = tile[o2 : o2 + rows_p * hd].reshape((rows_p, hd))  # [Rp, hd]
+    acc = tile[o2:o3].reshape((rows_p, hdp))  # [Rp, hdp]
+    # hd % NR != 0: each tile is converted into zero-padded float32 rows [KB, hdp], so that the
+    # dot products and the SIMD kernel run whole vectors (a scalar remainder of every key's
+    # dot product would cost more than the conversion)
+    padded = hdp > hd
+    kt = tile[o3 : o3 + (TILE_KEYS * hdp if padded else 0)].reshape((-1, hdp))  # [KB, hdp] or empty
+    vt = tile[o3 + kt.size : o3 + 2 * kt.size].reshape((-1, hdp))  # [KB, hdp] or empty
+    kt[:] = np.float32(0.0)
+    vt[:] = np.float32(0.0)
     for r in range(rows_p):
-        for d in range(hd):
-            qs[r, d] = q[b, h * g + r, d] * np.float32(scale) if r < g else np.float32(0.0)
+        for d in range(hdp):
+            inside = r < g and d < hd
+            qs[r, d] = q[b, h * g + r, d] * np.float32(scale) if inside else np.float32(0.0)
             acc[r, d] = np.float32(0.0)
     for gi in range(g):
         m[gi] = _NO_MAX
         l[gi] = np.float32(0.0)
     for t0 in range(k0, k1, TILE_KEYS):
         nk = min(TILE_KEYS, k1 - t0)
-        _decode_scores(qs, k_head, t0, nk, g, scores)
+        if padded:
+            _load_rows(k_head, t0, nk, kt)
+            _decode_scores(qs, kt, 0, nk, g, scores)
+        else:
+            _decode_scores(qs, k_head, t0, nk, g, scores)
         for r in range(g):
             s = scores[r, :nk]
             mx = m[r]
@@ -320,8 +416,18 @@ def _decode_split(q, k_head, v_head, b, h, k0, k1, scale, m, l, acc_out, tile):
             a = acc[r]
             for d in range(hd):
                 a[d] *= alpha
-        # values straight from storage, converted in registers; padding rows have zero scores
-        gemm_tile(scores, False, v_head[t0 : t0 + nk], acc, rows_p, hd, nk, True)
+        # values straight from storage (converted in registers) unless padded; the SIMD kernel
+        # for groups of 3 rows or more (dispatched here: behind one more call it runs slower)
+        if padded:
+            _load_rows(v_head, t0, nk, vt)
+            if g <= 2:
+                _values_rows(scores, vt[:nk], g, acc)
+            else:
+                gemm_tile(scores, False, vt, acc, rows_p, hdp, nk, True)
+        elif g <= 2:
+            _values_rows(scores, v_head[t0 : t0 + nk], g, acc)
+        else:
+            gemm_tile(scores, False, v_head[t0 : t0 + nk], acc, rows_p, hd, nk, True)
     for gi in range(g):
         for d in range(hd):
             acc_out[gi, d] = acc[gi, d]

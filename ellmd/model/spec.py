@@ -42,6 +42,11 @@ class ModelSpec:
     decoder_sparse_step: int = 1
     mlp_only_layers: list[int] = dataclasses.field(default_factory=list)
 
+    def __post_init__(self):
+        if self.head_dim % 2:
+            # rotary embeddings turn pairs of dimensions; transformers fails on such a model too
+            raise ModelError(f"head_dim {self.head_dim} is odd: rotary position embeddings need an even head_dim")
+
     @property
     def group_size(self) -> int:
         """Query heads per KV head (GQA)."""
