@@ -36,7 +36,9 @@ from alignment.smollm2_greedy import PROMPTS, Recorder, _diverge
 NEW_TOKENS = 24
 TOL = 2e-2  # the alignment suite's bound for bf16 weights (kv_dtype_report, multi_token)
 VNNI_TOL = 1e-1  # measured 5.5e-2 on the built-in model (int8 activations in all 30 layers)
-VNNI_MARGIN = 0.25  # a near-tie: int8 activations move logits by ~1
+# a near-tie: int8 activations move decode logits by 1.2-2.1 (max abs), and the exact values depend
+# on the summation order (the thread count splits attention), so flips were seen at margins 0.08 and 0.63
+VNNI_MARGIN = 1.0
 MIX = {
     "attn_q": "Q5_0", "attn_k": "Q5_1", "attn_v": "Q8_0", "attn_output": "Q4_0",
     "ffn_gate": "Q4_1", "ffn_up": "Q5_0", "ffn_down": "Q4_K", "token_embd": "Q8_0",
