@@ -168,6 +168,23 @@ def random_tokens(count: int, seed: int, vocab: int | None = None) -> list[int]:
 # ---- the reference (transformers, torch fp32) -------------------------------------------------
 
 
+@contextlib.contextmanager
+def kernel_paths(request: str):
+    """Run the block with the kernel paths of an ELLM_KERNELS value (cpu.py); SystemExit naming
+    a path this CPU lacks."""
+    from ellmd.kernels import cpu
+
+    paths = cpu.choose(request)
+    missing = sorted({p.strip() for p in request.split(",")} & set(cpu.PATHS) - paths)
+    if missing:
+        raise SystemExit(f"this CPU lacks the {', '.join(missing)} kernel path: it cannot run here")
+    saved, cpu.ENABLED = cpu.ENABLED, paths
+    try:
+        yield
+    finally:
+        cpu.ENABLED = saved
+
+
 def torch_setup() -> None:
     import torch
     import transformers

@@ -126,21 +126,14 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     common.torch_setup()
     from ellmd.engine import builtin_model_path
-    from ellmd.kernels import quant
 
-    if args.kernels == "vnni" and quant.detect_kernel_set("auto") != "vnni":
-        print("this CPU has no AVX512-VNNI: the vnni kernels cannot run here")
-        return 1
-    saved, quant.KERNEL_SET = quant.KERNEL_SET, args.kernels
-    try:
+    with common.kernel_paths(args.kernels):
         report = common.Report(f"SmolLM2 with weights in GGUF blocks ({args.kernels} kernels) vs transformers on the dequantized blocks")
         paths = [builtin_model_path()]
         if not args.builtin_only:
             paths.append(requantize_gguf(paths[0], common._temporary_root() / "smollm2-mixed-blocks.gguf", MIX))
         for path in paths:
             check_file(report, path, args.prompts, args.kernels)
-    finally:
-        quant.KERNEL_SET = saved
     return report.exit_code()
 
 

@@ -59,7 +59,6 @@ def dequantized_copy(src: Path, dst: Path, dtype: str) -> Path:
 def check(report, directory: Path, variant: str, dtype: str, tol: float) -> None:
     from safetensors.numpy import load_file
 
-    from ellmd.kernels import quant
 
     tag = f"{variant} {dtype}"
     engine = common.make_engine(directory, weight_dtype=dtype, kv_dtype="f32", sequence_length=64, reuse=False)
@@ -87,20 +86,13 @@ def main(argv=None) -> int:
     p.add_argument("--kernels", choices=["portable", "vnni"], default="portable")
     args = p.parse_args(argv)
     common.torch_setup()
-    from ellmd.kernels import quant
 
-    if args.kernels == "vnni" and quant.detect_kernel_set("auto") != "vnni":
-        print("this CPU has no AVX512-VNNI: the vnni kernels cannot run here")
-        return 1
-    saved, quant.KERNEL_SET = quant.KERNEL_SET, args.kernels
-    try:
+    with common.kernel_paths(args.kernels):
         report = common.Report(f"float checkpoints quantized at load ({args.kernels} kernels) vs transformers on the dequantized blocks")
         for variant in common.selected_variants(args):
             directory = common.checkpoint(args, variant)
             for dtype in args.dtype or DTYPES:
                 check(report, directory, variant, dtype, TOL if args.kernels == "portable" else VNNI_TOL)
-    finally:
-        quant.KERNEL_SET = saved
     return report.exit_code()
 
 

@@ -7,7 +7,7 @@ both read the same stored expert values as the reference, so tolerances are floa
 import numpy as np
 import pytest
 
-from ellmd.kernels import moe, quant
+from ellmd.kernels import cpu, moe, quant
 from ellmd.kernels.formats import BF16, F16, F32, to_storage
 
 FORMATS = [F32, BF16, F16]
@@ -135,12 +135,12 @@ def test_moe_block_on_blocks_matches_dequantized_reference(rng, monkeypatch, n, 
                                                            inter):
     # the portable kernels: float32 products of the blocks (the grouped path's dense matmul would
     # otherwise quantize activations to int8 for Q8_0/Q4_0/Q4_1 where VNNI exists; checked below)
-    monkeypatch.setattr(quant, "KERNEL_SET", "portable")
+    monkeypatch.setattr(cpu, "ENABLED", frozenset())
     got, want = run_blocks(rng, n, gate_type, up_type, down_type, hidden, inter)
     np.testing.assert_allclose(got, want, **TOL)
 
 
 def test_grouped_path_with_int8_activations_costs_what_int8_costs(rng, monkeypatch):
-    monkeypatch.setattr(quant, "KERNEL_SET", quant.detect_kernel_set("auto"))  # int8 activations where VNNI exists
+    monkeypatch.setattr(cpu, "ENABLED", cpu.choose("auto"))  # int8 activations where VNNI exists
     got, want = run_blocks(rng, 20, "Q8_0", "Q8_0", "Q8_0", 64, 96)
     assert np.abs(got - want).max() < 0.02 * np.abs(want).max()

@@ -13,7 +13,7 @@ import pytest
 
 from ellmd.kernels.formats import BF16, F32
 
-quant, matmul = (import_module(f"ellmd.kernels.{name}") for name in ("quant", "matmul"))
+cpu, quant, matmul = (import_module(f"ellmd.kernels.{name}") for name in ("cpu", "quant", "matmul"))
 
 NAMES = list(quant.BLOCK_DTYPES)
 K = 512  # a multiple of every block size
@@ -76,13 +76,13 @@ def test_q4_k_quantizer_roundtrip(rng):
 @pytest.mark.parametrize("name", NAMES)
 @pytest.mark.parametrize("n", [1, 3, 6, 70])
 def test_matmul_on_blocks(rng, monkeypatch, kernels, name, n):
-    monkeypatch.setattr(quant, "KERNEL_SET", kernels)
+    monkeypatch.setattr(cpu, "ENABLED", cpu.choose(kernels))
     w = blocks(rng, name, 37)  # odd row count: the last row pair is a single row
     x = rng.standard_normal((n, K)).astype(np.float32)
     out = np.full((n, 37), np.nan, np.float32)
     scratch = np.zeros(matmul.prefill_scratch_size(37, K), np.float32)
     matmul.matmul(x, w, F32, out, scratch)  # n=70 takes the packed prefill path
-    if kernels == "vnni" and name in quant.VNNI_BLOCKS and n < matmul.PREFILL_MIN_ROWS:
+    if "vnni" in cpu.ENABLED and name in quant.VNNI_BLOCKS and n < matmul.PREFILL_MIN_ROWS:
         want = np.zeros_like(out)  # int8 activations: the reference quantizes them the same way
         quant.rows_vnni_ref(*quant.quantize_activations_ref(x), w, want, 0, 37)
         exact = x.astype(np.float64) @ quant.dequantize(w).T.astype(np.float64)
@@ -103,17 +103,20 @@ def test_quantize_activations_matches_reference(rng):
     assert xd[1, 0] == 0 and not xq[1, :32].any()
 
 
-def test_kernel_set_detection_and_override():
+def test_kernel_paths_detection_and_override():
     import subprocess
     import sys
 
-    assert quant.detect_kernel_set("portable") == "portable"
-    cpu = " avx512_vnni" in open("/proc/cpuinfo").read()
-    code = "from ellmd.kernels import quant; print(quant.KERNEL_SET)"
-    for env, want in (({}, "portable"), ({"ELLM_KERNELS": "vnni"}, "vnni" if cpu else "portable")):
+    has_vnni = " avx512_vnni" in open("/proc/cpuinfo").read()
+    assert cpu.choose("portable") == frozenset()
+    assert ("vnni" in cpu.choose("auto")) == has_vnni
+    assert cpu.choose("vnni") == (frozenset({"vnni"}) if has_vnni else frozenset())
+    with pytest.raises(ValueError, match="avx2 unknown"):
+        cpu.choose("vnni,avx2")
+    code = "from ellmd.kernels import cpu; print(sorted(cpu.ENABLED))"
+    for env, want in (({}, []), ({"ELLM_KERNELS": "vnni"}, ["vnni"] if has_vnni else []), ({"ELLM_KERNELS": "x"}, [])):
         got = subprocess.run([sys.executable, "-c", code], env={"PATH": "", **env}, capture_output=True, text=True, check=True)
-        assert got.stdout.strip() == want
-    assert quant.detect_kernel_set("auto") == ("vnni" if cpu else "portable")
+        assert got.stdout.strip() == str(want)
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -18,7 +18,7 @@ from ellmd.engine.kvcache import KVCache, available_memory
 from ellmd.engine.plan import Plan
 from ellmd.engine.sampling import Sampler, SamplingParams
 from ellmd.errors import CapacityError, ModelError
-from ellmd.kernels import formats, quant
+from ellmd.kernels import cpu, formats, quant
 from ellmd.kernels.matmul import PREFILL_MIN_ROWS
 from ellmd.model import FAMILIES
 from ellmd.model.weights import GGUFCheckpoint, RandomCheckpoint, open_checkpoint
@@ -85,10 +85,10 @@ class Engine:
         ):
             if value is not None and value not in choices:
                 raise ModelError(f"unknown {name} {value!r} (choose from {', '.join(choices)})")
-        requested = os.environ.get("ELLM_KERNELS", "").strip().lower() or "portable"
-        if requested not in quant.KERNEL_SETS:
-            raise ModelError(f"ELLM_KERNELS={requested!r}: choose from {', '.join(quant.KERNEL_SETS)}")
-        self.kernel_set = quant.KERNEL_SET  # detected once, at import of the kernels
+        try:
+            cpu.choose(os.environ.get("ELLM_KERNELS"))  # cpu.ENABLED was chosen at import; refuse a typo
+        except ValueError as e:
+            raise ModelError(str(e)) from None
         if sequence_length < 2 or batch_size < 1 or chunk_size < 1:
             raise CapacityError("the sequence length must be >= 2, batch and chunk sizes >= 1")
 
@@ -161,11 +161,11 @@ class Engine:
 
     def describe_kernels(self) -> str:
         """The kernel set in use, for the start-up lines."""
-        if self.kernel_set == "vnni":
+        if "vnni" in cpu.ENABLED:
             return (f"int8 vpdpbusd (AVX512-VNNI) for {'/'.join(quant.VNNI_BLOCKS)} blocks, activations "
                     "quantized per 32; f32 FMA for other blocks, bf16, f16")
-        has_vnni = quant.detect_kernel_set("vnni") == "vnni"
-        return "f32 FMA for every weight format" + (" (AVX512-VNNI present: ELLM_KERNELS=vnni for the int8 path)" if has_vnni else "")
+        unused = sorted(cpu.host_paths() - cpu.ENABLED)
+        return "f32 FMA for every weight format" + (f" (ELLM_KERNELS=auto adds: {', '.join(unused)})" if unused else "")
 
     def memory_budget(self) -> dict[str, int]:
         """Bytes of weights (in all, and by format: "weights:Q4_K", ...), KV cache and workspace."""

@@ -23,7 +23,7 @@ import numpy as np
 from numba import prange
 from numba.extending import overload
 
-from ellmd.kernels import quant
+from ellmd.kernels import cpu, quant
 from ellmd.kernels.activations import PARALLEL_MIN
 from ellmd.kernels.formats import decode, kernel_view, to_f32
 from ellmd.kernels.quant import decode_row
@@ -132,11 +132,11 @@ def linear(x, w, fmt, out):
     x: [n, k] float32; w: [m, k] storage (float32 for F32, uint16 bits for BF16/F16), or
     [m, blocks] of a block dtype (fmt is then ignored), or a tuple of such matrices whose rows
     follow one another (a fusion of tensors of different formats); out: [n, m] float32,
-    written in place. Parallel over blocks of weight rows. With the "vnni" kernel set, blocks of
+    written in place. Parallel over blocks of weight rows. On the "vnni" path (cpu.py), blocks of
     quant.VNNI_BLOCKS meet x quantized to int8 per 32 values (as llama.cpp does).
     """
     for part, cols in _parts(w, out):
-        if quant.KERNEL_SET == "vnni" and quant.block_name(part) in quant.VNNI_BLOCKS:
+        if "vnni" in cpu.ENABLED and quant.block_name(part) in quant.VNNI_BLOCKS:
             _linear_vnni(x, part, cols)
         else:
             _linear(x, kernel_view(part, fmt), cols)

@@ -16,19 +16,16 @@ njit API (callable from other numba code, every storage format):
   linear_rows(x, w, out, j0, j1)    out[:, j0:j1] = x @ w[j0:j1].T, x [n, k] float32
 Kernels read the block bytes through as_bytes (a uint8 view, no copy).
 
-Kernel sets (KERNEL_SET, chosen once at import from ELLM_KERNELS and the CPU's features):
-"portable" (the default, exact to float32 rounding) converts blocks to float32 in vector
-registers (dot_rows), with LLVM's generic vectors (AVX2, AVX-512 or SSE); "vnni" (ELLM_KERNELS=vnni
-or auto, where the CPU has AVX512-VNNI) multiplies Q8_0/Q4_0/Q4_1 blocks by int8-quantized
-activations with vpdpbusd (rows_vnni), ~4x faster per row but ~5% of the largest logit off on
-SmolLM2 (enough to change its greedy answers), so it is asked for, not assumed.
+Kernel paths (cpu.py): the portable kernels (exact to float32 rounding) convert blocks to float32
+in vector registers (dot_rows), with LLVM's generic vectors (AVX2, AVX-512 or SSE); the "vnni"
+path (ELLM_KERNELS=vnni or auto, where the CPU has AVX512-VNNI) multiplies Q8_0/Q4_0/Q4_1 blocks
+by int8-quantized activations with vpdpbusd (rows_vnni), ~4x faster per row but ~5% of the largest
+logit off on SmolLM2 (enough to change its greedy answers), so it is asked for, not assumed.
 """
-
-import os
 
 import numba
 import numpy as np
-from llvmlite import binding, ir
+from llvmlite import ir
 from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
@@ -36,17 +33,6 @@ from numba.extending import intrinsic, overload
 from ellmd.kernels.formats import decode, f16_to_f32
 
 QK = 256  # weights per K-quant super-block
-KERNEL_SETS = ("portable", "vnni", "auto")  # values of ELLM_KERNELS ("auto" = "vnni")
-
-
-def detect_kernel_set(request: str = "portable") -> str:
-    """ "vnni" when asked (vnni or auto) and the CPU has AVX512-VNNI with AVX512VL, else "portable"."""
-    features = binding.get_host_cpu_features()
-    has_vnni = bool(features.get("avx512vnni")) and bool(features.get("avx512vl"))
-    return "vnni" if request in ("vnni", "auto") and has_vnni else "portable"
-
-
-KERNEL_SET = detect_kernel_set(os.environ.get("ELLM_KERNELS", "").strip().lower() or "portable")
 
 BLOCK_DTYPES = {
     "Q8_0": np.dtype([("d", "<u2"), ("qs", "i1", (32,))]),
@@ -761,7 +747,7 @@ VNNI_BLOCKS = tuple(_VNNI_BLOCKS)
 def rows_vnni(xq, xd, xs, w, out, j0, j1):
     """out[:, j0:j1] = x @ w[j0:j1].T for w in a VNNI_BLOCKS type, x given quantized
     (quantize_activations): xq [n, k] int8, xd [n, k/32] float32, xs [n, k/32] int32, all
-    C-contiguous; out: [n, m] float32, any layout. Needs AVX512-VNNI (KERNEL_SET "vnni")."""
+    C-contiguous; out: [n, m] float32, any layout. Needs AVX512-VNNI (the "vnni" path of cpu.py)."""
     raise NotImplementedError("numba only")
 
 

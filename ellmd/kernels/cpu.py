@@ -1,0 +1,48 @@
+"""The CPU's dot-product instructions and the kernel paths that use them, chosen once at import.
+
+Paths (each needs its CPU features; without them the portable f32 FMA kernels run):
+  "vnni"  int8 vpdpbusd (AVX512-VNNI) for weights in GGUF blocks, activations quantized per block
+  "bf16"  vdpbf16ps (AVX512-BF16) for bf16 weights
+
+ELLM_KERNELS picks them: "auto" (every path this CPU has), "portable" (none), or a comma-separated
+list of paths (those this CPU lacks are left out). Unset, DEFAULT applies. Kernels test
+`path in cpu.ENABLED` when they are called, so tests switch paths by setting ENABLED.
+"""
+
+import os
+
+from llvmlite import binding
+
+PATHS = {"vnni": ("avx512vnni", "avx512vl"), "bf16": ("avx512bf16", "avx512vl")}
+DEFAULT = "portable"  # the int8 path moves logits too far to be on unless asked for
+
+
+def host_paths() -> frozenset[str]:
+    """The paths whose CPU features this machine has."""
+    features = binding.get_host_cpu_features()
+    return frozenset(p for p, needs in PATHS.items() if all(features.get(f) for f in needs))
+
+
+def choose(request: str | None) -> frozenset[str]:
+    """The paths an ELLM_KERNELS value turns on, on this CPU; ValueError names a bad value."""
+    request = (request or "").strip().lower() or DEFAULT
+    if request == "auto":
+        return host_paths()
+    if request == "portable":
+        return frozenset()
+    asked = {p.strip() for p in request.split(",") if p.strip()}
+    unknown = sorted(asked - set(PATHS))
+    if unknown:
+        raise ValueError(f"ELLM_KERNELS={request!r}: {', '.join(unknown)} unknown (choose auto, portable or "
+                         f"a list of {', '.join(PATHS)})")
+    return frozenset(asked) & host_paths()
+
+
+def _from_environment() -> frozenset[str]:
+    try:
+        return choose(os.environ.get("ELLM_KERNELS"))
+    except ValueError:  # the engine reports it (Engine checks ELLM_KERNELS with choose)
+        return frozenset()
+
+
+ENABLED = _from_environment()
