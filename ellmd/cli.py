@@ -173,6 +173,8 @@ def bench(
     config: Optional[Path] = typer.Option(None, help="Synthetic model: random weights at the shapes of this config.json"),
     layers: Optional[int] = typer.Option(None, help="With --config: keep only this many layers (to fit big models)"),
     prefill: str = typer.Option("512,2048", help="Prompt sizes to time, comma-separated"),
+    append: str = typer.Option("", help="Turns to time, N@C comma-separated: N tokens prefilled on top of a slot "
+                               "holding C (e.g. 256@0,256@8000: a turn's cost as the session grows)"),
     decode: int = typer.Option(128, help="Tokens to decode (0 to skip)"),
     context: int = typer.Option(512, help="Tokens already in the slot when decoding starts"),
     repetitions: int = typer.Option(3, help="Runs of each test"),
@@ -185,23 +187,28 @@ def bench(
     """Prefill and decode throughput (tok/s) of a model path, the built-in model or a synthetic model."""
     from rich.console import Console
 
-    from ellmd.bench import render_table, run_bench
+    from ellmd.bench import parse_appends, render_table, run_bench
     from ellmd.model.weights import RandomCheckpoint
 
     try:
         sizes = [int(s) for s in prefill.split(",") if s.strip()]
     except ValueError:
         fail(f"--prefill takes comma-separated integers, not {prefill!r}")
+    try:
+        appends = parse_appends(append)
+    except ValueError as e:
+        fail(f"--append: {e}")
     if model_path and config:
         fail("give --model-path or --config, not both")
     try:
         source = RandomCheckpoint(config, layers=layers) if config else model_path
         engine = load_engine(
             source, weight_dtype=weight_dtype, kv_dtype=kv_dtype,
-            sequence_length=max(sizes + [context + decode]), batch_size=1, chunk_size=chunk_size,
+            sequence_length=max(sizes + [n + held for n, held in appends] + [context + decode]), batch_size=1,
+            chunk_size=chunk_size,
             threads=threads, quiet=json_output,
         )
-        rows = run_bench(engine, sizes, decode, context, repetitions)
+        rows = run_bench(engine, sizes, decode, context, repetitions, appends)
     except EllmError as e:
         fail(str(e))
     info = {"model": engine.model_path.name, "weight_dtype": engine.weight_formats, "kv_dtype": kv_dtype,

@@ -17,6 +17,8 @@ Usage (from the repository root; LLAMA_NATIVE names the folder of the native lla
 
 What is measured, for every system alike (the method of `ellmd bench` and llama-bench):
   ppN   prefill of N tokens into an empty cache; logits of the last position only
+  ppN@C prefill of N tokens on top of C tokens already in the cache (--append; an agent's next
+        turn; llama-bench -d C; not measured for transformers)
   tgN   N greedy decode steps of one token each, after a context of C tokens prefilled untimed
   GB/s  effective weight bandwidth in decode: the bytes of weights one decode token reads (every
         matrix but the embedding table, which is read one row a token; of each MoE expert stack,
@@ -65,7 +67,7 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from ellmd.bench import summarize
+from ellmd.bench import parse_appends, summarize
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # gguf_export and llama_native sit beside this script
 import llama_native  # noqa: E402
@@ -91,6 +93,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--layers", type=int, help="keep only the first N layers of every model (to fit big configs)")
     parser.add_argument("--threads", type=int, default=2, help="threads for every system [default: 2]")
     parser.add_argument("--prefill", default="512,2048", help="prompt sizes to time, comma-separated [default: 512,2048]")
+    parser.add_argument("--append", default="", metavar="N@C,...",
+                        help="turns to time: N tokens prefilled on top of C held ones, e.g. 256@0,256@8000 [default: none]")
     parser.add_argument("--decode", type=int, default=128, help="tokens to decode, 0 to skip [default: 128]")
     parser.add_argument("--context", type=int, default=512, help="tokens in the cache when decoding starts [default: 512]")
     parser.add_argument("--repetitions", type=int, default=3, help="runs of each test [default: 3]")
@@ -117,14 +121,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     args.model = args.model or ([] if args.model_as_is else ["builtin"])
     args.prefill = _int_list(parser, "--prefill", args.prefill)
+    try:
+        args.append = parse_appends(args.append)
+    except ValueError as e:
+        parser.error(f"--append: {e}")
     args.quant = _choices(parser, "--quant", args.quant, QUANT_TYPES)
     args.ellm_dtypes = _choices(parser, "--ellm-dtypes", args.ellm_dtypes, ("bf16", "f16", "f32"))
     args.transformers_dtypes = _choices(parser, "--transformers-dtypes", args.transformers_dtypes, ("bf16", "f32"))
     args.skip = set(_choices(parser, "--skip", args.skip, SYSTEMS))
     if args.repetitions < 1 or args.threads < 1 or args.context < 0 or args.decode < 0:
         parser.error("--repetitions and --threads must be >= 1, --context and --decode >= 0")
-    if not args.prefill and not args.decode:
-        parser.error("nothing to measure: give --prefill sizes or --decode > 0")
+    if not args.prefill and not args.append and not args.decode:
+        parser.error("nothing to measure: give --prefill sizes, --append turns or --decode > 0")
     for path in args.model_as_is:
         if not path.is_file():
             parser.error(f"--model-as-is: no such file {path}")
@@ -294,8 +302,8 @@ def benchmark_tokens(vocab_size: int, args) -> BenchTokens:
 
 
 def capacity(args) -> int:
-    """Cache length every system gets: the longest prompt, or context + decode (and the warm-up's 2 steps)."""
-    return max(args.prefill + [max(args.context, 1) + max(args.decode, 2)])
+    """Cache length every system gets: the longest prompt or turn, or context + decode (and the warm-up's 2 steps)."""
+    return max(args.prefill + [n + held for n, held in args.append] + [max(args.context, 1) + max(args.decode, 2)])
 
 
 def with_bandwidth(rows: list[dict], nbytes: int, args) -> dict:
@@ -445,7 +453,7 @@ def measure_ellm(case: ModelCase, source, dtype: str | None, tokens: BenchTokens
             log.print(f"[yellow]warning: ellm runs {numba.get_num_threads()} kernel threads, not {args.threads}[/]")
         held, nbytes = ellm_weights(engine.model)
         first = warm_up(EllmRunner(engine), tokens, args)
-        rows = run_bench(engine, args.prefill, args.decode, args.context, args.repetitions)
+        rows = run_bench(engine, args.prefill, args.decode, args.context, args.repetitions, args.append)
         result = with_bandwidth(rows, nbytes, args)
         result.update(first_token=first, memory=held, settings={
             "weights": dtype or "as stored", "kv": args.kv_dtype, "chunk_size": args.chunk_size, "numba": numba.__version__})
@@ -478,13 +486,16 @@ def measure_llama(case: ModelCase, fmt: str, args) -> dict:
     path = case.formats[fmt]
     records = llama_native.bench(args.llama_native, path, threads=args.threads, prompts=args.prefill, decode=args.decode,
                                  depth=args.context, repetitions=args.repetitions, flash_attn=args.llama_flash_attn,
-                                 repack=args.llama_repack)
+                                 repack=args.llama_repack, appends=args.append)
     rows = []
-    for record in records:
+    for record in records:  # one record per (N, depth): "pp512" and "pp512@0" share it
+        n, depth = record["n_prompt"], record["n_depth"]
         if record["n_gen"]:
-            rows.append(summarize(f"tg{record['n_gen']}", record["n_gen"], record["n_depth"], record["samples_ts"]))
-        else:
-            rows.append(summarize(f"pp{record['n_prompt']}", record["n_prompt"], 0, record["samples_ts"]))
+            rows.append(summarize(f"tg{record['n_gen']}", record["n_gen"], depth, record["samples_ts"]))
+        elif (n, depth) in args.append:
+            rows.append(summarize(f"pp{n}@{depth}", n, depth, record["samples_ts"]))
+        if not record["n_gen"] and depth == 0 and n in args.prefill:
+            rows.append(summarize(f"pp{n}", n, 0, record["samples_ts"]))
     result = with_bandwidth(rows, gguf_decode_bytes(path), args)
     result.update(memory=fmt, settings={
         "weights": fmt, "kv": f"{records[0]['type_k']}", "n_batch": records[0]["n_batch"],
@@ -743,7 +754,8 @@ def command_line() -> str:
 
 
 def print_report(measured, args, header, load_before, load_after, report) -> None:
-    tests = [f"pp{n}" for n in args.prefill] + ([f"tg{args.decode}"] if args.decode else [])
+    tests = ([f"pp{n}" for n in args.prefill] + [f"pp{n}@{held}" for n, held in args.append]
+             + ([f"tg{args.decode}"] if args.decode else []))
     # piped to a file or a log, rich would assume 80 columns and break table cells: give it room
     console = Console(soft_wrap=True, width=None if sys.stdout.isatty() else 200)
     console.print()

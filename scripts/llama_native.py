@@ -91,8 +91,9 @@ def quantize(root: Path, src: Path, dst: Path, qtype: str, allow_requantize: boo
 
 
 def bench(root: Path, gguf: Path, *, threads: int, prompts: list[int], decode: int, depth: int, repetitions: int,
-          flash_attn: bool, repack: bool = True) -> list[dict]:
-    """llama-bench on gguf: pp N into an empty cache for each N, tg `decode` after `depth` tokens.
+          flash_attn: bool, repack: bool = True, appends=()) -> list[dict]:
+    """llama-bench on gguf: pp N into an empty cache for each N, pp N after C tokens for each (N, C) of
+    appends, tg `decode` after `depth` tokens.
 
     Returns llama-bench's JSON records (avg_ts, samples_ts, n_prompt, n_gen, n_depth, ...), one per test.
     """
@@ -101,6 +102,7 @@ def bench(root: Path, gguf: Path, *, threads: int, prompts: list[int], decode: i
     runs = []
     if prompts:
         runs.append(["-p", ",".join(map(str, prompts)), "-n", "0", "-d", "0"])
+    runs += [["-p", str(n), "-n", "0", "-d", str(held)] for n, held in appends if held or n not in prompts]
     if decode:
         runs.append(["-p", "0", "-n", str(decode), "-d", str(depth)])
     records = []

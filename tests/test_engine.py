@@ -220,10 +220,29 @@ def test_bench_cli_on_a_synthetic_model(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(config))
     result = subprocess.run(
         [sys.executable, "-m", "ellmd.cli", "bench", "--config", str(tmp_path / "config.json"), "--prefill", "8,32",
-         "--decode", "4", "--context", "8", "--repetitions", "2", "--json"],
+         "--append", "8@0,8@40", "--decode", "4", "--context", "8", "--repetitions", "2", "--json"],
         capture_output=True, text=True, cwd=ROOT, timeout=600,
     )
     assert result.returncode == 0, result.stderr
     rows = json.loads(result.stdout)
-    assert [r["test"] for r in rows] == ["pp8", "pp32", "tg4"]
+    assert [(r["test"], r["context"]) for r in rows] == [("pp8", 0), ("pp32", 0), ("pp8@0", 0), ("pp8@40", 40), ("tg4", 8)]
     assert all(r["tok_s"] > 0 and r["weight_dtype"] == "bf16" for r in rows)
+    bad = subprocess.run([sys.executable, "-m", "ellmd.cli", "bench", "--config", str(tmp_path / "config.json"),
+                          "--append", "8@x"], capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert bad.returncode != 0 and "--append: '8@x' is not N@C" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_bench_appends_time_a_turn_on_top_of_the_held_tokens(engine, monkeypatch):
+    from ellmd.bench import run_bench
+
+    held_at_start, prefill = [], engine.prefill
+
+    def spy(slot, tokens, logits="last"):
+        held_at_start.append((int(engine.lengths[slot]), len(tokens)))
+        return prefill(slot, tokens, logits)
+
+    monkeypatch.setattr(engine, "prefill", spy)
+    rows = run_bench(engine, [], 0, 0, 2, appends=[(8, 0), (8, 20)])
+    assert [(r["test"], r["context"]) for r in rows] == [("pp8@0", 0), ("pp8@20", 20)]
+    # (8, 0): two timed prefills on an empty slot; (8, 20): the history once, then two timed turns on top of it
+    assert held_at_start == [(0, 8), (0, 8), (0, 20), (20, 8), (20, 8)]
