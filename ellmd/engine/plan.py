@@ -109,6 +109,7 @@ class Plan:
         """The runs of layers and the workspace tuples of kernels.layer, built once."""
         model, ws, kv, spec = self.model, self.ws, self.kv, self.model.spec
         layers = [model.fused_layer(i) for i in range(len(model.layers))]
+        self.lm_head = model.parts(model.lm_head)
         self.runs = []  # [(is_moe, tuple of (attention, mlp) weights)]
         for attention, mlp, moe in layers:
             entry = (attention, mlp)
@@ -144,11 +145,14 @@ class Plan:
         else:
             self.model.forward(ws, self.kv, n, ws.slots, ws.positions, decode)
 
+    def _paths(self) -> tuple:
+        """(int8 path on, workers): the kernel-path arguments of kernels.layer, read at each step."""
+        return "vnni" in cpu.ENABLED, min(numba.get_num_threads(), len(self.ws.acc))
+
     def _decode_layers(self, n: int) -> None:
         spec, ws = self.model.spec, self.ws
-        threads = numba.get_num_threads()
-        nsplit = min(ws.attention_scratch["partial_m"].shape[0], threads)
-        paths = ("vnni" in cpu.ENABLED, min(threads, len(ws.acc)))
+        nsplit = min(ws.attention_scratch["partial_m"].shape[0], numba.get_num_threads())
+        paths = self._paths()
         shape = (spec.num_attention_heads, spec.num_key_value_heads, spec.head_dim)
         common = (n, ws.slots, ws.positions, shape, spec.rms_norm_eps, self.model.scale, nsplit, paths)
         for moe, layers in self.runs:
@@ -161,6 +165,15 @@ class Plan:
     def logits(self, rows, out) -> np.ndarray:
         """Logits of the given residual rows into out [len(rows), V]."""
         self.model.logits(self.ws, rows, out)
+        return out
+
+    def decode_logits(self, n: int, out) -> np.ndarray:
+        """Logits of the n rows of a decode step into out [n, V] (one compiled call when fused)."""
+        if not (self.fused_decode and n <= self.fused_max_rows):
+            return self.logits(self.ws.row_ids[:n], out)
+        ws, model = self.ws, self.model
+        layer.decode_logits(ws.x, n, model.norm, model.spec.rms_norm_eps, self.lm_head, ws.h, out, ws.acc,
+                            (ws.xq, ws.xd, ws.xs), self._paths())
         return out
 
 

@@ -206,3 +206,10 @@ def decode_moe(layers, ws, moe_ws, n, slots, positions, shape, eps, scale, nspli
         _block_fused(h[:n], router, top_k, normalize, gate, up, up0, down, out[:n], logits[:n], weights[:n],
                      experts[:n], order, offsets, active, xs[:rows], gu[:rows], act[:rows], ys[:rows], widths)
         _add(x[:n], out[:n])
+
+
+@numba.njit(cache=True, nogil=True, fastmath=True)
+def decode_logits(x, n, norm, eps, lm_head, h, out, acc, q8buf, paths):
+    """out[:n] = lm_head(rmsnorm(x[:n])): the logits of the n decode rows. lm_head: its parts."""
+    _rmsnorm_rows(x[:n], norm, eps, h[:n], 0, n)
+    _linear(h[:n], lm_head, out[:n], acc, q8buf, paths[0], paths[1])
