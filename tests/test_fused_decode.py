@@ -37,10 +37,11 @@ def decode_both_ways(engine):
     return results
 
 
-def assert_same(results):
+def assert_same(results, tolerance=2e-6):
+    """Logits within tolerance * their largest value, KV bits within one last bit."""
     (want, want_k, want_v), (got, got_k, got_v) = results[False], results[True]
     for a, b in zip(want, got):
-        np.testing.assert_allclose(b, a, rtol=0, atol=2e-6 * np.abs(a).max())
+        np.testing.assert_allclose(b, a, rtol=0, atol=tolerance * np.abs(a).max())
     for got_kv, want_kv in ((got_k, want_k), (got_v, want_v)):  # bf16 bits: f32 rounding may flip a last bit
         ulps = np.abs(got_kv.astype(np.int32) - want_kv.astype(np.int32))
         assert ulps.max() <= 1 and np.count_nonzero(ulps) <= 1e-3 * ulps.size
@@ -55,7 +56,7 @@ def test_fused_decode_equals_kernel_by_kernel(alignment_dir, variant, weight_dty
     assert np.abs(results[True][0][0]).max() > 0.1  # the logits are not trivially equal
 
 
-def mixed_formats(engine, rng):
+def mixed_formats(engine):
     """Give every layer fusions of parts in different formats: tuples that kernels.layer walks."""
     for index, layer_weights in enumerate(engine.model.layers):
         qkv = to_f32(layer_weights["qkv_proj"], engine.fmt)
@@ -73,9 +74,11 @@ def test_fused_decode_on_fusions_of_formats_and_kernel_paths(alignment_dir, monk
     monkeypatch.setattr(cpu, "ENABLED", cpu.choose(kernels))
     engine = make_engine(alignment_dir / "qwen3_moe-dense0-tied-bf16", "f32")
     assert engine.fmt == F32
-    mixed_formats(engine, np.random.default_rng(0))
+    mixed_formats(engine)
     assert any(isinstance(entry[0][2], tuple) and len(entry[0][2]) == 2 for _, run in engine.plan.runs for entry in run)
-    assert_same(decode_both_ways(engine))
+    # the int8 path quantizes activations: an f32 rounding difference can flip one int8 code,
+    # which moves a logit by ~1e-4 of the largest (the path itself moves them by ~5%)
+    assert_same(decode_both_ways(engine), 1e-3 if "vnni" in cpu.ENABLED else 2e-6)
 
 
 def count_numba_calls(monkeypatch) -> Counter:

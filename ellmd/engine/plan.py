@@ -15,7 +15,7 @@ I intermediate, V vocab, E experts, k experts per token):
   xq, xd, xs      [B*K], [B*K/32], [B*K/32]  decode activations quantized for the int8 path
                                              (K the widest matmul input)
 
-Decode (up to FUSED_MAX_ROWS rows) runs through kernels.layer: the layers in a few compiled
+Decode (up to Plan.fused_max_rows rows) runs through kernels.layer: the layers in a few compiled
 calls, one per run of consecutive layers whose weights have the same types (one run for a
 model in one format). Prefill runs the model's forward kernel by kernel (its calls are
 amortized over the chunk's tokens).
