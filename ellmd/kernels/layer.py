@@ -23,8 +23,7 @@ compiled code is cached on disk, and a global would be frozen into the cache.
 """
 
 import numba
-import numpy as np
-from numba import prange, types
+from numba import prange
 from numba.extending import overload
 
 from ellmd.kernels import quant
