@@ -237,7 +237,7 @@ class Engine:
         self.plan.forward(count, decode=True)
         for i in range(count):
             self.kv.lengths[slots[i]] += 1
-        return self.plan.logits(ws.row_ids[:count], ws.logits[:count])
+        return self.plan.decode_logits(count, ws.logits[:count])
 
     def _check_tokens(self, tokens: np.ndarray) -> None:
         if tokens.min() < 0 or tokens.max() >= self.spec.vocab_size:

@@ -11,6 +11,14 @@ I intermediate, V vocab, E experts, k experts per token):
   gate_up, act    [C, 2*I], [C, I]
   logits          [B, V]          decode logits, one row per slot
   cos, sin        [S, d/2]        rope tables for every position of the sequence
+  acc             [W, quant.acc_floats(B)]   each kernel thread's block-row accumulator (decode)
+  xq, xd, xs      [B*K], [B*K/32], [B*K/32]  decode activations quantized for the int8 path
+                                             (K the widest matmul input)
+
+Decode (up to Plan.fused_max_rows rows) runs through kernels.layer: the layers in a few compiled
+calls, one per run of consecutive layers whose weights have the same types (one run for a
+model in one format). Prefill runs the model's forward kernel by kernel (its calls are
+amortized over the chunk's tokens).
 """
 
 from __future__ import annotations
@@ -19,6 +27,10 @@ import numba
 import numpy as np
 
 from ellmd import kernels
+from ellmd.kernels import cpu, layer, quant
+from ellmd.kernels.formats import kernel_view
+from ellmd.kernels.matmul import PREFILL_MIN_ROWS
+from ellmd.kernels.moe import FUSED_MAX_TOKENS, _fused_args
 from ellmd.model.llama import logical_shape
 from ellmd.model.spec import ModelSpec
 
@@ -51,6 +63,11 @@ class Workspace:
         shapes = kernels.decode_scratch_shapes(B, H, d, numba.get_num_threads())
         self.attention_scratch = {name: np.zeros(shape, f32) for name, shape in shapes.items()}
         self.matmul_scratch = np.zeros(max(kernels.prefill_scratch_size(m, k) for m, k in weight_shapes), f32)
+        widest = max(k for _, k in weight_shapes)
+        self.acc = np.zeros((numba.get_num_threads(), quant.acc_floats(B)), f32)
+        self.xq = np.zeros(B * widest, np.int8)
+        self.xd = np.zeros(B * (widest // 32), f32)
+        self.xs = np.zeros(B * (widest // 32), np.int32)
         if spec.num_experts:
             E, k = spec.num_experts, spec.num_experts_per_tok
             self.router_logits = np.zeros((rows, E), f32)
@@ -73,7 +90,11 @@ def _arrays(obj):
 
 
 class Plan:
-    """The model's forward pass bound to its workspace and the KV cache."""
+    """The model's forward pass bound to its workspace and the KV cache.
+
+    fused_decode: decode through kernels.layer (True) or kernel by kernel as prefill does
+    (False: the reference the tests compare the fused step with).
+    """
 
     def __init__(self, model, kv, chunk_size: int):
         self.model = model
@@ -81,16 +102,78 @@ class Plan:
         self.chunk_size = chunk_size
         spec = model.spec
         self.ws = Workspace(spec, chunk_size, kv.slots, kv.sequence_length, _weight_shapes(model))
+        self.fused_decode = True
+        self._bind_decode()
+
+    def _bind_decode(self) -> None:
+        """The runs of layers and the workspace tuples of kernels.layer, built once."""
+        model, ws, kv, spec = self.model, self.ws, self.kv, self.model.spec
+        layers = [model.fused_layer(i) for i in range(len(model.layers))]
+        self.lm_head = model.parts(model.lm_head)
+        self.runs = []  # [(is_moe, tuple of (attention, mlp) weights)]
+        for attention, mlp, moe in layers:
+            entry = (attention, mlp)
+            run = self.runs[-1] if self.runs else None
+            if run and run[0] == moe and numba.typeof(run[1][0]) == numba.typeof(entry):
+                self.runs[-1] = (moe, run[1] + (entry,))
+            else:
+                self.runs.append((moe, (entry,)))
+        scratch = ws.attention_scratch
+        q8 = (ws.xq, ws.xd, ws.xs)
+        self.attention_ws = (
+            ws.x, ws.h, ws.qkv, ws.attn, ws.lengths, ws.cos, ws.sin, kernel_view(kv.k, kv.fmt),
+            kernel_view(kv.v, kv.fmt), scratch["partial_m"], scratch["partial_l"], scratch["partial_acc"],
+            scratch["tile"], ws.acc, q8,
+        )
+        self.mlp_ws = (ws.x, ws.h, ws.gate_up, ws.act, ws.acc, q8)
+        self.fused_max_rows = min(len(ws.logits), PREFILL_MIN_ROWS - 1)  # matmul's choice of kernel
+        self.moe_ws = None
+        moe_mlp = next((mlp for attention, mlp, moe in layers if moe), None)
+        if moe_mlp is not None:
+            self.fused_max_rows = min(self.fused_max_rows, FUSED_MAX_TOKENS)
+            _, gate, up, _, down = moe_mlp
+            _, views = _fused_args((gate, up), down, model.fmt, self.fused_max_rows, spec.num_experts_per_tok,
+                                   ws.moe_scratch)
+            self.moe_ws = (ws.x, ws.h, ws.moe_out, ws.router_logits, ws.expert_weights, ws.expert_ids, *views)
 
     def forward(self, n: int, decode: bool) -> None:
         """Embed and run the n tokens set in ws.tokens/slots/positions; the residual ends in ws.x[:n]."""
         ws = self.ws
         kernels.embed(ws.tokens[:n], self.model.embed_tokens, self.model.fmt, ws.x[:n])
-        self.model.forward(ws, self.kv, n, ws.slots, ws.positions, decode)
+        if decode and self.fused_decode and n <= self.fused_max_rows:
+            self._decode_layers(n)
+        else:
+            self.model.forward(ws, self.kv, n, ws.slots, ws.positions, decode)
+
+    def _paths(self) -> tuple:
+        """(int8 path on, workers): the kernel-path arguments of kernels.layer, read at each step."""
+        return "vnni" in cpu.ENABLED, min(numba.get_num_threads(), len(self.ws.acc))
+
+    def _decode_layers(self, n: int) -> None:
+        spec, ws = self.model.spec, self.ws
+        nsplit = min(ws.attention_scratch["partial_m"].shape[0], numba.get_num_threads())
+        paths = self._paths()
+        shape = (spec.num_attention_heads, spec.num_key_value_heads, spec.head_dim)
+        common = (n, ws.slots, ws.positions, shape, spec.rms_norm_eps, self.model.scale, nsplit, paths)
+        for moe, layers in self.runs:
+            if moe:
+                layer.decode_moe(layers, self.attention_ws, self.moe_ws, *common, spec.num_experts_per_tok,
+                                 spec.norm_topk_prob)
+            else:
+                layer.decode_dense(layers, self.attention_ws, self.mlp_ws, *common)
 
     def logits(self, rows, out) -> np.ndarray:
         """Logits of the given residual rows into out [len(rows), V]."""
         self.model.logits(self.ws, rows, out)
+        return out
+
+    def decode_logits(self, n: int, out) -> np.ndarray:
+        """Logits of the n rows of a decode step into out [n, V] (one compiled call when fused)."""
+        if not (self.fused_decode and n <= self.fused_max_rows):
+            return self.logits(self.ws.row_ids[:n], out)
+        ws, model = self.ws, self.model
+        layer.decode_logits(ws.x, n, model.norm, model.spec.rms_norm_eps, self.lm_head, ws.h, out, ws.acc,
+                            (ws.xq, ws.xd, ws.xs), self._paths())
         return out
 
 

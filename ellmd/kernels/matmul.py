@@ -73,30 +73,31 @@ def _dot_pair(x, w0, w1, out, j, j2):
         out[i, j2] = b0
 
 
-def linear_rows(x, w, out, j0, j1):
+def linear_rows(x, w, out, j0, j1, acc=None):
     """out[:, j0:j1] = x @ w[j0:j1].T inside numba code, for every weight format.
 
     x: [n, k] float32; w: [m, k] storage (float32, uint16 bf16, int16 f16) or [m, blocks] of a
     block dtype (quant.py); out: [n, m] float32 (any layout). Serial: callers split the rows.
     x must be C-contiguous. Float rows go in pairs (an odd last row is computed twice, as both
-    rows of the pair); block rows are unpacked in registers once for all n inputs (quant.dot_rows).
+    rows of the pair); block rows are unpacked in registers once for all n inputs (quant.dot_rows,
+    whose accumulator is acc, 1-D float32 of quant.acc_floats(n), or allocated when acc is None).
     """
     raise NotImplementedError("numba only")
 
 
 @overload(linear_rows, jit_options={"fastmath": True, "nogil": True})
-def _linear_rows_overload(x, w, out, j0, j1):
+def _linear_rows_overload(x, w, out, j0, j1, acc=None):
     if quant.record_name(w.dtype) is None:
 
-        def impl(x, w, out, j0, j1):
+        def impl(x, w, out, j0, j1, acc=None):
             for j in range(j0, j1, 2):
                 j2 = min(j + 1, j1 - 1)
                 _dot_pair(x, w[j], w[j2], out, j, j2)
 
         return impl
 
-    def impl_blocks(x, w, out, j0, j1):
-        quant.dot_rows(x, w, out, j0, j1)
+    def impl_blocks(x, w, out, j0, j1, acc=None):
+        quant.dot_rows(x, w, out, j0, j1, acc)
 
     return impl_blocks
 

@@ -13,7 +13,8 @@ Shape legend:
 
 njit API (callable from other numba code, every storage format):
   decode_row(w_row, out)            out[:k] = w_row as float32 (w_row: 1-D storage or blocks)
-  linear_rows(x, w, out, j0, j1)    out[:, j0:j1] = x @ w[j0:j1].T, x [n, k] float32
+  linear_rows(x, w, out, j0, j1, acc=None)   out[:, j0:j1] = x @ w[j0:j1].T, x [n, k] float32
+                                    (acc: dot_rows' work area, acc_floats(n) float32)
 Kernels read the block bytes through as_bytes (a uint8 view, no copy).
 
 Kernel paths (cpu.py): the portable kernels (exact to float32 rounding) convert blocks to float32
@@ -565,37 +566,53 @@ _ROW_DOTS = {
 }
 
 
-def dot_rows(x, w, out, j0, j1):
+def acc_floats(n):
+    """float32 elements of the accumulator dot_rows needs for n input rows (room to align it)."""
+    return n * _LANES * ACC_SLOTS + _LANES
+
+
+def dot_rows(x, w, out, j0, j1, acc=None):
     """out[:, j0:j1] = x @ w[j0:j1].T for a block matrix w [m, blocks]; x [n, k] float32 C-contiguous.
 
-    One pass over each weight row for all n inputs (fma16). Allocates a [n, 64] accumulator.
+    One pass over each weight row for all n inputs (fma16). acc: 1-D float32 work area of at least
+    acc_floats(n) elements (a caller's workspace, so that decode allocates nothing); without it a
+    [n, 64] accumulator is allocated per call.
     """
     raise NotImplementedError("numba only")
 
 
 @overload(dot_rows, jit_options={"fastmath": True, "nogil": True})
-def _dot_rows_overload(x, w, out, j0, j1):
+def _dot_rows_overload(x, w, out, j0, j1, acc=None):
     name = record_name(w.dtype)
     if name is None:
         return None
     row_dot = _ROW_DOTS[name]
 
-    def impl(x, w, out, j0, j1):
+    def rows(x, wb, out, j0, j1, raw):
         n = x.shape[0]
         width = _LANES * ACC_SLOTS
-        raw = np.empty(n * width + _LANES, np.float32)
         # on a cache line: a vector store split over two lines is not forwarded to the next load
         skip = (-_address(raw) % 64) // 4
         acc = raw[skip : skip + n * width].reshape((n, width))
-        wb = as_bytes(w)
         for j in range(j0, j1):
             acc[:] = 0.0
             row_dot(x, wb[j], acc)
             for i in range(n):
                 total = np.float32(0.0)
-                for l in range(_LANES * ACC_SLOTS):
+                for l in range(width):
                     total += acc[i, l]
                 out[i, j] = total
+
+    rows = numba.njit(fastmath=True, nogil=True, inline="always")(rows)
+    if acc is None or isinstance(acc, (types.NoneType, types.Omitted)):
+
+        def impl_allocating(x, w, out, j0, j1, acc=None):
+            rows(x, as_bytes(w), out, j0, j1, np.empty(x.shape[0] * _LANES * ACC_SLOTS + _LANES, np.float32))
+
+        return impl_allocating
+
+    def impl(x, w, out, j0, j1, acc=None):
+        rows(x, as_bytes(w), out, j0, j1, acc)
 
     return impl
 

@@ -15,6 +15,7 @@ import numpy as np
 
 from ellmd import kernels
 from ellmd.kernels import formats, quant
+from ellmd.kernels.formats import kernel_view
 from ellmd.model.spec import ModelSpec
 from ellmd.model.weights import quantize_weight
 
@@ -187,6 +188,30 @@ class Llama:
         kernels.matmul(ws.h[:n], layer["gate_up_proj"], self.fmt, ws.gate_up[:n], ws.matmul_scratch)
         kernels.silu_mul(ws.gate_up[:n], ws.act[:n])
         kernels.matmul(ws.act[:n], layer["down_proj"], self.fmt, ws.h[:n], ws.matmul_scratch)
+
+    # ---- fused decode (kernels.layer) ------------------------------------------------------
+
+    def fused_layer(self, index: int) -> tuple:
+        """Layer `index` as kernels.layer takes it: (attention weights, MLP weights, is_moe).
+
+        Weights in kernel views (f16 as int16), every matrix as a tuple of its parts.
+        """
+        layer = self.layers[index]
+        none = np.zeros(0, np.float32)
+        attention = (
+            index, layer["input_layernorm"], self.parts(layer["qkv_proj"]), layer.get("qkv_bias", none),
+            layer.get("q_norm", none), layer.get("k_norm", none), self.parts(layer["o_proj"]),
+            layer["post_attention_layernorm"],
+        )
+        return attention, *self.fused_mlp(layer)
+
+    def fused_mlp(self, layer) -> tuple:
+        """(MLP weights, is_moe) of a layer for kernels.layer.decode_dense."""
+        return (self.parts(layer["gate_up_proj"]), self.parts(layer["down_proj"])), False
+
+    def parts(self, w) -> tuple:
+        """A weight as the tuple of its parts in kernel views."""
+        return tuple(kernel_view(p, self.fmt) for p in (w if isinstance(w, tuple) else (w,)))
 
     def logits(self, ws, rows: np.ndarray, out: np.ndarray) -> None:
         """Final norm and lm_head for the residual rows that need logits."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from ellmd.kernels import formats
+from ellmd.kernels.formats import kernel_view
 from ellmd.kernels.moe import moe_block
 from ellmd.model.qwen3 import Qwen3
 
@@ -39,6 +40,12 @@ class Qwen3Moe(Qwen3):
             "experts_up": np.ascontiguousarray(up),
             "experts_down": np.ascontiguousarray(down),
         }
+
+    def fused_mlp(self, layer) -> tuple:
+        if "router" not in layer:
+            return super().fused_mlp(layer)
+        gate, up, down = (kernel_view(layer[f"experts_{p}"], self.fmt) for p in ("gate", "up", "down"))
+        return (layer["router"], gate, up, 0, down), True  # 0: up rows start at 0 of their own stack
 
     def mlp(self, layer, ws, n) -> None:
         if "router" not in layer:

@@ -1,0 +1,148 @@
+"""The fused decode step (kernels.layer) against the kernel-by-kernel forward, for every family and storage."""
+
+from __future__ import annotations
+
+import sys
+from collections import Counter
+
+import numpy as np
+import pytest
+from numba.core.registry import CPUDispatcher
+from numba.core.runtime import _nrt_python, rtsys
+
+from ellmd.engine import Engine
+from ellmd.engine.plan import Plan
+from ellmd.kernels import cpu, quant
+from ellmd.kernels.formats import F32, to_f32
+
+PROMPTS = [list(range(5, 17)), [3, 4], list(range(20, 41))]
+
+
+def make_engine(path, weight_dtype):
+    return Engine(path, weight_dtype=weight_dtype, kv_dtype="bf16", sequence_length=96, batch_size=3, chunk_size=16,
+                  threads=2)
+
+
+def decode_both_ways(engine):
+    """Logits and KV of the same decode steps, kernel by kernel (False) and fused (True)."""
+    results = {}
+    for fused in (False, True):
+        engine.plan.fused_decode = fused
+        for slot, prompt in enumerate(PROMPTS):
+            engine.rewind(slot, 0)
+            engine.prefill(slot, prompt)
+        steps = [engine.decode([0, 1, 2], [7, 8, 9]).copy(), engine.decode([2, 0], [1, 2]).copy()]
+        steps += [engine.decode([1], [5]).copy()]
+        results[fused] = steps, engine.kv.k.copy(), engine.kv.v.copy()
+    return results
+
+
+def assert_same(results, tolerance=2e-6):
+    """Logits within tolerance * their largest value, KV bits within one last bit."""
+    (want, want_k, want_v), (got, got_k, got_v) = results[False], results[True]
+    for a, b in zip(want, got):
+        np.testing.assert_allclose(b, a, rtol=0, atol=tolerance * np.abs(a).max())
+    for got_kv, want_kv in ((got_k, want_k), (got_v, want_v)):  # bf16 bits: f32 rounding may flip a last bit
+        ulps = np.abs(got_kv.astype(np.int32) - want_kv.astype(np.int32))
+        assert ulps.max() <= 1 and np.count_nonzero(ulps) <= 1e-3 * ulps.size
+
+
+@pytest.mark.parametrize("weight_dtype", ["f32", "bf16", "f16", "q8_0", "q4_k"])
+@pytest.mark.parametrize("variant", ["llama", "qwen3", "qwen3_moe", "qwen3_moe-dense0-tied-bf16"])
+def test_fused_decode_equals_kernel_by_kernel(alignment_dir, variant, weight_dtype):
+    engine = make_engine(alignment_dir / variant, weight_dtype)
+    results = decode_both_ways(engine)
+    assert_same(results)
+    assert np.abs(results[True][0][0]).max() > 0.1  # the logits are not trivially equal
+
+
+def mixed_formats(engine):
+    """Give every layer fusions of parts in different formats: tuples that kernels.layer walks."""
+    for index, layer_weights in enumerate(engine.model.layers):
+        qkv = to_f32(layer_weights["qkv_proj"], engine.fmt)
+        q_rows = engine.spec.num_attention_heads * engine.spec.head_dim
+        layer_weights["qkv_proj"] = (quant.quantize(qkv[:q_rows], "Q8_0"), quant.quantize(qkv[q_rows:], "Q5_0"))
+        if "gate_up_proj" in layer_weights:
+            gate_up = to_f32(layer_weights["gate_up_proj"], engine.fmt)
+            half = len(gate_up) // 2
+            layer_weights["gate_up_proj"] = (quant.quantize(gate_up[:half], "Q4_0"), gate_up[half:].copy())
+    engine.plan = Plan(engine.model, engine.kv, engine.chunk_size)
+
+
+@pytest.mark.parametrize("kernels", ["vnni", "portable"])
+def test_fused_decode_on_fusions_of_formats_and_kernel_paths(alignment_dir, monkeypatch, kernels):
+    monkeypatch.setattr(cpu, "ENABLED", cpu.choose(kernels))
+    engine = make_engine(alignment_dir / "qwen3_moe-dense0-tied-bf16", "f32")
+    assert engine.fmt == F32
+    mixed_formats(engine)
+    assert any(isinstance(entry[0][2], tuple) and len(entry[0][2]) == 2 for _, run in engine.plan.runs for entry in run)
+    # the int8 path quantizes activations: an f32 rounding difference can flip one int8 code,
+    # which moves a logit by ~1e-4 of the largest (the path itself moves them by ~5%)
+    assert_same(decode_both_ways(engine), 1e-3 if "vnni" in cpu.ENABLED else 2e-6)
+
+
+def count_numba_calls(monkeypatch) -> Counter:
+    """Count the calls Python makes into compiled kernels (every njit function of ellmd.kernels)."""
+    calls = Counter()
+    modules = [sys.modules[name] for name in list(sys.modules) if name.startswith("ellmd.kernels")]
+    for module in modules:  # (ellmd.kernels.matmul, the module: the package's `matmul` is the function)
+        for name, value in list(vars(module).items()):
+            if isinstance(value, CPUDispatcher):
+
+                def counted(*args, _f=value, _name=name):
+                    calls[_name] += 1
+                    return _f(*args)
+
+                monkeypatch.setattr(module, name, counted)
+    return calls
+
+
+def test_a_decode_step_makes_a_few_python_to_numba_calls(alignment_dir, monkeypatch):
+    engine = make_engine(alignment_dir / "qwen3", "bf16")
+    engine.prefill(0, PROMPTS[0])
+    engine.decode([0], [1])  # compiled before the dispatchers are wrapped
+    calls = count_numba_calls(monkeypatch)
+    engine.decode([0], [2])
+    assert len(engine.plan.runs) == 1
+    # the embedding, every layer, then the final norm and lm_head for the logits
+    assert calls == Counter(_embed=1, decode_dense=1, decode_logits=1), calls
+    engine.plan.fused_decode = False
+    calls.clear()
+    engine.decode([0], [3])
+    assert sum(calls.values()) >= 10 * engine.spec.num_hidden_layers, calls
+
+
+def numba_allocations(step) -> int:
+    """Allocations numba's runtime makes while step() runs.
+
+    Every array argument a Python-to-numba call unboxes takes one (a small MemInfo header), so a
+    step's count is that of its arguments plus what the kernels allocate.
+    """
+    _nrt_python.memsys_enable_stats()
+    try:
+        before = rtsys.get_allocation_stats()
+        step()
+        return rtsys.get_allocation_stats().alloc - before.alloc
+    finally:
+        _nrt_python.memsys_disable_stats()
+
+
+def decode_allocations(engine) -> int:
+    for slot, prompt in enumerate(PROMPTS):
+        engine.rewind(slot, 0)
+        engine.prefill(slot, prompt)
+    engine.decode([0, 1, 2], [1, 2, 3])
+    return numba_allocations(lambda: engine.decode([0, 1, 2], [4, 5, 6]))
+
+
+@pytest.mark.parametrize("variant, weight_dtype", [("qwen3", "q8_0"), ("llama", "q4_k"), ("qwen3_moe", "bf16")])
+def test_decode_allocates_nothing_in_numba(alignment_dir, variant, weight_dtype):
+    """Block kernels take their accumulators from the workspace: a decode step on blocks makes no
+    more allocations than on f32 weights of the same model, which is its arguments' unboxing."""
+    engine = make_engine(alignment_dir / variant, weight_dtype)
+    assert weight_dtype == "bf16" or quant.is_blocks(engine.model.layers[0]["o_proj"])
+    fused = decode_allocations(engine)
+    assert fused == decode_allocations(make_engine(alignment_dir / variant, "f32"))
+    engine.plan.fused_decode = False  # the kernel-by-kernel step: block rows take heap accumulators
+    if weight_dtype != "bf16":
+        assert decode_allocations(engine) > fused + 10
