@@ -47,20 +47,22 @@ def test_this_cpu_has_an_engine():
     assert ENGINES, "the machine the suite runs on has AVX512-BF16; the tests below need it"
 
 
-def test_pack_activations_layout(rng):
-    n, k, tokens = 5, 64, 8
-    x = rng.standard_normal((n, k)).astype(np.float32)
+@pytest.mark.parametrize("n,k", [(5, 64), (37, 96)])
+def test_pack_activations_layout(rng, n, k):
+    tokens = 64
+    x = rng.standard_normal((n + 3, k)).astype(np.float32)
     xp = np.zeros((k // 2, 2 * tokens), np.uint16)
 
     @numba.njit
     def pack(x, xp):
-        bf16.pack_activations(x, 0, x.shape[0], xp)
+        bf16.pack_activations(x, 2, n, (n + 15) // 16 * 16, xp)
 
     pack(x, xp)
-    bits = formats.to_storage(x, BF16)  # [n, k]
-    assert np.array_equal(xp[:, 0 : 2 * n : 2], bits[:, 0::2].T)  # even depth of each pair first
-    assert np.array_equal(xp[:, 1 : 2 * n : 2], bits[:, 1::2].T)
-    assert not xp[:, 2 * n :].any()  # columns past the tokens untouched
+    bits = formats.to_storage(x[2 : 2 + n], BF16)  # [n, k]: the tokens from row 2 on
+    padded = np.concatenate([bits, np.repeat(bits[-1:], (n + 15) // 16 * 16 - n, axis=0)])  # repeats the last
+    assert np.array_equal(xp[:, 0 : 2 * len(padded) : 2], padded[:, 0::2].T)  # even depth of each pair first
+    assert np.array_equal(xp[:, 1 : 2 * len(padded) : 2], padded[:, 1::2].T)
+    assert not xp[:, 2 * len(padded) :].any()  # columns past the last group of 16 untouched
 
 
 @pytest.mark.parametrize("n,m,k", [(70, 64, 64), (300, 48, 576), (64, 96, 1024), (257, 160, 96)])

@@ -79,38 +79,63 @@ def _data(context, builder, ty, val):
     return ary.data, cgutils.unpack_tuple(builder, ary.shape), cgutils.unpack_tuple(builder, ary.strides)
 
 
+def _transpose16(builder, rows):
+    """The 16 x 16 transpose of 16 <16 x i32> rows: four stages, each swapping one bit of the
+    row index with the same bit of the column index (64 two-source shuffles)."""
+    i32 = ir.IntType(32)
+    for bit in (1, 2, 4, 8):
+        low = ir.Constant(ir.VectorType(i32, _LANES), [c if not c & bit else _LANES + (c & ~bit) for c in range(_LANES)])
+        high = ir.Constant(ir.VectorType(i32, _LANES), [c | bit if not c & bit else _LANES + c for c in range(_LANES)])
+        out = list(rows)
+        for r in range(_LANES):
+            if not r & bit:
+                out[r] = builder.shuffle_vector(rows[r], rows[r | bit], low)
+                out[r | bit] = builder.shuffle_vector(rows[r], rows[r | bit], high)
+        rows = out
+    return rows
+
+
 @intrinsic
-def pack_activations(typingctx, x, i0, nb, xp):
-    """xp as uint32 [pairs, tokens]: xp[p, i] = bf16 pair (x[i0+i, 2p], x[i0+i, 2p+1]), i < nb.
+def pack_activations(typingctx, x, i0, nb, nbp, xp):
+    """xp as uint32 [pairs, tokens]: xp[p, i] = bf16 pair (x[i0+i, 2p], x[i0+i, 2p+1]), i < nbp.
 
     x: [n, k] float32, k % CHUNK == 0; xp: [pairs, 2 * tokens] uint16 (the pairs of a token
-    side by side); columns from nb on are left as they are. Rounds to nearest even (vcvtneps2bf16).
+    side by side); nbp % 16 == 0; tokens from nb on repeat token nb - 1 (padding that stays
+    finite). Rounds to nearest even (vcvtneps2bf16). Per 16 tokens x 16 pairs: 16 row loads,
+    a transpose in registers, 16 row stores.
     """
     if not (_is_matrix(x, types.float32) and _is_matrix(xp, types.uint16)):
         return None
-    sig = types.void(x, types.intp, types.intp, xp)
+    sig = types.void(x, types.intp, types.intp, types.intp, xp)
 
     def codegen(context, builder, signature, args):
         x_p, (_, k), _ = _data(context, builder, signature.args[0], args[0])
-        xp_p, (_, ld2), _ = _data(context, builder, signature.args[3], args[3])
-        i0, nb = args[1], args[2]
+        xp_p, (_, ld2), _ = _data(context, builder, signature.args[4], args[4])
+        i0, nb, nbp = args[1], args[2], args[3]
         intp = context.get_value_type(types.intp)
-        i32 = ir.IntType(32)
+
+        def const(v):
+            return ir.Constant(intp, v)
+
         f32x32 = ir.VectorType(ir.FloatType(), CHUNK)
-        xp32 = builder.bitcast(xp_p, i32.as_pointer())
-        ld = builder.udiv(ld2, ir.Constant(intp, 2))
-        with cgutils.for_range(builder, nb) as rows:
-            i = rows.index
-            row = builder.gep(x_p, [builder.mul(builder.add(i0, i), k)])
-            with cgutils.for_range(builder, builder.udiv(k, ir.Constant(intp, CHUNK))) as chunks:
-                c = chunks.index
-                vals = builder.load(builder.bitcast(builder.gep(row, [builder.mul(c, ir.Constant(intp, CHUNK))]),
-                                                    f32x32.as_pointer()), align=4)
-                words = builder.bitcast(builder.fptrunc(vals, _BF16X32), _I32X16)
-                p0 = builder.mul(c, ir.Constant(intp, _LANES))
-                for lane in range(_LANES):
-                    at = builder.add(builder.mul(builder.add(p0, ir.Constant(intp, lane)), ld), i)
-                    builder.store(builder.extract_element(words, ir.Constant(i32, lane)), builder.gep(xp32, [at]))
+        xp32 = builder.bitcast(xp_p, ir.IntType(32).as_pointer())
+        ld = builder.udiv(ld2, const(2))
+        last = builder.sub(nb, const(1))
+        with cgutils.for_range(builder, builder.udiv(nbp, const(_LANES))) as groups:
+            t0 = builder.mul(groups.index, const(_LANES))
+            starts = []
+            for r in range(_LANES):
+                t = builder.add(t0, const(r))
+                t = builder.select(builder.icmp_signed(">", t, last), last, t)
+                starts.append(builder.gep(x_p, [builder.mul(builder.add(i0, t), k)]))
+            with cgutils.for_range(builder, builder.udiv(k, const(CHUNK))) as chunks:
+                c = builder.mul(chunks.index, const(CHUNK))
+                words = [builder.bitcast(builder.fptrunc(builder.load(builder.bitcast(
+                    builder.gep(row, [c]), f32x32.as_pointer()), align=4), _BF16X32), _I32X16) for row in starts]
+                p0 = builder.udiv(c, const(2))
+                for lane, col in enumerate(_transpose16(builder, words)):
+                    at = builder.add(builder.mul(builder.add(p0, const(lane)), ld), t0)
+                    builder.store(col, builder.bitcast(builder.gep(xp32, [at]), _I32X16.as_pointer()), align=4)
         return context.get_dummy_value()
 
     return sig, codegen
@@ -364,9 +389,11 @@ def _block_product(w, out, i0, nb, xp, cb, wk, workers, amx):
             _amx_rows(w, j0, xp, nbp, cb)
         else:
             _dp_rows(w, j0, xp, nbp, cb)
-        for r in range(min(group, m - j0)):
-            for i in range(nb):
-                out[i0 + i, j0 + r] = cb[r, i]
+        rows = min(group, m - j0)
+        for i in range(nb):  # token-major: contiguous runs of out, cb (in L1) read across
+            dst = out[i0 + i]
+            for r in range(rows):
+                dst[j0 + r] = cb[r, i]
 
 
 @numba.njit(cache=True, nogil=True, fastmath=True, parallel=True)
@@ -379,11 +406,7 @@ def _gemm(x, w, out, work, amx):
         cb = area[k * TOKENS // 2 : k * TOKENS // 2 + _C_ROWS * TOKENS].reshape((_C_ROWS, TOKENS))
         for i0 in range(0, n, TOKENS):
             nb = min(TOKENS, n - i0)
-            pack_activations(x, i0, nb, xp)
-            nbp = (nb + NR - 1) // NR * NR
-            for p in range(k // 2):  # padding tokens must be finite; their columns are not read
-                for i in range(2 * nb, 2 * nbp):
-                    xp[p, i] = 0
+            pack_activations(x, i0, nb, (nb + NR - 1) // NR * NR, xp)
             _block_product(w, out, i0, nb, xp, cb, wk, workers, amx)
 
 
