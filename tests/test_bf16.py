@@ -1,6 +1,6 @@
-"""The bf16 prefill GEMM (bf16.py) against numpy, on each engine this CPU has, and its dispatch.
+"""The AMX bf16 prefill GEMM (bf16.py) against numpy, and linear_prefill's choice of it.
 
-The reference rounds the activations to bf16 as the kernel does; products of bf16 values are
+The reference splits the activations into the same two bf16 halves; products of bf16 values are
 exact in f32, so kernel and reference differ only by f32 summation order.
 """
 
@@ -16,9 +16,7 @@ from ellmd.kernels.formats import BF16, F32
 
 matmul = import_module("ellmd.kernels.matmul")  # ellmd.kernels re-exports a function named matmul
 
-# the engines this host can run: AMX where the CPU and Linux grant it, vdpbf16ps with AVX512-BF16
-ENGINES = [name for name, on in (("amx", bf16.AMX), ("vdpbf16ps", "bf16" in cpu.host_paths())) if on]
-TOL = dict(rtol=1e-5, atol=1e-4)
+TOL = dict(rtol=1e-5, atol=1e-4)  # kernel vs reference on the same halves: f32 summation order
 
 
 @pytest.fixture
@@ -26,11 +24,10 @@ def rng():
     return np.random.default_rng(7)
 
 
-@pytest.fixture(params=ENGINES)
-def engine(request, monkeypatch):
-    monkeypatch.setattr(bf16, "AMX", request.param == "amx")
+@pytest.fixture
+def amx(monkeypatch):
+    assert bf16.AMX, "the machine the suite runs on has AMX-BF16; these tests need it"
     monkeypatch.setattr(cpu, "ENABLED", frozenset({"bf16"}))
-    return request.param
 
 
 def _weights(rng, m, k):
@@ -38,37 +35,47 @@ def _weights(rng, m, k):
 
 
 def _work(k, workers):
-    return np.full((workers, bf16.worker_floats(k)), np.nan, np.float32)  # kernels must not read it unwritten
+    return np.full((workers, bf16.worker_floats(k)), np.nan, np.float32)  # must not be read unwritten
 
 
-def test_this_cpu_has_an_engine():
+def test_amx_is_detected_from_the_cpu():
     features = binding.get_host_cpu_features()
-    assert not bf16.AMX or (features.get("amx-bf16") and features.get("amx-tile"))
-    assert ENGINES, "the machine the suite runs on has AVX512-BF16; the tests below need it"
+    assert bf16.AMX == bool(features.get("amx-bf16") and features.get("amx-tile"))
+
+
+def test_split_keeps_sixteen_bits(rng):
+    x = rng.standard_normal(10_000).astype(np.float32)
+    hi, lo = bf16.split(x)
+    assert np.array_equal(formats.to_f32(formats.to_storage(hi, BF16), BF16), hi)  # both are bf16 values
+    assert np.array_equal(formats.to_f32(formats.to_storage(lo, BF16), BF16), lo)
+    assert np.abs(hi - x).max() / np.abs(x).max() > 1e-3  # hi alone is bf16's 8 bits
+    assert np.all(np.abs(hi + lo - x) <= np.abs(x) * 2.0**-16)
 
 
 @pytest.mark.parametrize("n,k", [(5, 64), (37, 96)])
 def test_pack_activations_layout(rng, n, k):
     tokens = 64
     x = rng.standard_normal((n + 3, k)).astype(np.float32)
-    xp = np.zeros((k // 2, 2 * tokens), np.uint16)
+    xh, xl = np.zeros((k // 2, 2 * tokens), np.uint16), np.zeros((k // 2, 2 * tokens), np.uint16)
 
     @numba.njit
-    def pack(x, xp):
-        bf16.pack_activations(x, 2, n, (n + 15) // 16 * 16, xp)
+    def pack(x, xh, xl):
+        bf16.pack_activations(x, 2, n, (n + 15) // 16 * 16, xh, xl)
 
-    pack(x, xp)
-    bits = formats.to_storage(x[2 : 2 + n], BF16)  # [n, k]: the tokens from row 2 on
-    padded = np.concatenate([bits, np.repeat(bits[-1:], (n + 15) // 16 * 16 - n, axis=0)])  # repeats the last
-    assert np.array_equal(xp[:, 0 : 2 * len(padded) : 2], padded[:, 0::2].T)  # even depth of each pair first
-    assert np.array_equal(xp[:, 1 : 2 * len(padded) : 2], padded[:, 1::2].T)
-    assert not xp[:, 2 * len(padded) :].any()  # columns past the last group of 16 untouched
+    pack(x, xh, xl)
+    rows = (n + 15) // 16 * 16
+    tokens_x = np.concatenate([x[2 : 2 + n], np.repeat(x[1 + n : 2 + n], rows - n, axis=0)])  # repeats the last
+    for packed, half in zip((xh, xl), bf16.split(tokens_x)):
+        bits = formats.to_storage(half, BF16)  # [rows, k]
+        assert np.array_equal(packed[:, 0 : 2 * rows : 2], bits[:, 0::2].T)  # even depth of each pair first
+        assert np.array_equal(packed[:, 1 : 2 * rows : 2], bits[:, 1::2].T)
+        assert not packed[:, 2 * rows :].any()  # columns past the last group of 16 untouched
 
 
 @pytest.mark.parametrize("n,m,k", [(70, 64, 64), (300, 48, 576), (64, 96, 1024), (257, 160, 96)])
 @pytest.mark.parametrize("workers", [1, 2])
-def test_gemm_matches_reference(rng, engine, n, m, k, workers):
-    """Partial token blocks, a last AMX block of 16 rows (m=48, 160), several depth blocks (k=576, 1024)."""
+def test_gemm_matches_reference(rng, amx, n, m, k, workers):
+    """Partial token blocks, a last block of 16 rows (m=48, 160), several depth blocks (k=576, 1024)."""
     x = rng.standard_normal((n, k)).astype(np.float32)
     w = _weights(rng, m, k)
     got, want = np.empty((n, m), np.float32), np.empty((n, m), np.float32)
@@ -77,65 +84,70 @@ def test_gemm_matches_reference(rng, engine, n, m, k, workers):
     np.testing.assert_allclose(got, want, **TOL)
 
 
-def test_vdpbf16ps_takes_any_row_count(rng, monkeypatch):
-    if "vdpbf16ps" not in ENGINES:
-        pytest.fail("needs AVX512-BF16")
-    monkeypatch.setattr(bf16, "AMX", False)
-    n, m, k = 80, 70, 64  # 70 rows: the last group of MR repeats row 69
-    x = rng.standard_normal((n, k)).astype(np.float32)
-    w = _weights(rng, m, k)
-    got, want = np.empty((n, m), np.float32), np.empty((n, m), np.float32)
-    bf16.gemm(x, w, got, _work(k, 2))
-    bf16.gemm_ref(x, w, want, None)
-    np.testing.assert_allclose(got, want, **TOL)
-    assert bf16.usable(70, 64) and not bf16.usable(64, 48)
-
-
-def test_amx_needs_rows_in_tiles(monkeypatch):
+def test_usable_shapes(monkeypatch):
     monkeypatch.setattr(bf16, "AMX", True)
     assert bf16.usable(48, 64) and not bf16.usable(70, 64) and not bf16.usable(64, 48)
+    monkeypatch.setattr(bf16, "AMX", False)  # a CPU without AMX: the f32 kernels
+    assert not bf16.usable(48, 64)
 
 
-def test_linear_prefill_takes_the_bf16_gemm_only_on_its_path(rng, engine, monkeypatch):
+def _counting_gemm(monkeypatch):
+    calls = []
+    real = bf16.gemm
+
+    def gemm(x, w, out, work):
+        calls.append(w.shape)
+        real(x, w, out, work)
+
+    monkeypatch.setattr(bf16, "gemm", gemm)
+    return calls
+
+
+def test_linear_prefill_takes_the_gemm_only_on_its_path(rng, amx, monkeypatch):
     n, m, k = 130, 96, 192
     x = rng.standard_normal((n, k)).astype(np.float32)
     w = _weights(rng, m, k)
     scratch = np.empty(matmul.prefill_scratch_size(m, k), np.float32)
-    exact, rounded, got = (np.empty((n, m), np.float32) for _ in range(3))
-    matmul.linear_ref(x, w, BF16, exact)
-    bf16.gemm_ref(x, w, rounded, None)
-    assert np.abs(rounded - exact).max() > 1e-3  # the two paths are told apart by their rounding
-    matmul.linear_prefill(x, w, BF16, got, scratch)
-    np.testing.assert_allclose(got, rounded, **TOL)
-    want = np.empty_like(got)
-    matmul.matmul_ref(x, w, BF16, want, scratch)
+    calls = _counting_gemm(monkeypatch)
+    got, want = np.empty((n, m), np.float32), np.empty((n, m), np.float32)
+    matmul.matmul(x, w, BF16, got, scratch)
+    matmul.linear_ref(x, w, BF16, want)
+    assert np.abs(got - want).max() <= 2e-5 * np.abs(want).max()  # hi + lo: ~16 bits of each activation
+    assert calls == [(m, k)]
+
+    monkeypatch.setattr(cpu, "ENABLED", frozenset())  # the portable path
+    matmul.matmul(x, w, BF16, got, scratch)
     np.testing.assert_allclose(got, want, **TOL)
+    monkeypatch.setattr(cpu, "ENABLED", frozenset({"bf16"}))
+    monkeypatch.setattr(bf16, "AMX", False)  # a CPU with AVX512-BF16 but no AMX
+    matmul.matmul(x, w, BF16, got, scratch)
+    np.testing.assert_allclose(got, want, **TOL)
+    assert calls == [(m, k)]
 
-    monkeypatch.setattr(cpu, "ENABLED", frozenset())  # the portable path: f32 products of the stored values
-    matmul.linear_prefill(x, w, BF16, got, scratch)
-    np.testing.assert_allclose(got, exact, **TOL)
 
-
-def test_bf16_path_leaves_other_weights_to_the_f32_kernels(rng, engine):
+def test_other_weights_stay_on_the_f32_kernels(rng, amx, monkeypatch):
     n, k = 100, 96
     x = rng.standard_normal((n, k)).astype(np.float32)
-    odd = _weights(rng, 40, 90)  # k % 32 != 0
-    f32 = rng.standard_normal((32, k)).astype(np.float32)
-    for w, fmt, width in ((odd, BF16, 90), (f32, F32, k)):
+    calls = _counting_gemm(monkeypatch)
+    cases = ((_weights(rng, 40, 90), BF16, 90), (_weights(rng, 40, k), BF16, k),  # k % 32, m % 16
+             (rng.standard_normal((32, k)).astype(np.float32), F32, k))
+    for w, fmt, width in cases:
         xs = np.ascontiguousarray(x[:, :width])
         got, want = np.empty((n, w.shape[0]), np.float32), np.empty((n, w.shape[0]), np.float32)
         matmul.linear_prefill(xs, w, fmt, got, np.empty(matmul.prefill_scratch_size(*w.shape), np.float32))
         matmul.linear_ref(xs, w, fmt, want)
         np.testing.assert_allclose(got, want, **TOL)
+    assert calls == []
 
 
-def test_fused_weights_write_their_column_slices(rng, engine):
+def test_fused_weights_write_their_column_slices(rng, amx, monkeypatch):
     n, k = 96, 128
     x = rng.standard_normal((n, k)).astype(np.float32)
     parts = (_weights(rng, 64, k), _weights(rng, 32, k))
-    scratch = np.empty(matmul.prefill_scratch_size(96, k), np.float32)
+    calls = _counting_gemm(monkeypatch)
     got = np.empty((n, 96), np.float32)
-    matmul.matmul(x, parts, BF16, got, scratch)
+    matmul.matmul(x, parts, BF16, got, np.empty(matmul.prefill_scratch_size(96, k), np.float32))
     want = np.empty((n, 96), np.float32)
     bf16.gemm_ref(x, np.concatenate(parts), want, None)
     np.testing.assert_allclose(got, want, **TOL)
+    assert calls == [(64, k), (32, k)]

@@ -10,8 +10,8 @@ Decode (small n) is memory-bound: `linear` streams each weight row once for all 
 converting bf16/f16 in registers, two rows x four inputs per pass so that the vector FMAs are
 not starved by loads. Prefill (large n) is compute-bound: `linear_prefill` packs panels of
 PANEL weight rows to float32 (transposed) and runs the SIMD micro-kernel of tile.py over
-blocks of inputs; on the "bf16" path (cpu.py) bf16 weights go to the bf16 GEMM of bf16.py
-instead (AMX or vdpbf16ps, activations rounded to bf16). `matmul` picks one by n.
+blocks of inputs; on the "bf16" path (cpu.py), where the CPU has AMX, bf16 weights go to the
+AMX GEMM of bf16.py instead (activations split into two bf16 halves). `matmul` picks one by n.
 
 Why not numpy's BLAS for prefill: OpenBLAS keeps its own thread pool, whose threads spin after
 each call while numba's workers poll for the next parallel region; on a machine with as many
@@ -234,7 +234,7 @@ def linear_prefill(x, w, fmt, out, scratch):
     x: [n, k] float32; w: as in linear; out: [n, m] float32; scratch: 1-D float32 of
     prefill_scratch_size(m, k) elements (room for fewer threads only lowers the parallelism).
     Each weight row is converted once; compute-bound, ~75 GFLOP/s per core in f32. On the
-    "bf16" path, bf16 weights meet x rounded to bf16 (bf16.gemm; several times faster).
+    "bf16" path, bf16 weights go to bf16.gemm where it is usable (AMX; several times faster).
     """
     per = _worker_floats(x.shape[1])
     workers = max(1, min(numba.get_num_threads(), scratch.size // per))
