@@ -73,8 +73,9 @@ def _transpose16(builder, rows):
     row index with the same bit of the column index (64 two-source shuffles)."""
     i32 = ir.IntType(32)
     for bit in (1, 2, 4, 8):
-        low = ir.Constant(ir.VectorType(i32, _LANES), [c if not c & bit else _LANES + (c & ~bit) for c in range(_LANES)])
-        high = ir.Constant(ir.VectorType(i32, _LANES), [c | bit if not c & bit else _LANES + c for c in range(_LANES)])
+        mask = ir.VectorType(i32, _LANES)
+        low = ir.Constant(mask, [c if not c & bit else _LANES + (c & ~bit) for c in range(_LANES)])
+        high = ir.Constant(mask, [c | bit if not c & bit else _LANES + c for c in range(_LANES)])
         out = list(rows)
         for r in range(_LANES):
             if not r & bit:
@@ -202,7 +203,8 @@ def _make_amx_block(row_tiles, accumulate):
                 return ir.Constant(intp, v)
 
             rows, width = ir.Constant(ir.IntType(16), TILE), ir.Constant(ir.IntType(16), 4 * TILE)
-            w_stride, x_stride, c_stride = builder.mul(k, const(2)), builder.mul(ld2, const(2)), builder.mul(ldc, const(4))
+            w_stride, x_stride = builder.mul(k, const(2)), builder.mul(ld2, const(2))
+            c_stride = builder.mul(ldc, const(4))
             w_bytes = builder.bitcast(w_p, i8p)
             x_halves = [builder.bitcast(ptr, i8p) for ptr in (xh_p, xl_p)]
             c_bytes = builder.bitcast(c_p, i8p)
@@ -228,8 +230,8 @@ def _make_amx_block(row_tiles, accumulate):
                 step = builder.mul(s, builder.mul(x_stride, const(TILE)))
                 for b in range(2):
                     for half in x_halves:  # x . w = hi . w + lo . w
-                        b_tile = builder.call(f["load"], [rows, width, builder.gep(half, [builder.add(b_base[b], step)]),
-                                                          x_stride])
+                        at = builder.gep(half, [builder.add(b_base[b], step)])
+                        b_tile = builder.call(f["load"], [rows, width, at, x_stride])
                         for a in range(row_tiles):
                             slot = accs[2 * a + b]
                             acc = builder.call(f["tile"], [builder.load(slot)])
