@@ -10,7 +10,8 @@ Decode (small n) is memory-bound: `linear` streams each weight row once for all 
 converting bf16/f16 in registers, two rows x four inputs per pass so that the vector FMAs are
 not starved by loads. Prefill (large n) is compute-bound: `linear_prefill` packs panels of
 PANEL weight rows to float32 (transposed) and runs the SIMD micro-kernel of tile.py over
-blocks of inputs. `matmul` picks one by n.
+blocks of inputs; on the "bf16" path (cpu.py), where the CPU has AMX, bf16 weights go to the
+AMX GEMM of bf16.py instead (activations split into two bf16 halves). `matmul` picks one by n.
 
 Why not numpy's BLAS for prefill: OpenBLAS keeps its own thread pool, whose threads spin after
 each call while numba's workers poll for the next parallel region; on a machine with as many
@@ -23,9 +24,9 @@ import numpy as np
 from numba import prange
 from numba.extending import overload
 
-from ellmd.kernels import cpu, quant
+from ellmd.kernels import bf16, cpu, quant
 from ellmd.kernels.activations import PARALLEL_MIN
-from ellmd.kernels.formats import decode, kernel_view, to_f32
+from ellmd.kernels.formats import BF16, decode, kernel_view, to_f32
 from ellmd.kernels.quant import decode_row
 from ellmd.kernels.tile import MR, NR, micro_kernel
 
@@ -158,7 +159,7 @@ def linear_ref(x, w, fmt, out):
 
 
 def _worker_floats(k):
-    return k * PANEL + INPUT_BLOCK * PANEL + INPUT_BLOCK * k
+    return max(k * PANEL + INPUT_BLOCK * PANEL + INPUT_BLOCK * k, bf16.worker_floats(k))
 
 
 def prefill_scratch_size(m, k):
@@ -233,18 +234,31 @@ def linear_prefill(x, w, fmt, out, scratch):
 
     x: [n, k] float32; w: as in linear; out: [n, m] float32; scratch: 1-D float32 of
     prefill_scratch_size(m, k) elements (room for fewer threads only lowers the parallelism).
-    Each weight row is converted once; compute-bound, ~75 GFLOP/s per core.
+    Each weight row is converted once; compute-bound, ~75 GFLOP/s per core in f32. On the
+    "bf16" path, bf16 weights go to bf16.gemm where it is usable (AMX; several times faster).
     """
     per = _worker_floats(x.shape[1])
     workers = max(1, min(numba.get_num_threads(), scratch.size // per))
     work = scratch[: workers * per].reshape(workers, per)  # [workers, per]
     for part, cols in _parts(w, out):
-        _prefill_product(x, kernel_view(part, fmt), cols, work)
+        if _on_bf16_path(x, part, fmt):
+            bf16.gemm(x, part, cols, work)
+        else:
+            _prefill_product(x, kernel_view(part, fmt), cols, work)
+
+
+def _on_bf16_path(x, w, fmt):
+    return ("bf16" in cpu.ENABLED and fmt == BF16 and w.dtype == np.uint16 and w.ndim == 2
+            and w.flags.c_contiguous and x.flags.c_contiguous and bf16.usable(*w.shape))
 
 
 def linear_prefill_ref(x, w, fmt, out, scratch):
-    """numpy reference of linear_prefill."""
-    linear_ref(x, w, fmt, out)
+    """numpy reference of linear_prefill (on the "bf16" path, of its bf16 GEMM where it applies)."""
+    for part, cols in _parts(w, out):
+        if _on_bf16_path(x, part, fmt):
+            bf16.gemm_ref(x, part, cols, None)
+        else:
+            linear_ref(x, part, fmt, cols)
 
 
 def matmul(x, w, fmt, out, scratch):
@@ -260,7 +274,10 @@ def matmul(x, w, fmt, out, scratch):
 
 def matmul_ref(x, w, fmt, out, scratch):
     """numpy reference of matmul."""
-    linear_ref(x, w, fmt, out)
+    if x.shape[0] < PREFILL_MIN_ROWS:
+        linear_ref(x, w, fmt, out)
+    else:
+        linear_prefill_ref(x, w, fmt, out, scratch)
 
 
 @numba.njit(cache=True, nogil=True, fastmath=True)

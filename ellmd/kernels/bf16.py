@@ -1,0 +1,357 @@
+"""The bf16 GEMM of prefill on AMX (tdpbf16ps): weights as stored, f32 accumulation.
+
+Shape legend:
+  n       input rows (tokens)
+  k       input features, k % CHUNK == 0; pairs = k // 2
+  m       output features (weight rows), m % TILE == 0
+  tokens  tokens of a packed block of activations (TOKENS)
+
+The weights are read as stored ([m, k] bf16 bits, the two values of a pair of depths adjacent):
+no packing at load, no second copy in memory. Each f32 activation x is split into
+hi = bf16(x) and lo = bf16(x - hi), so x . w = hi . w + lo . w keeps ~16 bits of x (relative
+error ~2**-17, the f32 kernels' figures within the alignment tolerance; bf16(x) alone moved
+1,100-token prefill logits by 7e-3 of the largest, past the 1e-3 the suite allows). The two
+halves of a block of tokens are packed per pair of depths (`pack_activations`: xh[p, i] is the
+32-bit pair (hi(x[i, 2p]), hi(x[i, 2p+1]))), the layout of the B operand of tdpbf16ps; a block of
+32 weight rows x 32 tokens is four 16 x 16 f32 tiles, fed per 32 depths by two tiles of weights
+(16 rows x 32 depths) and two tiles of each half of the tokens. The product is c[weight row,
+token], copied transposed into out. Products of bf16 values are exact in f32 and every sum is
+an f32 sum.
+
+Why not vdpbf16ps (AVX512-BF16): on the Xeon these figures come from it retires ~0.5 a cycle,
+so with the two halves it would run at half the f32 FMA kernels' speed; CPUs without AMX keep
+the f32 kernels.
+"""
+
+import ctypes
+
+import numba
+import numpy as np
+from llvmlite import binding, ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from ellmd.kernels.formats import BF16, to_f32, to_storage
+
+_LANES = 16  # 32-bit lanes of a zmm register
+CHUNK = 32  # depths converted per step by pack_activations (and of an AMX tile)
+
+
+class _BFloat(ir.Type):
+    """LLVM's bfloat, which llvmlite's IR builder lacks (only its name is printed)."""
+
+    def _to_string(self):
+        return "bfloat"
+
+    def __str__(self):
+        return "bfloat"
+
+    def __eq__(self, other):
+        return isinstance(other, _BFloat)
+
+    def __hash__(self):
+        return hash("bfloat")
+
+
+_BF16X32 = ir.VectorType(_BFloat(), 2 * _LANES)
+_F32X32 = ir.VectorType(ir.FloatType(), 2 * _LANES)
+_I32X16 = ir.VectorType(ir.IntType(32), _LANES)
+
+
+def _is_matrix(ty, dtype):
+    return isinstance(ty, types.Array) and ty.dtype == dtype and ty.ndim == 2 and ty.layout == "C"
+
+
+def _data(context, builder, ty, val):
+    ary = context.make_array(ty)(context, builder, val)
+    return ary.data, cgutils.unpack_tuple(builder, ary.shape), cgutils.unpack_tuple(builder, ary.strides)
+
+
+def _transpose16(builder, rows):
+    """The 16 x 16 transpose of 16 <16 x i32> rows: four stages, each swapping one bit of the
+    row index with the same bit of the column index (64 two-source shuffles)."""
+    i32 = ir.IntType(32)
+    for bit in (1, 2, 4, 8):
+        mask = ir.VectorType(i32, _LANES)
+        low = ir.Constant(mask, [c if not c & bit else _LANES + (c & ~bit) for c in range(_LANES)])
+        high = ir.Constant(mask, [c | bit if not c & bit else _LANES + c for c in range(_LANES)])
+        out = list(rows)
+        for r in range(_LANES):
+            if not r & bit:
+                out[r] = builder.shuffle_vector(rows[r], rows[r | bit], low)
+                out[r | bit] = builder.shuffle_vector(rows[r], rows[r | bit], high)
+        rows = out
+    return rows
+
+
+@intrinsic
+def pack_activations(typingctx, x, i0, nb, nbp, xh, xl):
+    """xh, xl as uint32 [pairs, tokens]: the bf16 pairs of hi and lo of x[i0+i, 2p:2p+2], i < nbp.
+
+    x: [n, k] float32, k % CHUNK == 0; xh, xl: [pairs, 2 * tokens] uint16 (the pairs of a token
+    side by side); nbp % 16 == 0; tokens from nb on repeat token nb - 1 (padding that stays
+    finite). hi = bf16(x), lo = bf16(x - hi), rounded to nearest even (vcvtneps2bf16). Per 16
+    tokens x 16 pairs: 16 row loads, two transposes in registers, 32 row stores.
+    """
+    if not (_is_matrix(x, types.float32) and _is_matrix(xh, types.uint16) and _is_matrix(xl, types.uint16)):
+        return None
+    sig = types.void(x, types.intp, types.intp, types.intp, xh, xl)
+
+    def codegen(context, builder, signature, args):
+        x_p, (_, k), _ = _data(context, builder, signature.args[0], args[0])
+        xh_p, (_, ld2), _ = _data(context, builder, signature.args[4], args[4])
+        xl_p, _, _ = _data(context, builder, signature.args[5], args[5])
+        i0, nb, nbp = args[1], args[2], args[3]
+        intp = context.get_value_type(types.intp)
+
+        def const(v):
+            return ir.Constant(intp, v)
+
+        halves = [builder.bitcast(ptr, ir.IntType(32).as_pointer()) for ptr in (xh_p, xl_p)]
+        ld = builder.udiv(ld2, const(2))
+        last = builder.sub(nb, const(1))
+        with cgutils.for_range(builder, builder.udiv(nbp, const(_LANES))) as groups:
+            t0 = builder.mul(groups.index, const(_LANES))
+            starts = []
+            for r in range(_LANES):
+                t = builder.add(t0, const(r))
+                t = builder.select(builder.icmp_signed(">", t, last), last, t)
+                starts.append(builder.gep(x_p, [builder.mul(builder.add(i0, t), k)]))
+            with cgutils.for_range(builder, builder.udiv(k, const(CHUNK))) as chunks:
+                c = builder.mul(chunks.index, const(CHUNK))
+                his, los = [], []
+                for row in starts:
+                    vals = builder.load(builder.bitcast(builder.gep(row, [c]), _F32X32.as_pointer()), align=4)
+                    hi = builder.fptrunc(vals, _BF16X32)
+                    lo = builder.fptrunc(builder.fsub(vals, builder.fpext(hi, _F32X32)), _BF16X32)
+                    his.append(builder.bitcast(hi, _I32X16))
+                    los.append(builder.bitcast(lo, _I32X16))
+                p0 = builder.udiv(c, const(2))
+                for dst, words in zip(halves, (his, los)):
+                    for lane, col in enumerate(_transpose16(builder, words)):
+                        at = builder.add(builder.mul(builder.add(p0, const(lane)), ld), t0)
+                        builder.store(col, builder.bitcast(builder.gep(dst, [at]), _I32X16.as_pointer()), align=4)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+class _Tile(ir.Type):
+    """LLVM's x86_amx (an AMX tile register), which llvmlite lacks."""
+
+    def _to_string(self):
+        return "x86_amx"
+
+    def __str__(self):
+        return "x86_amx"
+
+    def __eq__(self, other):
+        return isinstance(other, _Tile)
+
+    def __hash__(self):
+        return hash("x86_amx")
+
+
+_TILE = _Tile()
+_TILE_VEC = ir.VectorType(ir.IntType(32), 256)  # a tile's 1 KiB as a value that can live in a phi
+TILE = 16  # rows of a tile; also tokens of a tile of B and of C (16 f32 = 64 bytes)
+AMX_ROWS = 2 * TILE  # weight rows of an AMX block
+AMX_TOKENS = 2 * TILE  # tokens of an AMX block
+
+
+def _amx_functions(builder):
+    i16, i64, ptr = ir.IntType(16), ir.IntType(64), ir.IntType(8).as_pointer()
+    mod = builder.module
+
+    def fn(name, ret, params):
+        return cgutils.get_or_insert_function(mod, ir.FunctionType(ret, params), name)
+
+    return {
+        "load": fn("llvm.x86.tileloadd64.internal", _TILE, [i16, i16, ptr, i64]),
+        "store": fn("llvm.x86.tilestored64.internal", ir.VoidType(), [i16, i16, ptr, i64, _TILE]),
+        "zero": fn("llvm.x86.tilezero.internal", _TILE, [i16, i16]),
+        "dp": fn("llvm.x86.tdpbf16ps.internal", _TILE, [i16, i16, i16, _TILE, _TILE, _TILE]),
+        "vec": fn("llvm.x86.cast.tile.to.vector.v256i32", _TILE_VEC, [_TILE]),
+        "tile": fn("llvm.x86.cast.vector.to.tile.v256i32", _TILE, [_TILE_VEC]),
+    }
+
+
+def _make_amx_block(row_tiles, accumulate):
+    """An intrinsic for one AMX block: row_tiles x 2 tiles of c (+)= w[j0 + 16 a rows] . tokens
+    t0 + 16 b, over `pairs` pairs of depths from p0 (pairs % TILE == 0), accumulated or not."""
+
+    @intrinsic
+    def amx_block(typingctx, w, j0, xh, xl, t0, c, p0, pairs):
+        u16 = types.uint16
+        if not (_is_matrix(w, u16) and _is_matrix(xh, u16) and _is_matrix(xl, u16)
+                and _is_matrix(c, types.float32)):
+            return None
+        sig = types.void(w, types.intp, xh, xl, types.intp, c, types.intp, types.intp)
+
+        def codegen(context, builder, signature, args):
+            w_p, (_, k), _ = _data(context, builder, signature.args[0], args[0])
+            xh_p, (_, ld2), _ = _data(context, builder, signature.args[2], args[2])
+            xl_p, _, _ = _data(context, builder, signature.args[3], args[3])
+            c_p, (_, ldc), _ = _data(context, builder, signature.args[5], args[5])
+            _, j0, _, _, t0, _, p0, pairs = args
+            f = _amx_functions(builder)
+            i8p = ir.IntType(8).as_pointer()
+            intp = context.get_value_type(types.intp)
+
+            def const(v):
+                return ir.Constant(intp, v)
+
+            rows, width = ir.Constant(ir.IntType(16), TILE), ir.Constant(ir.IntType(16), 4 * TILE)
+            w_stride, x_stride = builder.mul(k, const(2)), builder.mul(ld2, const(2))
+            c_stride = builder.mul(ldc, const(4))
+            w_bytes = builder.bitcast(w_p, i8p)
+            x_halves = [builder.bitcast(ptr, i8p) for ptr in (xh_p, xl_p)]
+            c_bytes = builder.bitcast(c_p, i8p)
+            a_base = [builder.add(builder.mul(builder.add(j0, const(TILE * a)), w_stride), builder.mul(p0, const(4)))
+                      for a in range(row_tiles)]
+            b_base = [builder.add(builder.mul(p0, x_stride), builder.mul(builder.add(t0, const(TILE * b)), const(4)))
+                      for b in range(2)]
+            c_at = [[builder.add(builder.mul(const(TILE * a), c_stride), builder.mul(builder.add(t0, const(TILE * b)),
+                                                                                    const(4)))
+                     for b in range(2)] for a in range(row_tiles)]
+            accs = []
+            for a in range(row_tiles):
+                for b in range(2):
+                    if accumulate:
+                        start = builder.call(f["load"], [rows, width, builder.gep(c_bytes, [c_at[a][b]]), c_stride])
+                    else:
+                        start = builder.call(f["zero"], [rows, width])
+                    accs.append(cgutils.alloca_once_value(builder, builder.call(f["vec"], [start])))
+            with cgutils.for_range(builder, builder.udiv(pairs, const(TILE))) as loop:
+                s = loop.index
+                a_tiles = [builder.call(f["load"], [rows, width, builder.gep(w_bytes, [builder.add(base, builder.mul(
+                    s, const(4 * TILE)))]), w_stride]) for base in a_base]
+                step = builder.mul(s, builder.mul(x_stride, const(TILE)))
+                for b in range(2):
+                    for half in x_halves:  # x . w = hi . w + lo . w
+                        at = builder.gep(half, [builder.add(b_base[b], step)])
+                        b_tile = builder.call(f["load"], [rows, width, at, x_stride])
+                        for a in range(row_tiles):
+                            slot = accs[2 * a + b]
+                            acc = builder.call(f["tile"], [builder.load(slot)])
+                            acc = builder.call(f["dp"], [rows, width, width, acc, a_tiles[a], b_tile])
+                            builder.store(builder.call(f["vec"], [acc]), slot)
+            for a in range(row_tiles):
+                for b in range(2):
+                    tile = builder.call(f["tile"], [builder.load(accs[2 * a + b])])
+                    builder.call(f["store"], [rows, width, builder.gep(c_bytes, [c_at[a][b]]), c_stride, tile])
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return amx_block
+
+
+_amx_2 = _make_amx_block(2, False)
+_amx_2_acc = _make_amx_block(2, True)
+_amx_1 = _make_amx_block(1, False)
+_amx_1_acc = _make_amx_block(1, True)
+
+
+def _request_amx():
+    """True when this CPU has AMX-BF16 and Linux lets the process use the tile state.
+
+    Linux hands out the 8 KiB of tile state only on request (arch_prctl ARCH_REQ_XCOMP_PERM for
+    XTILEDATA); without it the first tile instruction kills the process with SIGILL.
+    """
+    features = binding.get_host_cpu_features()
+    if not (features.get("amx-bf16") and features.get("amx-tile")):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.syscall(158, 0x1023, 18) == 0  # SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA
+    except (OSError, AttributeError):
+        return False
+
+
+AMX = _request_amx()  # tests set it False to run the f32 kernels in its place
+TOKENS = 256  # tokens per packed block of activations (a multiple of AMX_TOKENS)
+DEPTH = 256  # pairs per block call: a block's [DEPTH, TOKENS] packed pairs stay in L2
+
+
+def worker_floats(k):
+    """float32 elements of one worker's area in gemm: both halves of the packed tokens, a block of c."""
+    return k * TOKENS + AMX_ROWS * TOKENS
+
+
+def usable(m, k):
+    """Whether gemm takes a [m, k] weight on this CPU."""
+    return AMX and k % CHUNK == 0 and m % TILE == 0
+
+
+@numba.njit(cache=True, nogil=True, fastmath=True)
+def _rows_product(w, j0, xh, xl, nbp, cb):
+    """cb[:rows, :nbp] = w[j0:j0+rows] . the packed tokens, rows = 32 (or 16 at the end of w)."""
+    m, k = w.shape
+    pairs = k // 2
+    for kb in range(0, pairs, DEPTH):
+        d = min(DEPTH, pairs - kb)
+        for t in range(0, nbp, AMX_TOKENS):
+            if j0 + AMX_ROWS <= m:
+                if kb == 0:
+                    _amx_2(w, j0, xh, xl, t, cb, kb, d)
+                else:
+                    _amx_2_acc(w, j0, xh, xl, t, cb, kb, d)
+            elif kb == 0:
+                _amx_1(w, j0, xh, xl, t, cb, kb, d)
+            else:
+                _amx_1_acc(w, j0, xh, xl, t, cb, kb, d)
+
+
+@numba.njit(cache=True, nogil=True, fastmath=True)
+def _block_product(w, out, i0, nb, xh, xl, cb, wk, workers):
+    """out[i0:i0+nb, this worker's groups of rows] from the packed tokens; cb: [AMX_ROWS, TOKENS]."""
+    m = w.shape[0]
+    nbp = (nb + AMX_TOKENS - 1) // AMX_TOKENS * AMX_TOKENS
+    for g in range(wk, (m + AMX_ROWS - 1) // AMX_ROWS, workers):  # dealt round-robin: equal shares
+        j0 = g * AMX_ROWS
+        _rows_product(w, j0, xh, xl, nbp, cb)
+        rows = min(AMX_ROWS, m - j0)
+        for i in range(nb):  # token-major: contiguous runs of out, cb (in L1) read across
+            dst = out[i0 + i]
+            for r in range(rows):
+                dst[j0 + r] = cb[r, i]
+
+
+@numba.njit(cache=True, nogil=True, fastmath=True, parallel=True)
+def _gemm(x, w, out, work):
+    n, k = x.shape
+    workers = work.shape[0]
+    half = k * TOKENS // 2
+    for wk in numba.prange(workers):
+        area = work[wk]
+        xh = area[:half].view(np.uint16).reshape((k // 2, 2 * TOKENS))
+        xl = area[half : 2 * half].view(np.uint16).reshape((k // 2, 2 * TOKENS))
+        cb = area[2 * half : 2 * half + AMX_ROWS * TOKENS].reshape((AMX_ROWS, TOKENS))
+        for i0 in range(0, n, TOKENS):
+            nb = min(TOKENS, n - i0)
+            pack_activations(x, i0, nb, (nb + AMX_TOKENS - 1) // AMX_TOKENS * AMX_TOKENS, xh, xl)
+            _block_product(w, out, i0, nb, xh, xl, cb, wk, workers)
+
+
+def gemm(x, w, out, work):
+    """out = x @ w.T on AMX, x as the sum of two bf16 halves, products and sums in f32.
+
+    x: [n, k] float32 (C-contiguous); w: [m, k] bf16 bits with usable(m, k); out: [n, m]
+    float32 (any strides); work: [workers, worker_floats(k)] float32, one area per worker
+    (its first dimension is the parallelism).
+    """
+    _gemm(x, w, out, work)
+
+
+def split(x):
+    """(hi, lo) of float32 x as float32 arrays of bf16 values: hi = bf16(x), lo = bf16(x - hi)."""
+    hi = to_f32(to_storage(x, BF16), BF16)
+    return hi, to_f32(to_storage(x - hi, BF16), BF16)
+
+
+def gemm_ref(x, w, out, work):
+    """numpy reference of gemm: the product of hi + lo (split) in float64."""
+    hi, lo = split(x)
+    out[:] = ((hi.astype(np.float64) + lo) @ to_f32(w, BF16).T.astype(np.float64)).astype(np.float32)

@@ -1,0 +1,153 @@
+"""The AMX bf16 prefill GEMM (bf16.py) against numpy, and linear_prefill's choice of it.
+
+The reference splits the activations into the same two bf16 halves; products of bf16 values are
+exact in f32, so kernel and reference differ only by f32 summation order.
+"""
+
+from importlib import import_module
+
+import numba
+import numpy as np
+import pytest
+from llvmlite import binding
+
+from ellmd.kernels import bf16, cpu, formats
+from ellmd.kernels.formats import BF16, F32
+
+matmul = import_module("ellmd.kernels.matmul")  # ellmd.kernels re-exports a function named matmul
+
+TOL = dict(rtol=1e-5, atol=1e-4)  # kernel vs reference on the same halves: f32 summation order
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng(7)
+
+
+@pytest.fixture
+def amx(monkeypatch):
+    assert bf16.AMX, "the machine the suite runs on has AMX-BF16; these tests need it"
+    monkeypatch.setattr(cpu, "ENABLED", frozenset({"bf16"}))
+
+
+def _weights(rng, m, k):
+    return formats.to_storage(rng.standard_normal((m, k)).astype(np.float32), BF16)
+
+
+def _work(k, workers):
+    return np.full((workers, bf16.worker_floats(k)), np.nan, np.float32)  # must not be read unwritten
+
+
+def test_amx_is_detected_from_the_cpu():
+    features = binding.get_host_cpu_features()
+    assert bf16.AMX == bool(features.get("amx-bf16") and features.get("amx-tile"))
+
+
+def test_split_keeps_sixteen_bits(rng):
+    x = rng.standard_normal(10_000).astype(np.float32)
+    hi, lo = bf16.split(x)
+    assert np.array_equal(formats.to_f32(formats.to_storage(hi, BF16), BF16), hi)  # both are bf16 values
+    assert np.array_equal(formats.to_f32(formats.to_storage(lo, BF16), BF16), lo)
+    assert np.abs(hi - x).max() / np.abs(x).max() > 1e-3  # hi alone is bf16's 8 bits
+    assert np.all(np.abs(hi + lo - x) <= np.abs(x) * 2.0**-16)
+
+
+@pytest.mark.parametrize("n,k", [(5, 64), (37, 96)])
+def test_pack_activations_layout(rng, n, k):
+    tokens = 64
+    x = rng.standard_normal((n + 3, k)).astype(np.float32)
+    xh, xl = np.zeros((k // 2, 2 * tokens), np.uint16), np.zeros((k // 2, 2 * tokens), np.uint16)
+
+    @numba.njit
+    def pack(x, xh, xl):
+        bf16.pack_activations(x, 2, n, (n + 15) // 16 * 16, xh, xl)
+
+    pack(x, xh, xl)
+    rows = (n + 15) // 16 * 16
+    tokens_x = np.concatenate([x[2 : 2 + n], np.repeat(x[1 + n : 2 + n], rows - n, axis=0)])  # repeats the last
+    for packed, half in zip((xh, xl), bf16.split(tokens_x)):
+        bits = formats.to_storage(half, BF16)  # [rows, k]
+        assert np.array_equal(packed[:, 0 : 2 * rows : 2], bits[:, 0::2].T)  # even depth of each pair first
+        assert np.array_equal(packed[:, 1 : 2 * rows : 2], bits[:, 1::2].T)
+        assert not packed[:, 2 * rows :].any()  # columns past the last group of 16 untouched
+
+
+@pytest.mark.parametrize("n,m,k", [(70, 64, 64), (300, 48, 576), (64, 96, 1024), (257, 160, 96)])
+@pytest.mark.parametrize("workers", [1, 2])
+def test_gemm_matches_reference(rng, amx, n, m, k, workers):
+    """Partial token blocks, a last block of 16 rows (m=48, 160), several depth blocks (k=576, 1024)."""
+    x = rng.standard_normal((n, k)).astype(np.float32)
+    w = _weights(rng, m, k)
+    got, want = np.empty((n, m), np.float32), np.empty((n, m), np.float32)
+    bf16.gemm(x, w, got, _work(k, workers))
+    bf16.gemm_ref(x, w, want, None)
+    np.testing.assert_allclose(got, want, **TOL)
+
+
+def test_usable_shapes(monkeypatch):
+    monkeypatch.setattr(bf16, "AMX", True)
+    assert bf16.usable(48, 64) and not bf16.usable(70, 64) and not bf16.usable(64, 48)
+    monkeypatch.setattr(bf16, "AMX", False)  # a CPU without AMX: the f32 kernels
+    assert not bf16.usable(48, 64)
+
+
+def _counting_gemm(monkeypatch):
+    calls = []
+    real = bf16.gemm
+
+    def gemm(x, w, out, work):
+        calls.append(w.shape)
+        real(x, w, out, work)
+
+    monkeypatch.setattr(bf16, "gemm", gemm)
+    return calls
+
+
+def test_linear_prefill_takes_the_gemm_only_on_its_path(rng, amx, monkeypatch):
+    n, m, k = 130, 96, 192
+    x = rng.standard_normal((n, k)).astype(np.float32)
+    w = _weights(rng, m, k)
+    scratch = np.empty(matmul.prefill_scratch_size(m, k), np.float32)
+    calls = _counting_gemm(monkeypatch)
+    got, want = np.empty((n, m), np.float32), np.empty((n, m), np.float32)
+    matmul.matmul(x, w, BF16, got, scratch)
+    matmul.linear_ref(x, w, BF16, want)
+    assert np.abs(got - want).max() <= 2e-5 * np.abs(want).max()  # hi + lo: ~16 bits of each activation
+    assert calls == [(m, k)]
+
+    monkeypatch.setattr(cpu, "ENABLED", frozenset())  # the portable path
+    matmul.matmul(x, w, BF16, got, scratch)
+    np.testing.assert_allclose(got, want, **TOL)
+    monkeypatch.setattr(cpu, "ENABLED", frozenset({"bf16"}))
+    monkeypatch.setattr(bf16, "AMX", False)  # a CPU with AVX512-BF16 but no AMX
+    matmul.matmul(x, w, BF16, got, scratch)
+    np.testing.assert_allclose(got, want, **TOL)
+    assert calls == [(m, k)]
+
+
+def test_other_weights_stay_on_the_f32_kernels(rng, amx, monkeypatch):
+    n, k = 100, 96
+    x = rng.standard_normal((n, k)).astype(np.float32)
+    calls = _counting_gemm(monkeypatch)
+    cases = ((_weights(rng, 40, 90), BF16, 90), (_weights(rng, 40, k), BF16, k),  # k % 32, m % 16
+             (rng.standard_normal((32, k)).astype(np.float32), F32, k))
+    for w, fmt, width in cases:
+        xs = np.ascontiguousarray(x[:, :width])
+        got, want = np.empty((n, w.shape[0]), np.float32), np.empty((n, w.shape[0]), np.float32)
+        matmul.linear_prefill(xs, w, fmt, got, np.empty(matmul.prefill_scratch_size(*w.shape), np.float32))
+        matmul.linear_ref(xs, w, fmt, want)
+        np.testing.assert_allclose(got, want, **TOL)
+    assert calls == []
+
+
+def test_fused_weights_write_their_column_slices(rng, amx, monkeypatch):
+    n, k = 96, 128
+    x = rng.standard_normal((n, k)).astype(np.float32)
+    parts = (_weights(rng, 64, k), _weights(rng, 32, k))
+    calls = _counting_gemm(monkeypatch)
+    got = np.empty((n, 96), np.float32)
+    matmul.matmul(x, parts, BF16, got, np.empty(matmul.prefill_scratch_size(96, k), np.float32))
+    want = np.empty((n, 96), np.float32)
+    bf16.gemm_ref(x, np.concatenate(parts), want, None)
+    np.testing.assert_allclose(got, want, **TOL)
+    assert calls == [(64, k), (32, k)]
