@@ -668,6 +668,15 @@ class _Ir:
         v = self.b.insert_element(ir.Constant(vty, ir.Undefined), value, ir.Constant(self.i32, 0))
         return self.b.shuffle_vector(v, ir.Constant(vty, ir.Undefined), ir.Constant(self.vec(self.i32, count), [0] * count))
 
+    def hsum(self, v):
+        """The sum of a vector's lanes, halving it (a tree, not a chain of scalar adds)."""
+        while v.type.count > 1:
+            half = v.type.count // 2
+            lo, hi = (self.b.shuffle_vector(v, v, ir.Constant(self.vec(self.i32, half), list(range(a, a + half))))
+                      for a in (0, half))
+            v = self.b.fadd(lo, hi)
+        return self.b.extract_element(v, ir.Constant(self.i32, 0))
+
     def const8(self, value):
         return ir.Constant(self.vec(self.i8, 32), [value] * 32)
 
@@ -753,6 +762,38 @@ def _group(name, q, o, g):
     return codes, 32, a_lo, a_hi, None
 
 
+def _k_scales(name, q, o, dxv, xsv):
+    """Scales of a K-quant super-block at byte offset o, once for its 8 groups, in vectors:
+    (scales, bias), scales[l] of value l * 16 of the block times its activation scale (dxv: the
+    8 of the block), bias the vector whose lane sum is the block's min term (xsv: the 16 code
+    sums); None for no min."""
+    b = q.b
+    d = q.f16(b.add(o, ir.Constant(o.type, 208 if name == "Q6_K" else 0)))
+    every = ir.Constant(q.vec(q.i32, 16), [l // 2 for l in range(16)])
+    if name == "Q6_K":  # 16 signed 8-bit scales, one per 16 values
+        sc = b.sitofp(q.bytes(b.add(o, ir.Constant(o.type, 192)), 16), q.vec(q.f32, 16))
+        return b.fmul(b.fmul(sc, b.shuffle_vector(dxv, dxv, every)), q.splat(d, 16)), None
+    raw = q.bytes(b.add(o, ir.Constant(o.type, 4)), 16)  # 12 scale bytes (and 4 code bytes)
+
+    def pick(*index):
+        return b.shuffle_vector(raw, raw, ir.Constant(q.vec(q.i32, 8), list(index)))
+
+    def c8(v):
+        return ir.Constant(q.vec(q.i8, 8), [v] * 8)
+
+    first = ir.Constant(q.vec(ir.IntType(1), 8), [j < 4 for j in range(8)])
+    low, top = pick(0, 1, 2, 3, 8, 9, 10, 11), pick(0, 1, 2, 3, 0, 1, 2, 3)
+    sc = b.select(first, b.and_(low, c8(63)), b.or_(b.and_(low, c8(15)), b.shl(b.lshr(top, c8(6)), c8(4))))
+    low, top = pick(4, 5, 6, 7, 8, 9, 10, 11), pick(4, 5, 6, 7, 4, 5, 6, 7)
+    mn = b.select(first, b.and_(low, c8(63)), b.or_(b.lshr(low, c8(4)), b.shl(b.lshr(top, c8(6)), c8(4))))
+    f8 = q.vec(q.f32, 8)
+    scales = b.fmul(b.fmul(b.uitofp(sc, f8), dxv), q.splat(d, 8))
+    dmin = b.fneg(q.f16(b.add(o, ir.Constant(o.type, 2))))
+    pairs = [b.shuffle_vector(xsv, xsv, ir.Constant(q.vec(q.i32, 8), list(range(h, 16, 2)))) for h in (0, 1)]
+    sums = b.sitofp(b.add(*pairs), f8)  # code sums per 32
+    return b.shuffle_vector(scales, scales, every), b.fmul(b.fmul(b.fmul(b.uitofp(mn, f8), dxv), sums), q.splat(dmin, 8))
+
+
 # block type -> (bytes per block, groups of 32 values per block)
 _INT_BLOCKS = {"Q8_0": (34, 1), "Q4_0": (18, 1), "Q4_1": (20, 1), "Q5_0": (22, 1), "Q5_1": (24, 1),
                "Q4_K": (144, 8), "Q5_K": (176, 8), "Q6_K": (210, 8)}
@@ -822,6 +863,7 @@ def _rows_vnni_codegen(name, wide):
         nb = builder.udiv(cgutils.unpack_tuple(builder, w_a.shape)[0], ir.Constant(intp, size))
         accs = [cgutils.alloca_once(builder, f32v) for _ in range(2)]  # two chains of FMAs
         corrs = [cgutils.alloca_once(builder, q.f32) for _ in range(2)]  # and of bias terms
+        kbias = cgutils.alloca_once(builder, q.vec(q.f32, 16 if name == "Q6_K" else 8))  # K-quant min terms
 
         def c(v):
             return ir.Constant(intp, v)
@@ -841,11 +883,32 @@ def _rows_vnni_codegen(name, wide):
             if bias is not None:
                 builder.store(builder.fadd(builder.load(corr), builder.fmul(bias, dx)), corr)
 
+        def super_block(i, blk):
+            o = builder.mul(blk, c(size))
+            at = builder.add(builder.mul(i, builder.udiv(k, c(32))), builder.mul(blk, c(8)))
+            dxv = builder.load(builder.bitcast(builder.gep(xd_a.data, [at]), q.vec(q.f32, 8).as_pointer()), align=4)
+            xsv = builder.load(builder.bitcast(builder.gep(xs_a.data, [builder.mul(at, c(2))]),
+                                               q.vec(q.i32, 16).as_pointer()), align=4)
+            scales, bias = _k_scales(name, q, o, dxv, xsv)  # scales: one per 16 values
+            for g in range(groups):
+                codes, offset = _group(name, q, o, g)[:2]
+                xi = builder.add(builder.mul(i, k), builder.mul(builder.add(builder.mul(blk, c(8)), c(g)), c(32)))
+                dot = _dot_group(q, xq_a, xi, codes, offset, wide)
+                index = [2 * g + (lane >= lanes // 2) for lane in range(lanes)]
+                scale = builder.shuffle_vector(scales, scales, ir.Constant(q.vec(q.i32, lanes), index))
+                acc = accs[g % 2]
+                builder.store(builder.call(fma, [builder.sitofp(dot, f32v), scale, builder.load(acc)]), acc)
+            if name == "Q6_K" and not wide:  # the codes' offset 32, on int8 activations
+                bias = builder.fmul(builder.fmul(scales, builder.sitofp(xsv, q.vec(q.f32, 16))), q.splat(ir.Constant(q.f32, -32.0), 16))
+            if bias is not None:
+                builder.store(builder.fadd(builder.load(kbias), bias), kbias)
+
         with cgutils.for_range(builder, n) as rows:
             i = rows.index
             for acc, corr in zip(accs, corrs):
                 builder.store(ir.Constant(f32v, [0.0] * lanes), acc)
                 builder.store(ir.Constant(q.f32, 0.0), corr)
+            builder.store(ir.Constant(kbias.type.pointee, [0.0] * kbias.type.pointee.count), kbias)
             if groups == 1:  # blocks in pairs, one on each chain
                 with cgutils.for_range(builder, builder.udiv(nb, c(2))) as pairs:
                     for h in (0, 1):
@@ -854,13 +917,10 @@ def _rows_vnni_codegen(name, wide):
                     group(i, builder.sub(nb, c(1)), 0, 0)
             else:
                 with cgutils.for_range(builder, nb) as blocks:
-                    for g in range(groups):
-                        group(i, blocks.index, g, g % 2)
-            total = builder.fadd(builder.load(accs[0]), builder.load(accs[1]))
-            parts = [builder.extract_element(total, ir.Constant(q.i32, lane)) for lane in range(lanes)]
-            while len(parts) > 1:
-                parts = [builder.fadd(parts[a], parts[a + 1]) for a in range(0, len(parts), 2)]
-            value = builder.fadd(parts[0], builder.fadd(builder.load(corrs[0]), builder.load(corrs[1])))
+                    super_block(i, blocks.index)
+            total = q.hsum(builder.fadd(builder.load(accs[0]), builder.load(accs[1])))
+            corr = builder.fadd(builder.load(corrs[0]), builder.load(corrs[1]))
+            value = builder.fadd(total, builder.fadd(corr, q.hsum(builder.load(kbias))))
             st0, st1 = cgutils.unpack_tuple(builder, out_a.strides)  # out may be a column slice
             ptr = builder.gep(builder.bitcast(out_a.data, q.i8.as_pointer()),
                               [builder.add(builder.mul(i, st0), builder.mul(args[5], st1))])
