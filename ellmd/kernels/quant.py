@@ -17,10 +17,12 @@ njit API (callable from other numba code, every storage format):
 Kernels read the block bytes through as_bytes (a uint8 view, no copy).
 
 Kernel paths (cpu.py): the portable kernels (exact to float32 rounding) convert blocks to float32
-in vector registers (dot_rows), with LLVM's generic vectors (AVX2, AVX-512 or SSE); the "vnni"
-path (ELLM_KERNELS=vnni or auto, where the CPU has AVX512-VNNI) multiplies Q8_0/Q4_0/Q4_1 blocks
-by int8-quantized activations with vpdpbusd (rows_vnni), ~4x faster per row but ~5% of the largest
-logit off on SmolLM2 (enough to change its greedy answers), so it is asked for, not assumed.
+in vector registers (dot_rows), with LLVM's generic vectors (AVX2, AVX-512 or SSE). Where the CPU
+has AVX512-VNNI, rows_vnni multiplies the codes of every block type in integers by activations
+quantized per 32 values: to int16 with vpdpwssd on the "int16" path (the default; ~1e-5 of a
+product, SmolLM2's logits within 2.5e-4 of the reference and its greedy text unchanged), or to
+int8 with vpdpbusd on the "vnni" path (as llama.cpp's q8 x q8; ~1% of a product, which moves
+SmolLM2's logits by a few percent and changes some greedy answers, so it is asked for).
 """
 
 import numba
