@@ -60,6 +60,7 @@ def dequantized_copy(src: Path, dst: Path, dtype: str) -> Path:
 def check(report, directory: Path, variant: str, dtype: str, tol: float) -> None:
     from safetensors.numpy import load_file
 
+    from ellmd.kernels import quant
 
     tag = f"{variant} {dtype}"
     engine = common.make_engine(directory, weight_dtype=dtype, kv_dtype="f32", sequence_length=64, reuse=False)
