@@ -168,12 +168,25 @@ def random_tokens(count: int, seed: int, vocab: int | None = None) -> list[int]:
 # ---- the reference (transformers, torch fp32) -------------------------------------------------
 
 
-@contextlib.contextmanager
-def kernel_paths(request: str):
-    """Run the block with the kernel paths of an ELLM_KERNELS value (cpu.py); SystemExit naming
-    a path this CPU lacks."""
+KERNEL_CHOICES = ["default", "portable", "int16", "vnni"]
+KERNEL_HELP = "kernel paths (cpu.py): default is what the daemon runs unless ELLM_KERNELS says otherwise"
+
+
+def int8_activations() -> bool:
+    """True when block weights meet int8-quantized activations (the approximate "vnni" path)."""
     from ellmd.kernels import cpu
 
+    return "vnni" in cpu.ENABLED
+
+
+@contextlib.contextmanager
+def kernel_paths(request: str):
+    """Run the block with the kernel paths of an ELLM_KERNELS value (cpu.py), or of cpu.DEFAULT
+    for "default"; SystemExit naming a path this CPU lacks."""
+    from ellmd.kernels import cpu
+
+    if request == "default":  # the default paths this CPU has
+        request = ",".join(sorted(cpu.choose(cpu.DEFAULT))) or "portable"
     paths = cpu.choose(request)
     missing = sorted({p.strip() for p in request.split(",")} & set(cpu.PATHS) - paths)
     if missing:

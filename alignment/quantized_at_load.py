@@ -6,7 +6,8 @@ dequantize(quantize_weight(w)): the very blocks the engine holds (it quantizes w
 function, and the check asserts that its fused blocks are these). Widths that 256 does not
 divide take Q5_0 under q4_k, as llama-quantize does. Compared: the logits of a prefill over
 random tokens and of decode steps after it, within the bf16 tolerance of the suite with the
-portable kernels; --kernels vnni (int8 activations, see quantized.py) within VNNI_TOL.
+portable kernels and the int16 path (the default where the CPU has AVX512-VNNI); --kernels vnni
+(int8 activations, see quantized.py) within VNNI_TOL.
 
 Shapes: logits [n, V].
 """
@@ -84,7 +85,7 @@ def check(report, directory: Path, variant: str, dtype: str, tol: float) -> None
 def main(argv=None) -> int:
     p = common.parser(__doc__.splitlines()[0], default_variants=["llama", "qwen3-yarn-bf16"])
     p.add_argument("--dtype", action="append", choices=DTYPES, help="default: all")
-    p.add_argument("--kernels", choices=["portable", "vnni"], default="portable")
+    p.add_argument("--kernels", choices=common.KERNEL_CHOICES, default="default", help=common.KERNEL_HELP)
     args = p.parse_args(argv)
     common.torch_setup()
 
@@ -93,7 +94,7 @@ def main(argv=None) -> int:
         for variant in common.selected_variants(args):
             directory = common.checkpoint(args, variant)
             for dtype in args.dtype or DTYPES:
-                check(report, directory, variant, dtype, TOL if args.kernels == "portable" else VNNI_TOL)
+                check(report, directory, variant, dtype, VNNI_TOL if common.int8_activations() else TOL)
     return report.exit_code()
 
 

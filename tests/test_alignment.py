@@ -45,13 +45,14 @@ def test_smollm2_greedy():
     assert run("smollm2_greedy", ["--prompts", "5"]) == 0
 
 
-@pytest.mark.parametrize("kernels", ["portable", "vnni"])
+@pytest.mark.parametrize("kernels", ["default", "portable", "vnni"])
 def test_quantized_at_load(alignment_dir, kernels):
     assert run("quantized_at_load", ["--dir", str(alignment_dir), "--kernels", kernels]) == 0
 
 
-def test_smollm2_gguf_blocks():
-    assert run("quantized", ["--prompts", "2", "--kernels", "portable"]) == 0
+@pytest.mark.parametrize("kernels", ["default", "portable"])  # default: int16 activations where the CPU has VNNI
+def test_smollm2_gguf_blocks(kernels):
+    assert run("quantized", ["--prompts", "2", "--kernels", kernels]) == 0
 
 
 def test_smollm2_gguf_blocks_int8_activations():

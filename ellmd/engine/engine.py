@@ -161,11 +161,15 @@ class Engine:
 
     def describe_kernels(self) -> str:
         """The kernel set in use, for the start-up lines."""
-        if "vnni" in cpu.ENABLED:
-            return (f"int8 vpdpbusd (AVX512-VNNI) for {'/'.join(quant.VNNI_BLOCKS)} blocks, activations "
-                    "quantized per 32; f32 FMA for other blocks, bf16, f16")
         unused = sorted(cpu.host_paths() - cpu.ENABLED)
-        return "f32 FMA for every weight format" + (f" (ELLM_KERNELS=auto adds: {', '.join(unused)})" if unused else "")
+        more = f" (ELLM_KERNELS=auto adds: {', '.join(unused)})" if unused else ""
+        if "vnni" in cpu.ENABLED:
+            blocks = "int8 vpdpbusd (AVX512-VNNI) on GGUF blocks, activations quantized to int8 per 32"
+        elif "int16" in cpu.ENABLED:
+            blocks = "int16 vpdpwssd (AVX512-VNNI) on GGUF blocks, activations quantized to int16 per 32"
+        else:
+            return "f32 FMA for every weight format" + more
+        return f"{blocks}; f32 FMA for bf16, f16" + more
 
     def memory_budget(self) -> dict[str, int]:
         """Bytes of weights (in all, and by format: "weights:Q4_K", ...), KV cache and workspace."""

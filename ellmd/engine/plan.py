@@ -12,7 +12,8 @@ I intermediate, V vocab, E experts, k experts per token):
   logits          [B, V]          decode logits, one row per slot
   cos, sin        [S, d/2]        rope tables for every position of the sequence
   acc             [W, quant.acc_floats(B)]   each kernel thread's block-row accumulator (decode)
-  xq, xd, xs      [B*K], [B*K/32], [B*K/32]  decode activations quantized for the int8 path
+  xq8, xq16       [B*K] int8, int16   decode activations quantized for the integer paths ("vnni", "int16")
+  xd, xs          [B*K/32], [B*K/16]  their scales (per 32) and code sums (per 16)
                                              (K the widest matmul input)
 
 Decode (up to Plan.fused_max_rows rows) runs through kernels.layer: the layers in a few compiled
@@ -65,9 +66,10 @@ class Workspace:
         self.matmul_scratch = np.zeros(max(kernels.prefill_scratch_size(m, k) for m, k in weight_shapes), f32)
         widest = max(k for _, k in weight_shapes)
         self.acc = np.zeros((numba.get_num_threads(), quant.acc_floats(B)), f32)
-        self.xq = np.zeros(B * widest, np.int8)
+        self.xq8 = np.zeros(B * widest, np.int8)
+        self.xq16 = np.zeros(B * widest, np.int16)
         self.xd = np.zeros(B * (widest // 32), f32)
-        self.xs = np.zeros(B * (widest // 32), np.int32)
+        self.xs = np.zeros(B * (widest // 16), np.int32)
         if spec.num_experts:
             E, k = spec.num_experts, spec.num_experts_per_tok
             self.router_logits = np.zeros((rows, E), f32)
@@ -119,13 +121,12 @@ class Plan:
             else:
                 self.runs.append((moe, (entry,)))
         scratch = ws.attention_scratch
-        q8 = (ws.xq, ws.xd, ws.xs)
         self.attention_ws = (
             ws.x, ws.h, ws.qkv, ws.attn, ws.lengths, ws.cos, ws.sin, kernel_view(kv.k, kv.fmt),
             kernel_view(kv.v, kv.fmt), scratch["partial_m"], scratch["partial_l"], scratch["partial_acc"],
-            scratch["tile"], ws.acc, q8,
+            scratch["tile"], ws.acc,
         )
-        self.mlp_ws = (ws.x, ws.h, ws.gate_up, ws.act, ws.acc, q8)
+        self.mlp_ws = (ws.x, ws.h, ws.gate_up, ws.act, ws.acc)
         self.fused_max_rows = min(len(ws.logits), PREFILL_MIN_ROWS - 1)  # matmul's choice of kernel
         self.moe_ws = None
         moe_mlp = next((mlp for attention, mlp, moe in layers if moe), None)
@@ -146,8 +147,11 @@ class Plan:
             self.model.forward(ws, self.kv, n, ws.slots, ws.positions, decode)
 
     def _paths(self) -> tuple:
-        """(int8 path on, workers): the kernel-path arguments of kernels.layer, read at each step."""
-        return "vnni" in cpu.ENABLED, min(numba.get_num_threads(), len(self.ws.acc))
+        """(integer path on, workers, (xq, xd, xs)): the kernel-path arguments of kernels.layer, read
+        at each step; xq is int8 on the "vnni" path (it wins over "int16"), int16 otherwise."""
+        ws = self.ws
+        xq = ws.xq8 if "vnni" in cpu.ENABLED else ws.xq16
+        return bool(cpu.INTEGER & cpu.ENABLED), min(numba.get_num_threads(), len(ws.acc)), (xq, ws.xd, ws.xs)
 
     def _decode_layers(self, n: int) -> None:
         spec, ws = self.model.spec, self.ws
@@ -173,7 +177,7 @@ class Plan:
             return self.logits(self.ws.row_ids[:n], out)
         ws, model = self.ws, self.model
         layer.decode_logits(ws.x, n, model.norm, model.spec.rms_norm_eps, self.lm_head, ws.h, out, ws.acc,
-                            (ws.xq, ws.xd, ws.xs), self._paths())
+                            self._paths())
         return out
 
 

@@ -1,8 +1,11 @@
 """The CPU's dot-product instructions and the kernel paths that use them, chosen once at import.
 
 Paths (each needs its CPU features; without them the portable f32 FMA kernels run):
-  "vnni"  int8 vpdpbusd (AVX512-VNNI) for weights in GGUF blocks, activations quantized per block
-  "bf16"  vdpbf16ps (AVX512-BF16) for bf16 weights
+  "int16"  vpdpwssd (AVX512-VNNI) for weights in GGUF blocks, activations quantized to int16 per
+           32 values (~1e-5 of a product: the same numbers as f32 to the alignment tolerances)
+  "vnni"   vpdpbusd (AVX512-VNNI) for weights in GGUF blocks, activations quantized to int8 per
+           32 values as llama.cpp does (~1% of a product: it changes some greedy answers)
+  "bf16"   vdpbf16ps (AVX512-BF16) for bf16 weights
 
 ELLM_KERNELS picks them: "auto" (every path this CPU has), "portable" (none), or a comma-separated
 list of paths (those this CPU lacks are left out). Unset, DEFAULT applies. Kernels test
@@ -13,8 +16,9 @@ import os
 
 from llvmlite import binding
 
-PATHS = {"vnni": ("avx512vnni", "avx512vl"), "bf16": ("avx512bf16", "avx512vl")}
-DEFAULT = "portable"  # the int8 path moves logits too far to be on unless asked for
+PATHS = {"int16": ("avx512vnni", "avx512bw"), "vnni": ("avx512vnni", "avx512vl"), "bf16": ("avx512bf16", "avx512vl")}
+INTEGER = frozenset({"int16", "vnni"})  # the paths of block weights; "vnni" wins when both are on
+DEFAULT = "int16"  # int8 activations ("vnni") move logits too far to be on unless asked for
 
 
 def host_paths() -> frozenset[str]:

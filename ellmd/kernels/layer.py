@@ -8,8 +8,8 @@ I intermediate; W workers = kernel threads; L layers of the model):
   gate_up, act    [n, 2*I], [n, I]
   kv_k, kv_v      [L, slots, G, S, d] storage (f16 viewed as int16)
   acc             [W, quant.acc_floats(n)] float32: each worker's dot_rows accumulator
-  xq, xd, xs      flat int8 [n*k], float32 [n*k/32], int32 [n*k/32]: activations quantized for
-                  the int8 path, one matmul input at a time
+  xq, xd, xs      flat int8 or int16 [n*k], float32 [n*k/32], int32 [n*k/16]: activations
+                  quantized for the integer paths, one matmul input at a time
 
 Why: a decode step of a 30-layer model otherwise makes ~14 Python-to-numba calls per layer,
 and at batch 1 on a small model those calls cost as much as the arithmetic. Here the layers of
@@ -35,83 +35,83 @@ from ellmd.kernels.norm import _rmsnorm_rows, rmsnorm_heads
 from ellmd.kernels.rope import _rope_rows
 
 
-def _part_rows(x, w, out, j0, j1, acc, q8, vnni):
+def _part_rows(x, w, out, j0, j1, acc, q8, integer):
     """out[:, j0:j1] = x @ w[j0:j1].T for one weight matrix, on the kernel path its format takes."""
     raise NotImplementedError("numba only")
 
 
 @overload(_part_rows, jit_options={"fastmath": True, "nogil": True})
-def _part_rows_overload(x, w, out, j0, j1, acc, q8, vnni):
+def _part_rows_overload(x, w, out, j0, j1, acc, q8, integer):
     if quant.record_name(w.dtype) in quant.VNNI_BLOCKS:
 
-        def impl_vnni(x, w, out, j0, j1, acc, q8, vnni):
-            if vnni:
+        def impl_integer(x, w, out, j0, j1, acc, q8, integer):
+            if integer:
                 quant.rows_vnni(q8[0], q8[1], q8[2], w, out, j0, j1)
             else:
                 linear_rows(x, w, out, j0, j1, acc)
 
-        return impl_vnni
+        return impl_integer
 
-    def impl(x, w, out, j0, j1, acc, q8, vnni):
+    def impl(x, w, out, j0, j1, acc, q8, integer):
         linear_rows(x, w, out, j0, j1, acc)
 
     return impl
 
 
-def _parts_rows(x, parts, out, j0, j1, acc, q8, vnni):
+def _parts_rows(x, parts, out, j0, j1, acc, q8, integer):
     """Rows j0:j1 of a tuple of weight parts (rows counted across the parts)."""
     raise NotImplementedError("numba only")
 
 
 @overload(_parts_rows, jit_options={"fastmath": True, "nogil": True})
-def _parts_rows_overload(x, parts, out, j0, j1, acc, q8, vnni):
+def _parts_rows_overload(x, parts, out, j0, j1, acc, q8, integer):
     if len(parts) == 1:
 
-        def impl_one(x, parts, out, j0, j1, acc, q8, vnni):
-            _part_rows(x, parts[0], out, j0, j1, acc, q8, vnni)
+        def impl_one(x, parts, out, j0, j1, acc, q8, integer):
+            _part_rows(x, parts[0], out, j0, j1, acc, q8, integer)
 
         return impl_one
 
-    def impl(x, parts, out, j0, j1, acc, q8, vnni):
+    def impl(x, parts, out, j0, j1, acc, q8, integer):
         m0 = parts[0].shape[0]
         if j0 < m0:
-            _part_rows(x, parts[0], out, j0, min(j1, m0), acc, q8, vnni)
+            _part_rows(x, parts[0], out, j0, min(j1, m0), acc, q8, integer)
         if j1 > m0:
-            _parts_rows(x, parts[1:], out[:, m0:], max(j0, m0) - m0, j1 - m0, acc, q8, vnni)
+            _parts_rows(x, parts[1:], out[:, m0:], max(j0, m0) - m0, j1 - m0, acc, q8, integer)
 
     return impl
 
 
-def _has_vnni_part(parts):
-    """True (a compile-time constant) when a part is in a block type of the int8 path."""
+def _has_integer_part(parts):
+    """True (a compile-time constant) when a part is in a block type of the integer paths."""
     raise NotImplementedError("numba only")
 
 
-@overload(_has_vnni_part)
-def _has_vnni_part_overload(parts):
+@overload(_has_integer_part)
+def _has_integer_part_overload(parts):
     flag = any(quant.record_name(t.dtype) in quant.VNNI_BLOCKS for t in parts)
     return lambda parts: flag
 
 
 @numba.njit(cache=True, nogil=True, fastmath=True, parallel=True)
-def _linear(x, parts, out, acc, q8buf, vnni, workers):
+def _linear(x, parts, out, acc, q8buf, integer, workers):
     """out = x @ w.T, w the rows of parts; as matmul.linear: serial below the same work, else
     each of `workers` tasks takes a contiguous run of ROW_BLOCK-row blocks with its own acc."""
     n, k = x.shape
     m = out.shape[1]
     xq = q8buf[0][: n * k].reshape((n, k))
     xd = q8buf[1][: n * (k // 32)].reshape((n, k // 32))
-    xs = q8buf[2][: n * (k // 32)].reshape((n, k // 32))
-    if vnni and _has_vnni_part(parts):
+    xs = q8buf[2][: n * (k // 16)].reshape((n, k // 16))
+    if integer and _has_integer_part(parts):
         quant.quantize_activations(x, xq, xd, xs)
     q8 = (xq, xd, xs)
     if n * m * k < 8 * PARALLEL_MIN:
-        _parts_rows(x, parts, out, 0, m, acc[0], q8, vnni)
+        _parts_rows(x, parts, out, 0, m, acc[0], q8, integer)
         return
     blocks = (m + ROW_BLOCK - 1) // ROW_BLOCK
     for wk in prange(workers):
         b0, b1 = wk * blocks // workers, (wk + 1) * blocks // workers
-        _parts_rows(x, parts, out, b0 * ROW_BLOCK, min(m, b1 * ROW_BLOCK), acc[wk], q8, vnni)
+        _parts_rows(x, parts, out, b0 * ROW_BLOCK, min(m, b1 * ROW_BLOCK), acc[wk], q8, integer)
 
 
 @numba.njit(cache=True, nogil=True, fastmath=True)
@@ -126,13 +126,13 @@ def _add(x, y):
 def _attention(weights, ws, n, slots, positions, shape, eps, scale, nsplit, paths):
     """x += attention(rmsnorm(x)); then h = post-attention rmsnorm(x)."""
     index, ln1, qkv_w, bias, q_norm, k_norm, o_w, ln2 = weights
-    x, h, qkv_buf, attn, lengths, cos, sin, kv_k, kv_v, pm, pl, pa, tile, acc, q8buf = ws
-    vnni, workers = paths
+    x, h, qkv_buf, attn, lengths, cos, sin, kv_k, kv_v, pm, pl, pa, tile, acc = ws
+    integer, workers, q8buf = paths
     H, G, d = shape
     x, h = x[:n], h[:n]
     _rmsnorm_rows(x, ln1, eps, h, 0, n)
     qkv = qkv_buf[:n]
-    _linear(h, qkv_w, qkv, acc, q8buf, vnni, workers)
+    _linear(h, qkv_w, qkv, acc, q8buf, integer, workers)
     for i in range(n if bias.shape[0] else 0):
         for c in range(bias.shape[0]):
             qkv[i, c] += bias[c]
@@ -156,7 +156,7 @@ def _attention(weights, ws, n, slots, positions, shape, eps, scale, nsplit, path
     else:
         _decode_parallel(q, k_layer, v_layer, slots, lengths[:n], scale, pm, pl, pa, tile, nsplit)
     _merge_splits(pm, pl, pa, nsplit, out)
-    _linear(attn[:n], o_w, h, acc, q8buf, vnni, workers)
+    _linear(attn[:n], o_w, h, acc, q8buf, integer, workers)
     _add(x, h)
     _rmsnorm_rows(x, ln2, eps, h, 0, n)
 
@@ -165,12 +165,12 @@ def _attention(weights, ws, n, slots, positions, shape, eps, scale, nsplit, path
 def _dense_mlp(weights, ws, n, paths):
     """x += down(silu(gate) * up) of h."""
     gate_up_w, down_w = weights
-    x, h, gate_up, act, acc, q8buf = ws
-    vnni, workers = paths
+    x, h, gate_up, act, acc = ws
+    integer, workers, q8buf = paths
     x, h = x[:n], h[:n]
-    _linear(h, gate_up_w, gate_up[:n], acc, q8buf, vnni, workers)
+    _linear(h, gate_up_w, gate_up[:n], acc, q8buf, integer, workers)
     silu_mul(gate_up[:n], act[:n])
-    _linear(act[:n], down_w, h, acc, q8buf, vnni, workers)
+    _linear(act[:n], down_w, h, acc, q8buf, integer, workers)
     _add(x, h)
 
 
@@ -181,7 +181,8 @@ def decode_dense(layers, ws, mlp_ws, n, slots, positions, shape, eps, scale, nsp
     layers: a tuple of (attention weights, (gate_up parts, down parts)), every layer of the same
     types; attention weights: (layer index, input norm [h], qkv parts, qkv bias [(H+2G)*d] or
     [0], q_norm [d] or [0], k_norm [d] or [0], o parts, post-attention norm [h]); ws: the
-    workspace buffers (plan.py); shape: (H, G, d); paths: (vnni, workers).
+    workspace buffers (plan.py); shape: (H, G, d); paths: (integer path on, workers, (xq, xd, xs)):
+    xq's dtype picks the integer path, int8 (vpdpbusd) or int16 (vpdpwssd).
     """
     for i in range(len(layers)):
         attention_weights, mlp_weights = layers[i]
@@ -208,7 +209,7 @@ def decode_moe(layers, ws, moe_ws, n, slots, positions, shape, eps, scale, nspli
 
 
 @numba.njit(cache=True, nogil=True, fastmath=True)
-def decode_logits(x, n, norm, eps, lm_head, h, out, acc, q8buf, paths):
+def decode_logits(x, n, norm, eps, lm_head, h, out, acc, paths):
     """out[:n] = lm_head(rmsnorm(x[:n])): the logits of the n decode rows. lm_head: its parts."""
     _rmsnorm_rows(x[:n], norm, eps, h[:n], 0, n)
-    _linear(h[:n], lm_head, out[:n], acc, q8buf, paths[0], paths[1])
+    _linear(h[:n], lm_head, out[:n], acc, paths[2], paths[0], paths[1])

@@ -114,12 +114,11 @@ def _linear(x, w, out):
 
 
 @numba.njit(cache=True, nogil=True, fastmath=True, parallel=True)
-def _linear_vnni(x, w, out):
+def _linear_int(x, w, out, xq):
     n, k = x.shape
     m = w.shape[0]
-    xq = np.empty((n, k), np.int8)  # the activations, quantized once for every weight row
-    xd = np.empty((n, k // 32), np.float32)
-    xs = np.empty((n, k // 32), np.int32)
+    xd = np.empty((n, k // 32), np.float32)  # the activations, quantized once for every weight row
+    xs = np.empty((n, k // 16), np.int32)
     quant.quantize_activations(x, xq, xd, xs)
     if n * m * k < 8 * PARALLEL_MIN:
         quant.rows_vnni(xq, xd, xs, w, out, 0, m)
@@ -128,18 +127,29 @@ def _linear_vnni(x, w, out):
         quant.rows_vnni(xq, xd, xs, w, out, b * ROW_BLOCK, min(m, b * ROW_BLOCK + ROW_BLOCK))
 
 
+@numba.njit(cache=True, nogil=True)
+def _linear_vnni(x, w, out):
+    _linear_int(x, w, out, np.empty(x.shape, np.int8))
+
+
+@numba.njit(cache=True, nogil=True)
+def _linear_int16(x, w, out):
+    _linear_int(x, w, out, np.empty(x.shape, np.int16))
+
+
 def linear(x, w, fmt, out):
     """out = x @ w.T for small n (decode): reads each weight row once, converts on the fly.
 
     x: [n, k] float32; w: [m, k] storage (float32 for F32, uint16 bits for BF16/F16), or
     [m, blocks] of a block dtype (fmt is then ignored), or a tuple of such matrices whose rows
     follow one another (a fusion of tensors of different formats); out: [n, m] float32,
-    written in place. Parallel over blocks of weight rows. On the "vnni" path (cpu.py), blocks of
-    quant.VNNI_BLOCKS meet x quantized to int8 per 32 values (as llama.cpp does).
+    written in place. Parallel over blocks of weight rows. On the integer paths (cpu.py), blocks
+    meet x quantized per 32 values (as llama.cpp does): to int8 on "vnni", to int16 on "int16"
+    ("vnni" wins when both are on).
     """
     for part, cols in _parts(w, out):
-        if "vnni" in cpu.ENABLED and quant.block_name(part) in quant.VNNI_BLOCKS:
-            _linear_vnni(x, part, cols)
+        if quant.block_name(part) in quant.VNNI_BLOCKS and cpu.INTEGER & cpu.ENABLED:
+            (_linear_vnni if "vnni" in cpu.ENABLED else _linear_int16)(x, part, cols)
         else:
             _linear(x, kernel_view(part, fmt), cols)
 

@@ -18,10 +18,12 @@ njit API (callable from other numba code, every storage format):
 Kernels read the block bytes through as_bytes (a uint8 view, no copy).
 
 Kernel paths (cpu.py): the portable kernels (exact to float32 rounding) convert blocks to float32
-in vector registers (dot_rows), with LLVM's generic vectors (AVX2, AVX-512 or SSE); the "vnni"
-path (ELLM_KERNELS=vnni or auto, where the CPU has AVX512-VNNI) multiplies Q8_0/Q4_0/Q4_1 blocks
-by int8-quantized activations with vpdpbusd (rows_vnni), ~4x faster per row but ~5% of the largest
-logit off on SmolLM2 (enough to change its greedy answers), so it is asked for, not assumed.
+in vector registers (dot_rows), with LLVM's generic vectors (AVX2, AVX-512 or SSE). Where the CPU
+has AVX512-VNNI, rows_vnni multiplies the codes of every block type in integers by activations
+quantized per 32 values: to int16 with vpdpwssd on the "int16" path (the default; ~1e-5 of a
+product, SmolLM2's logits within 2.5e-4 of the reference and its greedy text unchanged), or to
+int8 with vpdpbusd on the "vnni" path (as llama.cpp's q8 x q8; ~1% of a product, which moves
+SmolLM2's logits by a few percent and changes some greedy answers, so it is asked for).
 """
 
 import numba
@@ -617,43 +619,50 @@ def _dot_rows_overload(x, w, out, j0, j1, acc=None):
     return impl
 
 
-# ---- numba: the int8 path (AVX512-VNNI vpdpbusd) ---------------------------------------------
+# ---- numba: the integer paths (AVX512-VNNI vpdpbusd, vpdpwssd) -------------------------------
 #
-# As llama.cpp's q8 x q8: the activations are quantized per block of 32 to int8 with a float
-# scale (quantize_activations), and a Q8_0 weight block meets them in one vpdpbusd (32 byte
-# products summed by fours into 8 int32 lanes). vpdpbusd multiplies unsigned by signed bytes,
-# so the weights' sign bit is flipped (w + 128) and 128 * sum(xq) taken off per block.
+# As llama.cpp's q8 x q8: the activations are quantized per block of 32 values
+# (quantize_activations), to int8 for vpdpbusd (unsigned x signed bytes: 32 products summed by
+# fours into 8 int32 lanes) or to int16 for vpdpwssd (signed words: 32 products summed by pairs
+# into 16 int32 lanes). A group of 32 weights is a vector of unsigned codes c whose values are
+# a * c + b (a and b per 16 values), so with the activations' scale dx and code sums per 16 (xs)
+#   sum(w * x) = dx * (a * sum(c * xq) + b * sum(xq))
+# and every offset (Q8_0's sign flip, Q4_0's -8, Q6_K's -32) and every min is the exact b term.
+# Rounding x to int8 costs ~1% of a product (rms), to int16 ~1e-4 of that.
 
 
 @numba.njit(cache=True, nogil=True, fastmath=True)
 def quantize_activations(x, xq, xd, xs):
-    """x [n, k] float32 -> xq [n, k] int8, xd [n, k/32] float32 scales, xs [n, k/32] int32 sums."""
+    """x [n, k] float32 -> xq [n, k] int8 or int16 codes, xd [n, k/32] float32 scales (one per 32
+    values, x ~ xq * xd), xs [n, k/16] int32 sums of the codes per 16 values."""
     n, k = x.shape
+    top = np.float32(127.0) if xq.itemsize == 1 else np.float32(32767.0)
     for i in range(n):
         for blk in range(k // 32):
             amax = np.float32(0.0)
             for l in range(32):
                 amax = max(amax, abs(x[i, blk * 32 + l]))
-            d = amax / np.float32(127.0)
+            d = amax / top
             inv = np.float32(1.0) / d if d > 0 else np.float32(0.0)
-            total = 0
-            for l in range(32):
-                q = np.int32(np.rint(x[i, blk * 32 + l] * inv))
-                xq[i, blk * 32 + l] = np.int8(q)
-                total += q
+            for h in range(2):
+                total = 0
+                for l in range(blk * 32 + 16 * h, blk * 32 + 16 * h + 16):
+                    q = np.int32(np.rint(x[i, l] * inv))
+                    xq[i, l] = q
+                    total += q
+                xs[i, 2 * blk + h] = total
             xd[i, blk] = d
-            xs[i, blk] = total
 
 
-def quantize_activations_ref(x):
-    """numpy reference of quantize_activations: returns (xq, xd, xs)."""
+def quantize_activations_ref(x, dtype=np.int8):
+    """numpy reference of quantize_activations, codes of dtype (int8 or int16): (xq, xd, xs)."""
     n, k = x.shape
     blocks = x.reshape(n, k // 32, 32)
-    d = np.abs(blocks).max(axis=2) / np.float32(127.0)  # [n, k/32]
+    d = np.abs(blocks).max(axis=2) / np.float32(np.iinfo(dtype).max)  # [n, k/32]
     with np.errstate(divide="ignore"):
         inv = np.where(d > 0, np.float32(1.0) / d, np.float32(0.0)).astype(np.float32)
     q = np.rint(blocks * inv[..., None]).astype(np.int32)
-    return q.astype(np.int8).reshape(n, k), d.astype(np.float32), q.sum(axis=2).astype(np.int32)
+    return q.astype(dtype).reshape(n, k), d.astype(np.float32), q.reshape(n, k // 16, 16).sum(axis=2).astype(np.int32)
 
 
 def rows_vnni_ref(xq, xd, xs, w, out, j0, j1):
@@ -663,108 +672,291 @@ def rows_vnni_ref(xq, xd, xs, w, out, j0, j1):
     out[:, j0:j1] = (x @ dequantize(w[j0:j1]).astype(np.float64).T).astype(np.float32)
 
 
-# block type -> (bytes per block, offset of the codes, per-block correction): the block's value
-# is sum(code * xq) * d * dx + correction * dx * sum(xq)
-_VNNI_BLOCKS = {"Q8_0": (34, 2, "flip"), "Q4_0": (18, 2, "minus8"), "Q4_1": (20, 4, "min")}
+class _Ir:
+    """IR building blocks of the integer kernels (codegen time): vectors, splats, byte reads."""
+
+    def __init__(self, builder, data):
+        self.b, self.data = builder, data  # data: the row's uint8 pointer
+        self.i8, self.i32, self.f32 = ir.IntType(8), ir.IntType(32), ir.FloatType()
+
+    def vec(self, elem, count):
+        return ir.VectorType(elem, count)
+
+    def splat(self, value, count):
+        vty = self.vec(value.type, count)
+        v = self.b.insert_element(ir.Constant(vty, ir.Undefined), value, ir.Constant(self.i32, 0))
+        return self.b.shuffle_vector(v, ir.Constant(vty, ir.Undefined), ir.Constant(self.vec(self.i32, count), [0] * count))
+
+    def hsum(self, v):
+        """The sum of a vector's lanes, halving it (a tree, not a chain of scalar adds)."""
+        while v.type.count > 1:
+            half = v.type.count // 2
+            lo, hi = (self.b.shuffle_vector(v, v, ir.Constant(self.vec(self.i32, half), list(range(a, a + half))))
+                      for a in (0, half))
+            v = self.b.fadd(lo, hi)
+        return self.b.extract_element(v, ir.Constant(self.i32, 0))
+
+    def const8(self, value):
+        return ir.Constant(self.vec(self.i8, 32), [value] * 32)
+
+    def ptr(self, at):
+        return self.b.gep(self.data, [at])
+
+    def bytes(self, at, count):
+        return self.b.load(self.b.bitcast(self.ptr(at), self.vec(self.i8, count).as_pointer()), align=1)
+
+    def byte(self, at):
+        return self.b.zext(self.b.load(self.ptr(at)), self.i32)
+
+    def f16(self, at):
+        return self.b.fpext(self.b.load(self.b.bitcast(self.ptr(at), ir.HalfType().as_pointer()), align=1), self.f32)
+
+    def u32(self, at):
+        return self.b.load(self.b.bitcast(self.ptr(at), self.i32.as_pointer()), align=1)
+
+    def nibbles(self, at):
+        """16 bytes -> their 32 nibbles as bytes: the low ones, then the high ones (Q4_0's order)."""
+        raw = self.bytes(at, 16)
+        lo = self.b.and_(raw, ir.Constant(raw.type, [15] * 16))
+        hi = self.b.lshr(raw, ir.Constant(raw.type, [4] * 16))
+        return self.b.shuffle_vector(lo, hi, ir.Constant(self.vec(self.i32, 32), list(range(32))))
+
+    def bit4(self, word):
+        """An i32 -> 32 bytes, byte l = bit l of the word << 4 (the fifth bit of Q5 codes)."""
+        bits = self.b.zext(self.b.bitcast(word, self.vec(ir.IntType(1), 32)), self.vec(self.i8, 32))
+        return self.b.shl(bits, self.const8(4))
+
+    def field(self, v, shift, mask, to):
+        """((v >> shift) & mask) << to, bytewise."""
+        return self.b.shl(self.b.and_(self.b.lshr(v, self.const8(shift)), self.const8(mask)), self.const8(to))
+
+
+def _ir_scale_min_k4(q, s, j):
+    """IR of the 6-bit scale and min of sub-block j (constant) from the 12 scale bytes at s."""
+    b, c = q.b, lambda v: ir.Constant(q.i32, v)
+
+    def byte(offset):
+        return q.byte(b.add(s, ir.Constant(s.type, offset)))
+
+    if j < 4:
+        sc, mn = b.and_(byte(j), c(63)), b.and_(byte(j + 4), c(63))
+    else:
+        lo, top, top_m = byte(j + 4), byte(j - 4), byte(j)
+        sc = b.or_(b.and_(lo, c(15)), b.shl(b.lshr(top, c(6)), c(4)))
+        mn = b.or_(b.lshr(lo, c(4)), b.shl(b.lshr(top_m, c(6)), c(4)))
+    return b.uitofp(sc, q.f32), b.uitofp(mn, q.f32)
+
+
+def _group(name, q, o, g):
+    """Group g of the block at byte offset o: (32 unsigned codes, offset, a_lo, a_hi, m), values
+    a * (code - offset) + m, a of the first and of the second 16 values, m None for no min."""
+    b = q.b
+
+    def at(v):
+        return b.add(o, ir.Constant(o.type, v))
+
+    if name == "Q8_0":  # int8 codes: the sign bit flipped
+        d = q.f16(o)
+        return b.xor(q.bytes(at(2), 32), q.const8(0x80)), 128, d, d, None
+    if name in ("Q4_0", "Q4_1"):
+        d, one = q.f16(o), name == "Q4_1"
+        return q.nibbles(at(4 if one else 2)), 0 if one else 8, d, d, q.f16(at(2)) if one else None
+    if name in ("Q5_0", "Q5_1"):
+        d, one = q.f16(o), name == "Q5_1"
+        codes = b.or_(q.nibbles(at(8 if one else 6)), q.bit4(q.u32(at(4 if one else 2))))
+        return codes, 0 if one else 16, d, d, q.f16(at(2)) if one else None
+    if name in ("Q4_K", "Q5_K"):
+        sc, mn = _ir_scale_min_k4(q, at(4), g)
+        a, m = b.fmul(q.f16(o), sc), b.fneg(b.fmul(q.f16(at(2)), mn))
+        qs = q.bytes(at((16 if name == "Q4_K" else 48) + 32 * (g // 2)), 32)
+        codes = q.field(qs, 4 * (g % 2), 15, 0)
+        if name == "Q5_K":
+            codes = b.or_(codes, q.field(q.bytes(at(16), 32), g, 1, 4))
+        return codes, 0, a, a, m
+    half, part = divmod(g, 4)  # Q6_K: values 128 * half + 32 * part + l, a scale per 16
+    ql = q.bytes(at(64 * half + 32 * (part % 2)), 32)
+    codes = b.or_(q.field(ql, 4 * (part // 2), 15, 0), q.field(q.bytes(at(128 + 32 * half), 32), 2 * part, 3, 4))
+    d = q.f16(at(208))
+    a_lo, a_hi = (b.fmul(d, b.sitofp(b.load(q.ptr(at(192 + 8 * half + 2 * part + s))), q.f32)) for s in (0, 1))
+    return codes, 32, a_lo, a_hi, None
+
+
+def _k_scales(name, q, o, dxv, xsv):
+    """Scales of a K-quant super-block at byte offset o, once for its 8 groups, in vectors:
+    (scales, bias), scales[l] of value l * 16 of the block times its activation scale (dxv: the
+    8 of the block), bias the vector whose lane sum is the block's min term (xsv: the 16 code
+    sums); None for no min."""
+    b = q.b
+    d = q.f16(b.add(o, ir.Constant(o.type, 208 if name == "Q6_K" else 0)))
+    every = ir.Constant(q.vec(q.i32, 16), [l // 2 for l in range(16)])
+    if name == "Q6_K":  # 16 signed 8-bit scales, one per 16 values
+        sc = b.sitofp(q.bytes(b.add(o, ir.Constant(o.type, 192)), 16), q.vec(q.f32, 16))
+        return b.fmul(b.fmul(sc, b.shuffle_vector(dxv, dxv, every)), q.splat(d, 16)), None
+    raw = q.bytes(b.add(o, ir.Constant(o.type, 4)), 16)  # 12 scale bytes (and 4 code bytes)
+
+    def pick(*index):
+        return b.shuffle_vector(raw, raw, ir.Constant(q.vec(q.i32, 8), list(index)))
+
+    def c8(v):
+        return ir.Constant(q.vec(q.i8, 8), [v] * 8)
+
+    first = ir.Constant(q.vec(ir.IntType(1), 8), [j < 4 for j in range(8)])
+    low, top = pick(0, 1, 2, 3, 8, 9, 10, 11), pick(0, 1, 2, 3, 0, 1, 2, 3)
+    sc = b.select(first, b.and_(low, c8(63)), b.or_(b.and_(low, c8(15)), b.shl(b.lshr(top, c8(6)), c8(4))))
+    low, top = pick(4, 5, 6, 7, 8, 9, 10, 11), pick(4, 5, 6, 7, 4, 5, 6, 7)
+    mn = b.select(first, b.and_(low, c8(63)), b.or_(b.lshr(low, c8(4)), b.shl(b.lshr(top, c8(6)), c8(4))))
+    f8 = q.vec(q.f32, 8)
+    scales = b.fmul(b.fmul(b.uitofp(sc, f8), dxv), q.splat(d, 8))
+    dmin = b.fneg(q.f16(b.add(o, ir.Constant(o.type, 2))))
+    pairs = [b.shuffle_vector(xsv, xsv, ir.Constant(q.vec(q.i32, 8), list(range(h, 16, 2)))) for h in (0, 1)]
+    sums = b.sitofp(b.add(*pairs), f8)  # code sums per 32
+    return b.shuffle_vector(scales, scales, every), b.fmul(b.fmul(b.fmul(b.uitofp(mn, f8), dxv), sums), q.splat(dmin, 8))
+
+
+# block type -> (bytes per block, groups of 32 values per block)
+_INT_BLOCKS = {"Q8_0": (34, 1), "Q4_0": (18, 1), "Q4_1": (20, 1), "Q5_0": (22, 1), "Q5_1": (24, 1),
+               "Q4_K": (144, 8), "Q5_K": (176, 8), "Q6_K": (210, 8)}
+VNNI_BLOCKS = tuple(_INT_BLOCKS)
 
 
 def _make_rows_vnni(name):
-    size, codes_at, correction = _VNNI_BLOCKS[name]
-
     @intrinsic
     def rows_vnni(typingctx, wb, xq, xd, xs, out, j):
-        """out[:, j] = block row wb (bytes) times every quantized activation row, by vpdpbusd."""
+        """out[:, j] = block row wb (bytes) times every quantized activation row."""
         if not (isinstance(wb, types.Array) and wb.dtype == types.uint8 and wb.ndim == 1):
             return None
-        return types.void(wb, xq, xd, xs, out, types.intp), _rows_vnni_codegen(size, codes_at, correction)
+        if not (isinstance(xq, types.Array) and xq.dtype in (types.int8, types.int16)):
+            return None
+        return types.void(wb, xq, xd, xs, out, types.intp), _rows_vnni_codegen(name, xq.dtype == types.int16)
 
     return rows_vnni
 
 
-def _rows_vnni_codegen(size, codes_at, correction):
-    def codegen(context, builder, signature, args):
-        arrays = [context.make_array(t)(context, builder, v) for t, v in zip(signature.args[:5], args[:5])]
-        w_a, xq_a, xd_a, xs_a, out_a = arrays
-        j_v = args[5]
-        i8, i32, f32, f16 = ir.IntType(8), ir.IntType(32), ir.FloatType(), ir.HalfType()
-        i8x16, i8x32, i32x8, f32x8 = (ir.VectorType(i8, 16), ir.VectorType(i8, 32), ir.VectorType(i32, 8),
-                                      ir.VectorType(f32, 8))
-        intp = context.get_value_type(types.intp)
-        dpbusd = cgutils.get_or_insert_function(
-            builder.module, ir.FunctionType(i32x8, [i32x8] * 3), "llvm.x86.avx512.vpdpbusd.256"
-        )
-        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(f32x8, [f32x8] * 3), "llvm.fma.v8f32")
-        n, k = cgutils.unpack_tuple(builder, xq_a.shape)
-        nb = cgutils.unpack_tuple(builder, xd_a.shape)[1]
-        acc = cgutils.alloca_once(builder, f32x8)
-        corr = cgutils.alloca_once(builder, f32)
+def _dot_group(q, xq_a, xi, codes, offset, wide):
+    """int32 lanes of sum(code * xq) over one group: vpdpbusd (int8 x, unsigned codes), or
+    vpdpwssd (int16 x, signed words: the codes less their offset)."""
+    b = q.b
+    lanes = 16 if wide else 8
+    i32v = q.vec(q.i32, lanes)
+    dp = cgutils.get_or_insert_function(b.module, ir.FunctionType(i32v, [i32v] * 3),
+                                        "llvm.x86.avx512.vpdpwssd.512" if wide else "llvm.x86.avx512.vpdpbusd.256")
+    xt = q.vec(ir.IntType(16) if wide else q.i8, 32)
+    xv = b.load(b.bitcast(b.gep(xq_a.data, [xi]), xt.as_pointer()), align=1)
+    if wide:
+        codes = b.sub(b.zext(codes, xt), ir.Constant(xt, [offset] * 32))
+    return b.call(dp, [ir.Constant(i32v, [0] * lanes), b.bitcast(codes, i32v), b.bitcast(xv, i32v)])
 
-        def const(v):
+
+def _bias(q, xs_at, offset, a_lo, a_hi, m, wide):
+    """sum(xq) times the b term of a group (values a * code + b), None when it has none; the
+    int16 path has the offsets in its signed codes, the int8 path needs them here."""
+    b = q.b
+    xs = [b.sitofp(b.load(xs_at(h)), q.f32) for h in (0, 1)] if m is not None or not wide else None
+    terms = []
+    if m is not None:
+        terms.append(b.fmul(m, b.fadd(xs[0], xs[1])))
+    if offset and not wide:
+        minus = ir.Constant(q.f32, -float(offset))
+        if a_lo is a_hi:
+            terms.append(b.fmul(b.fmul(a_lo, minus), b.fadd(xs[0], xs[1])))
+        else:
+            terms += [b.fmul(b.fmul(a, minus), x) for a, x in zip((a_lo, a_hi), xs)]
+    while len(terms) > 1:
+        terms = [b.fadd(terms[0], terms[1])] + terms[2:]
+    return terms[0] if terms else None
+
+
+def _rows_vnni_codegen(name, wide):
+    size, groups = _INT_BLOCKS[name]
+    lanes = 16 if wide else 8  # lanes [0, lanes/2) hold the first 16 values of a group
+
+    def codegen(context, builder, signature, args):
+        w_a, xq_a, xd_a, xs_a, out_a = (context.make_array(t)(context, builder, v)
+                                        for t, v in zip(signature.args[:5], args[:5]))
+        q = _Ir(builder, w_a.data)
+        f32v = q.vec(q.f32, lanes)
+        intp = context.get_value_type(types.intp)
+        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(f32v, [f32v] * 3), f"llvm.fma.v{lanes}f32")
+        first_half = ir.Constant(q.vec(ir.IntType(1), lanes), [lane < lanes // 2 for lane in range(lanes)])
+        n, k = cgutils.unpack_tuple(builder, xq_a.shape)
+        nb = builder.udiv(cgutils.unpack_tuple(builder, w_a.shape)[0], ir.Constant(intp, size))
+        accs = [cgutils.alloca_once(builder, f32v) for _ in range(2)]  # two chains of FMAs
+        corrs = [cgutils.alloca_once(builder, q.f32) for _ in range(2)]  # and of bias terms
+        kbias = cgutils.alloca_once(builder, q.vec(q.f32, 16 if name == "Q6_K" else 8))  # K-quant min terms
+
+        def c(v):
             return ir.Constant(intp, v)
 
-        def f16_at(offset):
-            ptr = builder.bitcast(builder.gep(w_a.data, [offset]), f16.as_pointer())
-            return builder.fpext(builder.load(ptr, align=1), f32)
+        def group(i, blk, g, chain):
+            codes, offset, a_lo, a_hi, m = _group(name, q, builder.mul(blk, c(size)), g)
+            at = builder.add(builder.mul(blk, c(groups)), c(g))  # the activation block
+            dot = _dot_group(q, xq_a, builder.add(builder.mul(i, k), builder.mul(at, c(32))), codes, offset, wide)
+            dx = builder.load(builder.gep(xd_a.data, [builder.add(builder.mul(i, builder.udiv(k, c(32))), at)]))
+            s = builder.add(builder.mul(i, builder.udiv(k, c(16))), builder.mul(at, c(2)))
+            scale = q.splat(builder.fmul(a_lo, dx), lanes)
+            if a_lo is not a_hi:
+                scale = builder.select(first_half, scale, q.splat(builder.fmul(a_hi, dx), lanes))
+            acc, corr = accs[chain], corrs[chain]
+            builder.store(builder.call(fma, [builder.sitofp(dot, f32v), scale, builder.load(acc)]), acc)
+            bias = _bias(q, lambda h: builder.gep(xs_a.data, [builder.add(s, c(h))]), offset, a_lo, a_hi, m, wide)
+            if bias is not None:
+                builder.store(builder.fadd(builder.load(corr), builder.fmul(bias, dx)), corr)
 
-        def codes(o):
-            """The block's 32 codes as unsigned bytes, in value order."""
-            ptr = builder.gep(w_a.data, [builder.add(o, const(codes_at))])
-            if correction == "flip":  # int8: flip the sign bit
-                raw = builder.load(builder.bitcast(ptr, i8x32.as_pointer()), align=1)
-                return builder.xor(raw, ir.Constant(i8x32, [0x80] * 32))
-            raw = builder.load(builder.bitcast(ptr, i8x16.as_pointer()), align=1)
-            lo = builder.and_(raw, ir.Constant(i8x16, [15] * 16))
-            hi = builder.lshr(raw, ir.Constant(i8x16, [4] * 16))
-            return builder.shuffle_vector(lo, hi, ir.Constant(ir.VectorType(i32, 32), list(range(32))))
+        def super_block(i, blk):
+            o = builder.mul(blk, c(size))
+            at = builder.add(builder.mul(i, builder.udiv(k, c(32))), builder.mul(blk, c(8)))
+            dxv = builder.load(builder.bitcast(builder.gep(xd_a.data, [at]), q.vec(q.f32, 8).as_pointer()), align=4)
+            xsv = builder.load(builder.bitcast(builder.gep(xs_a.data, [builder.mul(at, c(2))]),
+                                               q.vec(q.i32, 16).as_pointer()), align=4)
+            scales, bias = _k_scales(name, q, o, dxv, xsv)  # scales: one per 16 values
+            for g in range(groups):
+                codes, offset = _group(name, q, o, g)[:2]
+                xi = builder.add(builder.mul(i, k), builder.mul(builder.add(builder.mul(blk, c(8)), c(g)), c(32)))
+                dot = _dot_group(q, xq_a, xi, codes, offset, wide)
+                index = [2 * g + (lane >= lanes // 2) for lane in range(lanes)]
+                scale = builder.shuffle_vector(scales, scales, ir.Constant(q.vec(q.i32, lanes), index))
+                acc = accs[g % 2]
+                builder.store(builder.call(fma, [builder.sitofp(dot, f32v), scale, builder.load(acc)]), acc)
+            if name == "Q6_K" and not wide:  # the codes' offset 32, on int8 activations
+                bias = builder.fmul(builder.fmul(scales, builder.sitofp(xsv, q.vec(q.f32, 16))), q.splat(ir.Constant(q.f32, -32.0), 16))
+            if bias is not None:
+                builder.store(builder.fadd(builder.load(kbias), bias), kbias)
 
         with cgutils.for_range(builder, n) as rows:
             i = rows.index
-            builder.store(ir.Constant(f32x8, [0.0] * 8), acc)
-            builder.store(ir.Constant(f32, 0.0), corr)
-            with cgutils.for_range(builder, nb) as blocks:
-                blk = blocks.index
-                o = builder.mul(blk, const(size))
-                dw = f16_at(o)
-                xi = builder.add(builder.mul(i, k), builder.mul(blk, const(32)))
-                xv = builder.load(builder.bitcast(builder.gep(xq_a.data, [xi]), i8x32.as_pointer()), align=1)
-                dp = builder.call(dpbusd, [ir.Constant(i32x8, [0] * 8), builder.bitcast(codes(o), i32x8),
-                                           builder.bitcast(xv, i32x8)])
-                bi = builder.add(builder.mul(i, nb), blk)
-                dx = builder.load(builder.gep(xd_a.data, [bi]))
-                s = builder.fmul(dw, dx)
-                sv = builder.shuffle_vector(
-                    builder.insert_element(ir.Constant(f32x8, ir.Undefined), s, ir.Constant(i32, 0)),
-                    ir.Constant(f32x8, ir.Undefined), ir.Constant(i32x8, [0] * 8),
-                )
-                builder.store(builder.call(fma, [builder.sitofp(dp, f32x8), sv, builder.load(acc)]), acc)
-                if correction == "min":
-                    c = builder.fmul(f16_at(builder.add(o, const(2))), dx)
-                else:
-                    c = builder.fmul(s, ir.Constant(f32, -128.0 if correction == "flip" else -8.0))
-                xsum = builder.sitofp(builder.load(builder.gep(xs_a.data, [bi])), f32)
-                builder.store(builder.fadd(builder.load(corr), builder.fmul(c, xsum)), corr)
-            total = builder.load(acc)
-            lanes = [builder.extract_element(total, ir.Constant(i32, lane)) for lane in range(8)]
-            while len(lanes) > 1:
-                lanes = [builder.fadd(lanes[a], lanes[a + 1]) for a in range(0, len(lanes), 2)]
-            value = builder.fadd(lanes[0], builder.load(corr))
+            for acc, corr in zip(accs, corrs):
+                builder.store(ir.Constant(f32v, [0.0] * lanes), acc)
+                builder.store(ir.Constant(q.f32, 0.0), corr)
+            builder.store(ir.Constant(kbias.type.pointee, [0.0] * kbias.type.pointee.count), kbias)
+            if groups == 1:  # blocks in pairs, one on each chain
+                with cgutils.for_range(builder, builder.udiv(nb, c(2))) as pairs:
+                    for h in (0, 1):
+                        group(i, builder.add(builder.mul(pairs.index, c(2)), c(h)), 0, h)
+                with builder.if_then(builder.icmp_unsigned("!=", builder.urem(nb, c(2)), c(0))):
+                    group(i, builder.sub(nb, c(1)), 0, 0)
+            else:
+                with cgutils.for_range(builder, nb) as blocks:
+                    super_block(i, blocks.index)
+            total = q.hsum(builder.fadd(builder.load(accs[0]), builder.load(accs[1])))
+            corr = builder.fadd(builder.load(corrs[0]), builder.load(corrs[1]))
+            value = builder.fadd(total, builder.fadd(corr, q.hsum(builder.load(kbias))))
             st0, st1 = cgutils.unpack_tuple(builder, out_a.strides)  # out may be a column slice
-            at = builder.add(builder.mul(i, st0), builder.mul(j_v, st1))
-            ptr = builder.gep(builder.bitcast(out_a.data, ir.IntType(8).as_pointer()), [at])
-            builder.store(value, builder.bitcast(ptr, f32.as_pointer()))
+            ptr = builder.gep(builder.bitcast(out_a.data, q.i8.as_pointer()),
+                              [builder.add(builder.mul(i, st0), builder.mul(args[5], st1))])
+            builder.store(value, builder.bitcast(ptr, q.f32.as_pointer()))
         return context.get_dummy_value()
 
     return codegen
 
 
-_ROWS_VNNI = {name: _make_rows_vnni(name) for name in _VNNI_BLOCKS}
-VNNI_BLOCKS = tuple(_VNNI_BLOCKS)
+_ROWS_VNNI = {name: _make_rows_vnni(name) for name in _INT_BLOCKS}
 
 
 def rows_vnni(xq, xd, xs, w, out, j0, j1):
     """out[:, j0:j1] = x @ w[j0:j1].T for w in a VNNI_BLOCKS type, x given quantized
-    (quantize_activations): xq [n, k] int8, xd [n, k/32] float32, xs [n, k/32] int32, all
-    C-contiguous; out: [n, m] float32, any layout. Needs AVX512-VNNI (the "vnni" path of cpu.py)."""
+    (quantize_activations): xq [n, k] int8 (vpdpbusd) or int16 (vpdpwssd), xd [n, k/32] float32,
+    xs [n, k/16] int32, all C-contiguous; out: [n, m] float32, any layout. Needs AVX512-VNNI
+    (the "vnni" and "int16" paths of cpu.py)."""
     raise NotImplementedError("numba only")
 
 
