@@ -3,12 +3,18 @@
     python scripts/crash_loop.py --iterations 200 --seed 1
 
 Each iteration starts the daemon on the same store with ELLMD_TEST_TXN_SLEEP set (each write
-transaction sleeps that long before it commits, so that a kill lands inside one), runs random
-appends, forks, rewinds, snapshots, exports with imports, closes and deletes, and SIGKILLs it at a
-random moment. After the restart every session must hold exactly its acknowledged tokens and turns
-(an op in flight at the kill may have happened or not, nothing in between), and the KV that came
-back must give bit-identical logits to a recompute: the same session's history (the same prefills
-and rewinds) replayed into a new session, then one more token appended to both and the top
+transaction sleeps that long before it commits, between two log lines that name it), runs random
+opens, appends, forks, rewinds, explicit snapshots, exports with imports, closes and deletes, and
+SIGKILLs it. Every other iteration the kill is aimed: after a random warm-up the workload issues
+one op of the iteration's target (open, append, fork, rewind, import, snapshot in turn) and the
+kill comes the moment that op's first write transaction logs that it is about to commit; the other
+iterations kill at a random moment. The daemon's log then says which transaction, if any, the kill
+landed in (figures "killed_inside", as "op:transaction").
+
+After the restart every session must hold exactly its acknowledged tokens and turns (an op in
+flight at the kill may have happened or not, nothing in between), and the KV that came back must
+give bit-identical logits to a recompute: the same session's history (the same prefills and
+rewinds) replayed into a new session, then one more token appended to both and the top
 log-probabilities of the next compared exactly. Prints one JSON line of figures; exits non-zero
 on any loss.
 """
@@ -19,6 +25,7 @@ import argparse
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -37,6 +44,8 @@ from ellm import Client  # noqa: E402
 
 VOCAB = 49152
 MAX_SESSIONS = 6
+TARGETS = ("open", "append", "fork", "rewind", "import", "snapshot")  # the ops aimed kills land in, in turn
+TXN_LINE = re.compile(rb"test: (inside|leaving) the (\w+) transaction")  # logged by store._test_sleep
 
 
 @dataclass
@@ -96,26 +105,41 @@ def exported(client, session_id) -> dict:
 
 
 class Workload:
-    """Random acknowledged ops; `in_flight` is the op that had no reply yet when the daemon died."""
+    """Random acknowledged ops; `in_flight` is the op that had no reply yet when the daemon died.
 
-    def __init__(self, rng: random.Random, models: dict[str, Model]):
-        self.rng, self.models = rng, models
+    `force`, once set (by the Killer), makes the next op one of that kind; `mark` is the daemon
+    log's size when it was issued, so that log lines before it are told from its own."""
+
+    def __init__(self, rng: random.Random, models: dict[str, Model], log: Path):
+        self.rng, self.models, self.log = rng, models, log
         self.in_flight = None  # (kind, session id, model if it happened)
         self.ops: dict[str, int] = {}
+        self.force: str | None = None
+        self.mark: int | None = None
 
     def run(self, client) -> None:
         while True:
             self.step(client)
 
-    def step(self, client) -> None:
+    def choose(self) -> tuple[str, str | None]:
         rng, models = self.rng, self.models
         kinds = ["open"] if not models else ["append", "append", "fork", "rewind", "snapshot", "import",
                                              "close", "delete", "open"]
-        kind = rng.choice(kinds)
-        sid = rng.choice(sorted(models)) if models else None
+        kind = self.force if self.force and models else rng.choice(kinds)
         if kind in ("open", "fork", "import") and len(models) >= MAX_SESSIONS:
             kind = "delete"
+        filled = sorted(sid for sid in models if models[sid].tokens())
+        if kind == "rewind" and not filled:
+            kind = "append"
+        sid = rng.choice(filled if kind == "rewind" else sorted(models)) if models else None
+        return kind, sid
+
+    def step(self, client) -> None:
+        rng, models = self.rng, self.models
+        kind, sid = self.choose()
         self.ops[kind] = self.ops.get(kind, 0) + 1
+        if kind == self.force:
+            self.mark = self.log.stat().st_size
         if kind == "open":
             self.in_flight = (kind, None, None)
             models[client.open_session(title="crash").id] = Model()
@@ -125,10 +149,7 @@ class Workload:
             client.session(sid).append(tokens=tokens)
             models[sid] = self.in_flight[2]
         elif kind == "rewind":
-            length = len(models[sid].tokens())
-            if length == 0:
-                return
-            keep = rng.randrange(length)  # always shorter, so before and after can be told apart
+            keep = rng.randrange(len(models[sid].tokens()))  # always shorter, so before and after can be told apart
             self.in_flight = (kind, sid, models[sid].then("rewind", keep))
             client.session(sid).rewind(tokens=keep)
             models[sid] = self.in_flight[2]
@@ -149,6 +170,56 @@ class Workload:
             self.in_flight = (kind, sid, models[sid])
             getattr(client.session(sid), kind)()
         self.in_flight = None
+
+
+class Killer(threading.Thread):
+    """SIGKILLs the daemon `delay` seconds into the workload, or, with a `target`, inside the first
+    write transaction of a `target` op the workload issues after `delay` seconds (at the latest
+    AIM_DEADLINE_S later)."""
+
+    AIM_DEADLINE_S = 10.0
+
+    def __init__(self, process, workload: Workload, delay: float, target: str | None):
+        super().__init__(daemon=True)
+        self.process, self.workload, self.delay, self.target = process, workload, delay, target
+        self.offset = workload.log.stat().st_size
+
+    def run(self) -> None:
+        started = time.monotonic()
+        with open(self.workload.log, "rb") as log:
+            log.seek(self.offset)
+            pending, at = b"", self.offset
+            while self.process.poll() is None:
+                elapsed = time.monotonic() - started
+                if self.target is None or elapsed > self.delay + self.AIM_DEADLINE_S:
+                    if elapsed >= self.delay:
+                        break
+                elif elapsed >= self.delay:
+                    self.workload.force = self.target
+                    pending += log.read()
+                    *lines, pending = pending.split(b"\n")
+                    for line in lines:
+                        if self.aimed(line, at):
+                            self.process.send_signal(signal.SIGKILL)
+                            return
+                        at += len(line) + 1
+                time.sleep(0.002)
+        self.process.send_signal(signal.SIGKILL)
+
+    def aimed(self, line: bytes, at: int) -> bool:
+        """True for the line that opens the target op's first transaction."""
+        found = TXN_LINE.search(line)
+        in_flight, mark = self.workload.in_flight, self.workload.mark
+        return (found is not None and found[1] == b"inside" and mark is not None and at >= mark
+                and in_flight is not None and in_flight[0] == self.target)
+
+
+def killed_inside(log: Path, offset: int) -> str | None:
+    """The transaction a kill landed in: the last one the log shows begun and not left, if any."""
+    with open(log, "rb") as f:
+        f.seek(offset)
+        found = TXN_LINE.findall(f.read())
+    return found[-1][1].decode() if found and found[-1][0] == b"inside" else None
 
 
 def check(client, models: dict[str, Model], in_flight, rng: random.Random, logit_checks: int) -> dict:
@@ -219,7 +290,7 @@ def crash_loop(tmp: Path, iterations: int, seed: int, txn_sleep: float = 0.03, l
     rng = random.Random(seed)
     models: dict[str, Model] = {}
     figures = {"iterations": 0, "sigkills": 0, "sessions_checked": 0, "lost": [], "logits_compared": 0,
-               "in_flight": {}, "ops": {}}
+               "in_flight": {}, "aimed": {}, "killed_inside": {}, "ops": {}}
     daemon = Daemon(tmp, txn_sleep)
     in_flight = None
     for iteration in range(iterations):
@@ -229,8 +300,9 @@ def crash_loop(tmp: Path, iterations: int, seed: int, txn_sleep: float = 0.03, l
         figures["sessions_checked"] += result["sessions"]
         figures["lost"] += [f"iteration {iteration}: {x}" for x in result["lost"]]
         figures["logits_compared"] += result["logits_compared"]
-        workload = Workload(rng, models)
-        killer = threading.Timer(rng.uniform(*kill_after), daemon.process.send_signal, [signal.SIGKILL])
+        workload = Workload(rng, models, daemon.log)
+        target = TARGETS[iteration // 2 % len(TARGETS)] if iteration % 2 == 0 else None
+        killer = Killer(daemon.process, workload, rng.uniform(*kill_after), target)
         killer.start()
         try:
             with Client(daemon.socket, timeout=120) as client:
@@ -240,12 +312,7 @@ def crash_loop(tmp: Path, iterations: int, seed: int, txn_sleep: float = 0.03, l
         killer.join()
         daemon.process.wait(30)
         in_flight = workload.in_flight
-        figures["sigkills"] += 1
-        figures["iterations"] += 1
-        name = workload.in_flight[0] if workload.in_flight else "none"
-        figures["in_flight"][name] = figures["in_flight"].get(name, 0) + 1
-        for kind, count in workload.ops.items():
-            figures["ops"][kind] = figures["ops"].get(kind, 0) + count
+        tally(figures, workload, target, killed_inside(daemon.log, killer.offset))
         if progress:
             progress(iteration, figures)
     daemon.start()  # the last check, then a clean stop
@@ -256,6 +323,22 @@ def crash_loop(tmp: Path, iterations: int, seed: int, txn_sleep: float = 0.03, l
     figures["logits_compared"] += result["logits_compared"]
     figures["exit_code"] = daemon.process.wait(120)
     return figures
+
+
+def tally(figures: dict, workload: Workload, target: str | None, transaction: str | None) -> None:
+    def count(key: str, name: str) -> None:
+        figures[key][name] = figures[key].get(name, 0) + 1
+
+    figures["sigkills"] += 1
+    figures["iterations"] += 1
+    name = workload.in_flight[0] if workload.in_flight else "none"
+    count("in_flight", name)
+    if target:
+        count("aimed", target)
+    if transaction:
+        count("killed_inside", f"{name}:{transaction}")
+    for kind, n in workload.ops.items():
+        figures["ops"][kind] = figures["ops"].get(kind, 0) + n
 
 
 def main() -> int:
@@ -270,7 +353,7 @@ def main() -> int:
         figures = crash_loop(Path(tmp), options.iterations, options.seed, options.txn_sleep, kill_after=options.kill_after,
                              progress=lambda i, f: print(f"iteration {i + 1}: sigkills {f['sigkills']}, sessions checked "
                                                          f"{f['sessions_checked']}, logits compared {f['logits_compared']}, "
-                                                         f"lost {len(f['lost'])}, killed in {f['in_flight']}",
+                                                         f"lost {len(f['lost'])}, killed inside {f['killed_inside']}",
                                                          file=sys.stderr, flush=True))
     print(json.dumps(figures))
     return 1 if figures["lost"] or figures["exit_code"] != 0 else 0

@@ -38,7 +38,7 @@ CHUNK_TOKENS = 256
 CHECKSUM_BYTES = 8
 FULL = "the store is full: raise store_map_size or delete sessions (nothing was lost)"
 # Crash tests only: seconds slept inside each write transaction, before it commits, so that a
-# SIGKILL lands inside one (tests/test_crash.py). Unset in normal use.
+# SIGKILL lands inside one (tests/test_crash.py, see _test_sleep). Unset in normal use.
 TXN_SLEEP = float(os.environ.get("ELLMD_TEST_TXN_SLEEP", "0") or 0)
 
 
@@ -127,7 +127,7 @@ class Store:
                     txn.delete(_chunk_key(session_id, index), db=self.kv)
                 txn.put(session_id.encode(), np.asarray(tokens, "<i4").tobytes(), db=self.tokens)
                 txn.put(session_id.encode(), pack(record), db=self.meta)
-                _test_sleep()
+                _test_sleep("snapshot")
         except lmdb.MapFullError:
             raise StoreError(FULL) from None
         except lmdb.Error as e:
@@ -166,7 +166,7 @@ class Store:
                     txn.put(_chunk_key(target_id, index), txn.get(_chunk_key(source_id, index), db=self.kv), db=self.kv)
                 txn.put(target_id.encode(), txn.get(source_id.encode(), db=self.tokens), db=self.tokens)
                 txn.put(target_id.encode(), pack(record), db=self.meta)
-                _test_sleep()
+                _test_sleep("copy")
         except lmdb.MapFullError:
             raise StoreError(FULL) from None
         except lmdb.Error as e:
@@ -182,6 +182,7 @@ class Store:
                     txn.delete(_chunk_key(session_id, index), db=self.kv)
                 txn.delete(session_id.encode(), db=self.tokens)
                 txn.delete(session_id.encode(), db=self.meta)
+                _test_sleep("delete")
         except lmdb.Error as e:
             raise StoreError(f"delete of {session_id} failed: {e}") from None
         return True
@@ -271,7 +272,7 @@ class Store:
                     txn.put(_chunk_key(session_id, index), value, db=self.kv)
                 txn.put(session_id.encode(), tokens, db=self.tokens)
                 txn.put(session_id.encode(), pack(meta), db=self.meta)
-                _test_sleep()
+                _test_sleep("import")
         except lmdb.MapFullError:
             raise StoreError(FULL) from None
         except lmdb.Error as e:
@@ -346,6 +347,10 @@ def lock(path: Path) -> int:
     return fd
 
 
-def _test_sleep() -> None:
+def _test_sleep(transaction: str) -> None:
+    """With ELLMD_TEST_TXN_SLEEP: sleep inside a write transaction, just before it commits, between
+    two log lines that tell a crash test where its SIGKILL landed (scripts/crash_loop.py)."""
     if TXN_SLEEP:
+        log.info("test: inside the %s transaction", transaction)
         time.sleep(TXN_SLEEP)
+        log.info("test: leaving the %s transaction", transaction)
