@@ -6,7 +6,7 @@ Each iteration starts the daemon on the same store with ELLMD_TEST_TXN_SLEEP set
 transaction sleeps that long before it commits, between two log lines that name it), runs random
 opens, appends, forks, rewinds, explicit snapshots, exports with imports, closes and deletes, and
 SIGKILLs it. Every other iteration the kill is aimed: after a random warm-up the workload issues
-one op of the iteration's target (open, append, fork, rewind, import, snapshot in turn) and the
+one op of the iteration's target (snapshot, fork, rewind, import, append, open in turn) and the
 kill comes the moment that op's first write transaction logs that it is about to commit; the other
 iterations kill at a random moment. The daemon's log then says which transaction, if any, the kill
 landed in (figures "killed_inside", as "op:transaction").
@@ -44,7 +44,7 @@ from ellm import Client  # noqa: E402
 
 VOCAB = 49152
 MAX_SESSIONS = 6
-TARGETS = ("open", "append", "fork", "rewind", "import", "snapshot")  # the ops aimed kills land in, in turn
+TARGETS = ("snapshot", "fork", "rewind", "import", "append", "open")  # the ops aimed kills land in, in turn
 TXN_LINE = re.compile(rb"test: (inside|leaving) the (\w+) transaction")  # logged by store._test_sleep
 
 

@@ -428,35 +428,39 @@ def test_a_long_index_run_blocks_neither_listings_nor_stop(tmp_path, corpus, mon
     tmp, rag = tmp_path / "daemon", tmp_path / "rag"
     tmp.mkdir(mode=0o700)
     daemon = Daemon(tmp, slots=1, extra=["--rag-dir", str(rag), "--skills-dir", str(skills)]).start()
-    with daemon.client() as client:
-        assert client.rag_index(corpus, name="small")["files"] == 4
-    events, outcome = [], {}
+    try:
+        with daemon.client() as client:
+            assert client.rag_index(corpus, name="small")["files"] == 4
+        events, outcome = [], {}
 
-    def index_big():
-        try:
-            with daemon.client() as client:
-                outcome["result"] = client.rag_index(big, name="big", progress=events.append)
-        except Exception as e:
-            outcome["error"] = e
+        def index_big():
+            try:
+                with daemon.client() as client:
+                    outcome["result"] = client.rag_index(big, name="big", progress=events.append)
+            except Exception as e:
+                outcome["error"] = e
 
-    worker = threading.Thread(target=index_big)
-    worker.start()
-    deadline = time.monotonic() + 60
-    while not events:
-        assert time.monotonic() < deadline and worker.is_alive(), outcome
-        time.sleep(0.05)
-    with daemon.client() as client:  # answered while "big" is being indexed: only "small" exists yet
-        assert [(i["name"], i["files"]) for i in client.rag_indexes()] == [("small", 4)]
-        assert [s["name"] for s in client.skills()] == ["shell"]
-    assert worker.is_alive() and not outcome
-    env = {**os.environ, "XDG_CONFIG_HOME": str(tmp / "config")}
-    stop = subprocess.run([sys.executable, "-m", "ellmd.cli", "stop", "--socket", str(daemon.socket)], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=30)
-    assert stop.returncode == 0 and "ellmd stopped" in stop.stdout, stop.stderr
-    assert daemon.process.wait(timeout=30) == 0
-    worker.join(30)
-    assert isinstance(outcome.get("error"), Cancelled) and "shutting down" in str(outcome["error"]), outcome
-    assert events[-1]["files_done"] < events[-1]["files_total"] == 200
+        worker = threading.Thread(target=index_big)
+        worker.start()
+        deadline = time.monotonic() + 60
+        while not events:
+            assert time.monotonic() < deadline and worker.is_alive(), outcome
+            time.sleep(0.05)
+        with daemon.client() as client:  # answered while "big" is being indexed: only "small" exists yet
+            assert [(i["name"], i["files"]) for i in client.rag_indexes()] == [("small", 4)]
+            assert [s["name"] for s in client.skills()] == ["shell"]
+        assert worker.is_alive() and not outcome
+        env = {**os.environ, "XDG_CONFIG_HOME": str(tmp / "config")}
+        stop = subprocess.run([sys.executable, "-m", "ellmd.cli", "stop", "--socket", str(daemon.socket)], cwd=ROOT,
+                              env=env, capture_output=True, text=True, timeout=30)
+        assert stop.returncode == 0 and "ellmd stopped" in stop.stdout, stop.stderr
+        assert daemon.process.wait(timeout=30) == 0
+        worker.join(30)
+        assert isinstance(outcome.get("error"), Cancelled) and "shutting down" in str(outcome["error"]), outcome
+        assert events[-1]["files_done"] < events[-1]["files_total"] == 200
+    finally:
+        if daemon.process.poll() is None:  # the test failed: leave no daemon behind
+            daemon.kill()
     restarted = Daemon(tmp, slots=1, extra=["--rag-dir", str(rag), "--skills-dir", str(skills)]).start()
     try:
         with restarted.client() as client:  # "small" whole, "big" not there at all
