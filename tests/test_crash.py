@@ -9,6 +9,8 @@ from __future__ import annotations
 import importlib.util
 import sys
 
+import pytest
+
 from daemon import ROOT
 
 spec = importlib.util.spec_from_file_location("crash_loop", ROOT / "scripts" / "crash_loop.py")
@@ -16,6 +18,7 @@ crash_loop = sys.modules["crash_loop"] = importlib.util.module_from_spec(spec)  
 spec.loader.exec_module(crash_loop)
 
 
+@pytest.mark.timeout(1800)  # 20 daemon starts: ~7 min on a quiet machine, twice that on a busy one
 def test_sigkill_loses_no_acknowledged_turn(tmp_path):
     figures = crash_loop.crash_loop(tmp_path, iterations=20, seed=3)
     assert figures["lost"] == []
