@@ -6,9 +6,9 @@ Each iteration starts the daemon on the same store with ELLMD_TEST_TXN_SLEEP set
 transaction sleeps that long before it commits, between two log lines that name it), runs random
 opens, appends, forks, rewinds, explicit snapshots, exports with imports, closes and deletes, and
 SIGKILLs it. Every other iteration the kill is aimed: after a random warm-up the workload issues
-one op of the iteration's target (snapshot, fork, rewind, import, append, open in turn) and the
-kill comes the moment that op's first write transaction logs that it is about to commit; the other
-iterations kill at a random moment. The daemon's log then says which transaction, if any, the kill
+one op of the iteration's target (snapshot, fork, rewind, import, append, open in turn), and the
+daemon SIGKILLs itself inside that op's first write transaction, just before it commits
+(ELLMD_TEST_TXN_KILL names the file that arms it); the other iterations kill at a random moment. The daemon's log then says which transaction, if any, the kill
 landed in (figures "killed_inside", as "op:transaction").
 
 After the restart every session must hold exactly its acknowledged tokens and turns (an op in
@@ -77,7 +77,9 @@ class Model:
 class Daemon:
     def __init__(self, tmp: Path, txn_sleep: float):
         self.socket, self.store, self.log = tmp / "ellmd.sock", tmp / "store", tmp / "ellmd.log"
-        self.env = {**os.environ, "ELLMD_TEST_TXN_SLEEP": str(txn_sleep), "XDG_CONFIG_HOME": str(tmp / "config")}
+        self.kill_file = tmp / "kill-inside-the-next-transaction"
+        self.env = {**os.environ, "ELLMD_TEST_TXN_SLEEP": str(txn_sleep), "ELLMD_TEST_TXN_KILL": str(self.kill_file),
+                    "XDG_CONFIG_HOME": str(tmp / "config")}
         self.process = None
 
     def start(self) -> "Daemon":
@@ -107,15 +109,14 @@ def exported(client, session_id) -> dict:
 class Workload:
     """Random acknowledged ops; `in_flight` is the op that had no reply yet when the daemon died.
 
-    `force`, once set (by the Killer), makes the next op one of that kind; `mark` is the daemon
-    log's size when it was issued, so that log lines before it are told from its own."""
+    `force`, once set (by the Killer), makes the next op one of that kind, issued with the
+    daemon's kill file in place: its first write transaction is the daemon's last."""
 
-    def __init__(self, rng: random.Random, models: dict[str, Model], log: Path):
-        self.rng, self.models, self.log = rng, models, log
+    def __init__(self, rng: random.Random, models: dict[str, Model], kill_file: Path):
+        self.rng, self.models, self.kill_file = rng, models, kill_file
         self.in_flight = None  # (kind, session id, model if it happened)
         self.ops: dict[str, int] = {}
         self.force: str | None = None
-        self.mark: int | None = None
 
     def run(self, client) -> None:
         while True:
@@ -138,8 +139,8 @@ class Workload:
         rng, models = self.rng, self.models
         kind, sid = self.choose()
         self.ops[kind] = self.ops.get(kind, 0) + 1
-        if kind == self.force:
-            self.mark = self.log.stat().st_size
+        if kind == self.force:  # the reply to the op before has come: its transactions are over
+            self.kill_file.touch()
         if kind == "open":
             self.in_flight = (kind, None, None)
             models[client.open_session(title="crash").id] = Model()
@@ -173,45 +174,28 @@ class Workload:
 
 
 class Killer(threading.Thread):
-    """SIGKILLs the daemon `delay` seconds into the workload, or, with a `target`, inside the first
-    write transaction of a `target` op the workload issues after `delay` seconds (at the latest
-    AIM_DEADLINE_S later)."""
+    """SIGKILLs the daemon `delay` seconds into the workload; with a `target`, tells the workload to
+    issue a `target` op then (the daemon kills itself inside its first write transaction), and
+    kills the daemon AIM_DEADLINE_S later should it still live."""
 
     AIM_DEADLINE_S = 10.0
 
-    def __init__(self, process, workload: Workload, delay: float, target: str | None):
+    def __init__(self, process, workload: Workload, delay: float, target: str | None, log: Path):
         super().__init__(daemon=True)
         self.process, self.workload, self.delay, self.target = process, workload, delay, target
-        self.offset = workload.log.stat().st_size
+        self.offset = log.stat().st_size  # where this iteration's log lines begin
 
     def run(self) -> None:
         started = time.monotonic()
-        with open(self.workload.log, "rb") as log:
-            log.seek(self.offset)
-            pending, at = b"", self.offset
-            while self.process.poll() is None:
-                elapsed = time.monotonic() - started
-                if self.target is None or elapsed > self.delay + self.AIM_DEADLINE_S:
-                    if elapsed >= self.delay:
-                        break
-                elif elapsed >= self.delay:
-                    self.workload.force = self.target
-                    pending += log.read()
-                    *lines, pending = pending.split(b"\n")
-                    for line in lines:
-                        if self.aimed(line, at):
-                            self.process.send_signal(signal.SIGKILL)
-                            return
-                        at += len(line) + 1
-                time.sleep(0.002)
-        self.process.send_signal(signal.SIGKILL)
-
-    def aimed(self, line: bytes, at: int) -> bool:
-        """True for the line that opens the target op's first transaction."""
-        found = TXN_LINE.search(line)
-        in_flight, mark = self.workload.in_flight, self.workload.mark
-        return (found is not None and found[1] == b"inside" and mark is not None and at >= mark
-                and in_flight is not None and in_flight[0] == self.target)
+        deadline = self.delay + (self.AIM_DEADLINE_S if self.target else 0)
+        while self.process.poll() is None:
+            elapsed = time.monotonic() - started
+            if self.target and elapsed >= self.delay:
+                self.workload.force = self.target
+            if elapsed >= deadline:
+                self.process.send_signal(signal.SIGKILL)
+                return
+            time.sleep(0.01)
 
 
 def killed_inside(log: Path, offset: int) -> str | None:
@@ -300,9 +284,9 @@ def crash_loop(tmp: Path, iterations: int, seed: int, txn_sleep: float = 0.03, l
         figures["sessions_checked"] += result["sessions"]
         figures["lost"] += [f"iteration {iteration}: {x}" for x in result["lost"]]
         figures["logits_compared"] += result["logits_compared"]
-        workload = Workload(rng, models, daemon.log)
+        workload = Workload(rng, models, daemon.kill_file)
         target = TARGETS[iteration // 2 % len(TARGETS)] if iteration % 2 == 0 else None
-        killer = Killer(daemon.process, workload, rng.uniform(*kill_after), target)
+        killer = Killer(daemon.process, workload, rng.uniform(*kill_after), target, daemon.log)
         killer.start()
         try:
             with Client(daemon.socket, timeout=120) as client:
@@ -311,6 +295,7 @@ def crash_loop(tmp: Path, iterations: int, seed: int, txn_sleep: float = 0.03, l
             pass  # the daemon is gone
         killer.join()
         daemon.process.wait(30)
+        daemon.kill_file.unlink(missing_ok=True)
         in_flight = workload.in_flight
         tally(figures, workload, target, killed_inside(daemon.log, killer.offset))
         if progress:
