@@ -87,7 +87,7 @@ class Daemon:
                 "--batch-size", "2", "--sequence-length", "2048", "--chunk-size", "256", "--threads", "2"]
         with open(self.log, "ab") as log:
             self.process = subprocess.Popen(args, stdout=log, stderr=log, env=self.env, cwd=ROOT)
-        deadline = time.monotonic() + 300
+        deadline = time.monotonic() + 900  # a start takes seconds, but minutes on a loaded machine
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 raise RuntimeError(f"daemon exited: {self.log.read_text()[-2000:]}")
@@ -96,7 +96,9 @@ class Daemon:
                 return self
             except Exception:
                 time.sleep(0.1)
-        raise RuntimeError("daemon did not start")
+        self.process.kill()  # leave no daemon behind
+        self.process.wait(30)
+        raise RuntimeError(f"daemon did not start within 900 s (log: {self.log})")
 
 
 def exported(client, session_id) -> dict:
