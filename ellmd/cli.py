@@ -266,6 +266,8 @@ def start(
         None, help="Output waiting for a client that does not read, MiB, before it is dropped [default: 32]"),
     write_timeout_s: Optional[float] = typer.Option(
         None, help="Seconds an export waits for its client to read each piece [default: 60]"),
+    http_max_connections: Optional[int] = typer.Option(
+        None, help="HTTP connections at once, idle keep-alive ones too; beyond: 503 [default: 64]"),
     http_max_body_mb: Optional[int] = typer.Option(None, help="Largest HTTP request body, MiB [default: 16]"),
     http_read_timeout_s: Optional[float] = typer.Option(
         None, help="Seconds to receive an HTTP request's headers and body; idle keep-alive [default: 60]"),
@@ -288,7 +290,7 @@ def start(
                  max_in_flight=max_in_flight, max_queue=max_queue, max_upload_mb=max_upload_mb,
                  hello_timeout_s=hello_timeout_s, frame_timeout_s=frame_timeout_s,
                  max_write_buffer_mb=max_write_buffer_mb, write_timeout_s=write_timeout_s,
-                 http_max_body_mb=http_max_body_mb, http_read_timeout_s=http_read_timeout_s,
+                 http_max_connections=http_max_connections, http_max_body_mb=http_max_body_mb, http_read_timeout_s=http_read_timeout_s,
                  max_render_kb=max_render_kb)
     settings = daemon_settings(config, flags)
     logging.basicConfig(level=settings.log_level.upper(), stream=sys.stderr,

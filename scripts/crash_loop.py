@@ -3,12 +3,18 @@
     python scripts/crash_loop.py --iterations 200 --seed 1
 
 Each iteration starts the daemon on the same store with ELLMD_TEST_TXN_SLEEP set (each write
-transaction sleeps that long before it commits, so that a kill lands inside one), runs random
-appends, forks, rewinds, snapshots, exports with imports, closes and deletes, and SIGKILLs it at a
-random moment. After the restart every session must hold exactly its acknowledged tokens and turns
-(an op in flight at the kill may have happened or not, nothing in between), and the KV that came
-back must give bit-identical logits to a recompute: the same session's history (the same prefills
-and rewinds) replayed into a new session, then one more token appended to both and the top
+transaction sleeps that long before it commits, between two log lines that name it), runs random
+opens, appends, forks, rewinds, explicit snapshots, exports with imports, closes and deletes, and
+SIGKILLs it. Every other iteration the kill is aimed: after a random warm-up the workload issues
+one op of the iteration's target (snapshot, fork, rewind, import, append, open in turn), and the
+daemon SIGKILLs itself inside that op's first write transaction, just before it commits
+(ELLMD_TEST_TXN_KILL names the file that arms it); the other iterations kill at a random moment. The daemon's log then says which transaction, if any, the kill
+landed in (figures "killed_inside", as "op:transaction").
+
+After the restart every session must hold exactly its acknowledged tokens and turns (an op in
+flight at the kill may have happened or not, nothing in between), and the KV that came back must
+give bit-identical logits to a recompute: the same session's history (the same prefills and
+rewinds) replayed into a new session, then one more token appended to both and the top
 log-probabilities of the next compared exactly. Prints one JSON line of figures; exits non-zero
 on any loss.
 """
@@ -19,6 +25,7 @@ import argparse
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -37,6 +44,8 @@ from ellm import Client  # noqa: E402
 
 VOCAB = 49152
 MAX_SESSIONS = 6
+TARGETS = ("snapshot", "fork", "rewind", "import", "append", "open")  # the ops aimed kills land in, in turn
+TXN_LINE = re.compile(rb"test: (inside|leaving) the (\w+) transaction")  # logged by store._test_sleep
 
 
 @dataclass
@@ -68,7 +77,9 @@ class Model:
 class Daemon:
     def __init__(self, tmp: Path, txn_sleep: float):
         self.socket, self.store, self.log = tmp / "ellmd.sock", tmp / "store", tmp / "ellmd.log"
-        self.env = {**os.environ, "ELLMD_TEST_TXN_SLEEP": str(txn_sleep), "XDG_CONFIG_HOME": str(tmp / "config")}
+        self.kill_file = tmp / "kill-inside-the-next-transaction"
+        self.env = {**os.environ, "ELLMD_TEST_TXN_SLEEP": str(txn_sleep), "ELLMD_TEST_TXN_KILL": str(self.kill_file),
+                    "XDG_CONFIG_HOME": str(tmp / "config")}
         self.process = None
 
     def start(self) -> "Daemon":
@@ -76,7 +87,7 @@ class Daemon:
                 "--batch-size", "2", "--sequence-length", "2048", "--chunk-size", "256", "--threads", "2"]
         with open(self.log, "ab") as log:
             self.process = subprocess.Popen(args, stdout=log, stderr=log, env=self.env, cwd=ROOT)
-        deadline = time.monotonic() + 300
+        deadline = time.monotonic() + 900  # a start takes seconds, but minutes on a loaded machine
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 raise RuntimeError(f"daemon exited: {self.log.read_text()[-2000:]}")
@@ -85,7 +96,9 @@ class Daemon:
                 return self
             except Exception:
                 time.sleep(0.1)
-        raise RuntimeError("daemon did not start")
+        self.process.kill()  # leave no daemon behind
+        self.process.wait(30)
+        raise RuntimeError(f"daemon did not start within 900 s (log: {self.log})")
 
 
 def exported(client, session_id) -> dict:
@@ -96,26 +109,40 @@ def exported(client, session_id) -> dict:
 
 
 class Workload:
-    """Random acknowledged ops; `in_flight` is the op that had no reply yet when the daemon died."""
+    """Random acknowledged ops; `in_flight` is the op that had no reply yet when the daemon died.
 
-    def __init__(self, rng: random.Random, models: dict[str, Model]):
-        self.rng, self.models = rng, models
+    `force`, once set (by the Killer), makes the next op one of that kind, issued with the
+    daemon's kill file in place: its first write transaction is the daemon's last."""
+
+    def __init__(self, rng: random.Random, models: dict[str, Model], kill_file: Path):
+        self.rng, self.models, self.kill_file = rng, models, kill_file
         self.in_flight = None  # (kind, session id, model if it happened)
         self.ops: dict[str, int] = {}
+        self.force: str | None = None
 
     def run(self, client) -> None:
         while True:
             self.step(client)
 
-    def step(self, client) -> None:
+    def choose(self) -> tuple[str, str | None]:
         rng, models = self.rng, self.models
         kinds = ["open"] if not models else ["append", "append", "fork", "rewind", "snapshot", "import",
                                              "close", "delete", "open"]
-        kind = rng.choice(kinds)
-        sid = rng.choice(sorted(models)) if models else None
+        kind = self.force if self.force and models else rng.choice(kinds)
         if kind in ("open", "fork", "import") and len(models) >= MAX_SESSIONS:
             kind = "delete"
+        filled = sorted(sid for sid in models if models[sid].tokens())
+        if kind == "rewind" and not filled:
+            kind = "append"
+        sid = rng.choice(filled if kind == "rewind" else sorted(models)) if models else None
+        return kind, sid
+
+    def step(self, client) -> None:
+        rng, models = self.rng, self.models
+        kind, sid = self.choose()
         self.ops[kind] = self.ops.get(kind, 0) + 1
+        if kind == self.force:  # the reply to the op before has come: its transactions are over
+            self.kill_file.touch()
         if kind == "open":
             self.in_flight = (kind, None, None)
             models[client.open_session(title="crash").id] = Model()
@@ -125,10 +152,7 @@ class Workload:
             client.session(sid).append(tokens=tokens)
             models[sid] = self.in_flight[2]
         elif kind == "rewind":
-            length = len(models[sid].tokens())
-            if length == 0:
-                return
-            keep = rng.randrange(length)  # always shorter, so before and after can be told apart
+            keep = rng.randrange(len(models[sid].tokens()))  # always shorter, so before and after can be told apart
             self.in_flight = (kind, sid, models[sid].then("rewind", keep))
             client.session(sid).rewind(tokens=keep)
             models[sid] = self.in_flight[2]
@@ -149,6 +173,39 @@ class Workload:
             self.in_flight = (kind, sid, models[sid])
             getattr(client.session(sid), kind)()
         self.in_flight = None
+
+
+class Killer(threading.Thread):
+    """SIGKILLs the daemon `delay` seconds into the workload; with a `target`, tells the workload to
+    issue a `target` op then (the daemon kills itself inside its first write transaction), and
+    kills the daemon AIM_DEADLINE_S later should it still live."""
+
+    AIM_DEADLINE_S = 60.0  # an op takes well under a second on a quiet machine, tens of seconds on a loaded one
+
+    def __init__(self, process, workload: Workload, delay: float, target: str | None, log: Path):
+        super().__init__(daemon=True)
+        self.process, self.workload, self.delay, self.target = process, workload, delay, target
+        self.offset = log.stat().st_size  # where this iteration's log lines begin
+
+    def run(self) -> None:
+        started = time.monotonic()
+        deadline = self.delay + (self.AIM_DEADLINE_S if self.target else 0)
+        while self.process.poll() is None:
+            elapsed = time.monotonic() - started
+            if self.target and elapsed >= self.delay:
+                self.workload.force = self.target
+            if elapsed >= deadline:
+                self.process.send_signal(signal.SIGKILL)
+                return
+            time.sleep(0.01)
+
+
+def killed_inside(log: Path, offset: int) -> str | None:
+    """The transaction a kill landed in: the last one the log shows begun and not left, if any."""
+    with open(log, "rb") as f:
+        f.seek(offset)
+        found = TXN_LINE.findall(f.read())
+    return found[-1][1].decode() if found and found[-1][0] == b"inside" else None
 
 
 def check(client, models: dict[str, Model], in_flight, rng: random.Random, logit_checks: int) -> dict:
@@ -219,7 +276,7 @@ def crash_loop(tmp: Path, iterations: int, seed: int, txn_sleep: float = 0.03, l
     rng = random.Random(seed)
     models: dict[str, Model] = {}
     figures = {"iterations": 0, "sigkills": 0, "sessions_checked": 0, "lost": [], "logits_compared": 0,
-               "in_flight": {}, "ops": {}}
+               "in_flight": {}, "aimed": {}, "killed_inside": {}, "ops": {}}
     daemon = Daemon(tmp, txn_sleep)
     in_flight = None
     for iteration in range(iterations):
@@ -229,8 +286,9 @@ def crash_loop(tmp: Path, iterations: int, seed: int, txn_sleep: float = 0.03, l
         figures["sessions_checked"] += result["sessions"]
         figures["lost"] += [f"iteration {iteration}: {x}" for x in result["lost"]]
         figures["logits_compared"] += result["logits_compared"]
-        workload = Workload(rng, models)
-        killer = threading.Timer(rng.uniform(*kill_after), daemon.process.send_signal, [signal.SIGKILL])
+        workload = Workload(rng, models, daemon.kill_file)
+        target = TARGETS[iteration // 2 % len(TARGETS)] if iteration % 2 == 0 else None
+        killer = Killer(daemon.process, workload, rng.uniform(*kill_after), target, daemon.log)
         killer.start()
         try:
             with Client(daemon.socket, timeout=120) as client:
@@ -239,13 +297,9 @@ def crash_loop(tmp: Path, iterations: int, seed: int, txn_sleep: float = 0.03, l
             pass  # the daemon is gone
         killer.join()
         daemon.process.wait(30)
+        daemon.kill_file.unlink(missing_ok=True)
         in_flight = workload.in_flight
-        figures["sigkills"] += 1
-        figures["iterations"] += 1
-        name = workload.in_flight[0] if workload.in_flight else "none"
-        figures["in_flight"][name] = figures["in_flight"].get(name, 0) + 1
-        for kind, count in workload.ops.items():
-            figures["ops"][kind] = figures["ops"].get(kind, 0) + count
+        tally(figures, workload, target, killed_inside(daemon.log, killer.offset))
         if progress:
             progress(iteration, figures)
     daemon.start()  # the last check, then a clean stop
@@ -256,6 +310,22 @@ def crash_loop(tmp: Path, iterations: int, seed: int, txn_sleep: float = 0.03, l
     figures["logits_compared"] += result["logits_compared"]
     figures["exit_code"] = daemon.process.wait(120)
     return figures
+
+
+def tally(figures: dict, workload: Workload, target: str | None, transaction: str | None) -> None:
+    def count(key: str, name: str) -> None:
+        figures[key][name] = figures[key].get(name, 0) + 1
+
+    figures["sigkills"] += 1
+    figures["iterations"] += 1
+    name = workload.in_flight[0] if workload.in_flight else "none"
+    count("in_flight", name)
+    if target:
+        count("aimed", target)
+    if transaction:
+        count("killed_inside", f"{name}:{transaction}")
+    for kind, n in workload.ops.items():
+        figures["ops"][kind] = figures["ops"].get(kind, 0) + n
 
 
 def main() -> int:
@@ -270,7 +340,7 @@ def main() -> int:
         figures = crash_loop(Path(tmp), options.iterations, options.seed, options.txn_sleep, kill_after=options.kill_after,
                              progress=lambda i, f: print(f"iteration {i + 1}: sigkills {f['sigkills']}, sessions checked "
                                                          f"{f['sessions_checked']}, logits compared {f['logits_compared']}, "
-                                                         f"lost {len(f['lost'])}, killed in {f['in_flight']}",
+                                                         f"lost {len(f['lost'])}, killed inside {f['killed_inside']}",
                                                          file=sys.stderr, flush=True))
     print(json.dumps(figures))
     return 1 if figures["lost"] or figures["exit_code"] != 0 else 0

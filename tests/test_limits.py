@@ -1,9 +1,10 @@
-"""The daemon's resource limits, each set low here: connections, requests in flight per connection,
+"""The daemon's resource limits, each set low here: connections (socket and HTTP), requests in flight per connection,
 the engine queue (busy over the socket, 429 with Retry-After over HTTP), upload size, HTTP body size
 and read timeout, and an export to a client that does not read."""
 
 from __future__ import annotations
 
+import http.client
 import io
 import json
 import socket as socketlib
@@ -21,7 +22,7 @@ from test_frames import connect, read
 from test_http import free_port
 
 LIMITS = {"--max-connections": 4, "--max-in-flight": 2, "--max-queue": 3, "--max-upload-mb": 1,
-          "--write-timeout-s": 2, "--http-max-body-mb": 1, "--http-read-timeout-s": 2}
+          "--write-timeout-s": 2, "--http-max-connections": 3, "--http-max-body-mb": 1, "--http-read-timeout-s": 2}
 
 
 @pytest.fixture(scope="module")
@@ -70,6 +71,44 @@ def test_connections_beyond_the_limit_are_refused(daemon):
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.1)
+
+
+def health(connection: http.client.HTTPConnection) -> tuple[int, dict, dict]:
+    connection.request("GET", "/health")
+    reply = connection.getresponse()
+    return reply.status, dict(reply.headers), json.loads(reply.read())
+
+
+def test_http_connections_beyond_the_limit_are_refused(daemon):
+    held = [http.client.HTTPConnection("127.0.0.1", daemon.port, timeout=30) for _ in range(2)]
+    for connection in held:  # kept alive: each holds its place
+        assert health(connection)[0] == 200
+    silent = socketlib.create_connection(("127.0.0.1", daemon.port), timeout=30)  # the third: connected, says nothing
+    deadline = time.monotonic() + 10
+    while True:  # the server may accept `silent` after this client's next connection
+        extra = http.client.HTTPConnection("127.0.0.1", daemon.port, timeout=30)
+        status, headers, body = health(extra)
+        extra.close()
+        if status == 503 or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert status == 503 and headers["Retry-After"] == "1" and headers["Connection"] == "close"
+    assert body["error"]["code"] == "too_many_connections" and "http_max_connections" in body["error"]["message"]
+    assert all(health(connection)[0] == 200 for connection in held)  # those served go on being served
+    silent.close()  # a client that vanishes without a request frees its place, as one that closes does
+    held.pop().close()
+    deadline = time.monotonic() + 10
+    fresh = []
+    while len(fresh) < 2:  # the daemon notices the closes on its next read
+        connection = http.client.HTTPConnection("127.0.0.1", daemon.port, timeout=30)
+        if health(connection)[0] == 200:
+            fresh.append(connection)
+        else:
+            connection.close()
+            assert time.monotonic() < deadline, "a closed connection's place was not freed"
+            time.sleep(0.1)
+    for connection in held + fresh:
+        connection.close()
 
 
 def test_requests_in_flight_per_connection(daemon):

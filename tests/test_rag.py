@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import subprocess
 import sys
 import threading
 import time
@@ -13,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from ellm.errors import Cancelled
 from ellm_bm25 import BM25Retriever, tokenize
 from ellmd.errors import EllmError
 from ellmd.runtime.retrieval import (
@@ -25,6 +27,8 @@ from ellmd.runtime.retrieval import (
     retriever_names,
     split_lines,
 )
+
+from daemon import ROOT, Daemon
 
 DOCS = {
     "astronomy.md": "# Telescopes\n\nA reflecting telescope gathers light from distant galaxies with a curved mirror.\n"
@@ -352,6 +356,29 @@ def test_a_failed_index_run_leaves_the_previous_index_whole(tmp_path, corpus, pl
     assert sorted(p.name for p in (tmp_path / "rag" / "default").iterdir()) == [MANIFEST, "retriever-2"]
 
 
+def test_a_cancelled_index_run_leaves_the_index_as_it_was(tmp_path, corpus):
+    library = RagLibrary(tmp_path / "rag")
+    library.index(corpus, name="docs")
+    (corpus / "new.md").write_text("Fresh words about gardening.\n")
+    at_once = threading.Event()
+    at_once.set()
+    with pytest.raises(RetrievalError, match="cancelled") as raised:
+        library.index(corpus, name="docs", cancelled=at_once)
+    assert raised.value.code == "cancelled"
+    late = threading.Event()  # set once every file is read: the run stops before its commit
+
+    def progress(data):
+        if data["files_done"] == data["files_total"]:
+            late.set()
+
+    with pytest.raises(RetrievalError, match="cancelled"):
+        library.index(corpus, name="docs", progress=progress, cancelled=late)
+    assert late.is_set()
+    assert sorted(p.name for p in (tmp_path / "rag" / "docs").iterdir()) == [MANIFEST, "retriever-1"]
+    assert [i["files"] for i in RagLibrary(tmp_path / "rag").list()] == [4]
+    assert library.index(corpus, name="docs")["files_indexed"] == 1  # and the next run goes through
+
+
 def test_a_search_during_a_reindex_sees_the_old_or_the_new_index(tmp_path):
     old = {f"f{i:03}.txt": f"apple orchard {i}\n" for i in range(150)}
     folder = write_tree(tmp_path / "docs", old)
@@ -390,3 +417,54 @@ def test_dense_retriever_finds_paraphrases_offline(tmp_path, corpus, monkeypatch
     assert library.index(corpus, name="dense")["files_removed"] == 1
     assert all(not p.source.startswith("cooking.txt") for p in library.search("baking in the oven", k=10, name="dense"))
     assert not (tmp_path / "home").exists()
+
+
+def test_a_long_index_run_blocks_neither_listings_nor_stop(tmp_path, corpus, monkeypatch):
+    """rag.index runs beside the engine; while one runs (slowed per file by a test hook), rag.list and
+    skill.list answer, `ellmd stop` returns and the daemon exits; the cancelled run leaves no index."""
+    big = write_tree(tmp_path / "big", {f"notes/note{i:03d}.md": f"Note {i} about topic {i % 7}.\n" for i in range(200)})
+    skills = write_tree(tmp_path / "skills", {"shell/SKILL.md": "Use ls -la to list files.\n"})
+    monkeypatch.setenv("ELLMD_TEST_INDEX_SLEEP", "0.25")  # 200 files: 50 s, far longer than anything below
+    tmp, rag = tmp_path / "daemon", tmp_path / "rag"
+    tmp.mkdir(mode=0o700)
+    daemon = Daemon(tmp, slots=1, extra=["--rag-dir", str(rag), "--skills-dir", str(skills)]).start()
+    try:
+        with daemon.client() as client:
+            assert client.rag_index(corpus, name="small")["files"] == 4
+        events, outcome = [], {}
+
+        def index_big():
+            try:
+                with daemon.client() as client:
+                    outcome["result"] = client.rag_index(big, name="big", progress=events.append)
+            except Exception as e:
+                outcome["error"] = e
+
+        worker = threading.Thread(target=index_big)
+        worker.start()
+        deadline = time.monotonic() + 60
+        while not events:
+            assert time.monotonic() < deadline and worker.is_alive(), outcome
+            time.sleep(0.05)
+        with daemon.client() as client:  # answered while "big" is being indexed: only "small" exists yet
+            assert [(i["name"], i["files"]) for i in client.rag_indexes()] == [("small", 4)]
+            assert [s["name"] for s in client.skills()] == ["shell"]
+        assert worker.is_alive() and not outcome
+        env = {**os.environ, "XDG_CONFIG_HOME": str(tmp / "config")}
+        stop = subprocess.run([sys.executable, "-m", "ellmd.cli", "stop", "--socket", str(daemon.socket)], cwd=ROOT,
+                              env=env, capture_output=True, text=True, timeout=30)
+        assert stop.returncode == 0 and "ellmd stopped" in stop.stdout, stop.stderr
+        assert daemon.process.wait(timeout=30) == 0
+        worker.join(30)
+        assert isinstance(outcome.get("error"), Cancelled) and "shutting down" in str(outcome["error"]), outcome
+        assert events[-1]["files_done"] < events[-1]["files_total"] == 200
+    finally:
+        if daemon.process.poll() is None:  # the test failed: leave no daemon behind
+            daemon.kill()
+    restarted = Daemon(tmp, slots=1, extra=["--rag-dir", str(rag), "--skills-dir", str(skills)]).start()
+    try:
+        with restarted.client() as client:  # "small" whole, "big" not there at all
+            assert [(i["name"], i["files"]) for i in client.rag_indexes()] == [("small", 4)]
+        assert not (rag / "big" / MANIFEST).exists() and not list((rag / "big").glob("retriever-*"))
+    finally:
+        assert restarted.stop() == 0

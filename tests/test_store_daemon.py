@@ -57,7 +57,11 @@ def test_a_second_daemon_on_the_same_store_is_refused(one_slot, tmp_path):
     second.args[second.args.index("--store") + 1] = str(one_slot.store)
     with pytest.raises(RuntimeError, match="daemon exited"):
         second.start()
-    assert f"the store at {one_slot.store} is in use by another ellmd" in second.log.read_text()
+    log = second.log.read_text()
+    assert f"the store at {one_slot.store} is in use by another ellmd (pid {one_slot.process.pid})" in log
+    # refused before the model loads: none of the engine's start-up phases (the first daemon's log has them) began
+    assert "loading weights" in one_slot.log.read_text()
+    assert not any(phase in log for phase in ("loading weights", "committing KV", "compiling kernels"))
     with one_slot.client() as client:  # the first one never noticed
         assert client.stats()["slots"] == 1
 

@@ -39,6 +39,9 @@ MANIFEST = "manifest.msgpack"
 MANIFEST_VERSION = 1
 MAX_FILE_BYTES = 2 * 1024 * 1024
 PROGRESS_SECONDS = 0.5
+# Tests only: seconds an index run sleeps per file, so that one is still running when a test acts
+# on it (tests/test_rag.py). Unset in normal use.
+INDEX_SLEEP = float(os.environ.get("ELLMD_TEST_INDEX_SLEEP", "0") or 0)
 
 TEXT_SUFFIXES = frozenset(
     ".txt .md .markdown .rst .adoc .org .tex "
@@ -257,13 +260,15 @@ class RagLibrary:
         self._indexes: dict[str, _Index] = {}
         self._writers: dict[str, threading.Lock] = {}  # one index run or removal per name at a time
 
-    def index(self, path: Path, name: str = "default", retriever: str | None = None, progress=None) -> dict:
+    def index(self, path: Path, name: str = "default", retriever: str | None = None, progress=None,
+              cancelled: threading.Event | None = None) -> dict:
         """(Re)index folder `path` into index `name`; only new and changed files are read and chunked.
 
         A file whose size and mtime are unchanged, or whose content hash is, keeps its chunks. A new
         retriever (or new chunking settings) rebuilds the index; `retriever` None keeps the index's
         own, or the default for a new index. progress, if given, is called now and then with
-        {"files_done", "files_total", "path"}.
+        {"files_done", "files_total", "path"}. Once `cancelled` is set the run stops at its next
+        file, or before its commit, with RetrievalError (code "cancelled"): the index stays as it was.
         """
         started = time.monotonic()
         _check_name(name)
@@ -279,24 +284,8 @@ class RagLibrary:
             cls = load_retriever_class(retriever_name)
             rebuild = old is None or old.retriever_name != retriever_name or old.chunking != self.chunking
             old_files, old_chunks = ({}, {}) if rebuild else (old.files, old.chunks)
-
-            files, chunks = {}, {}
-            counts = {"files_indexed": 0, "files_unchanged": 0, "files_skipped": 0}
-            candidates = list(_walk(folder))
-            last_report = time.monotonic()
-            for done, file in enumerate(candidates, 1):
-                rel = file.relative_to(folder).as_posix()
-                result = self._read(file, rel, old_files.get(rel), counts)
-                if result is not None:
-                    entry, new_chunks = result
-                    files[rel] = entry
-                    if new_chunks is None:  # unchanged: keep the chunks already indexed
-                        chunks.update((cid, old_chunks[cid]) for cid in entry["chunks"])
-                    else:
-                        chunks.update((c.id, [c.source, c.start_line, c.end_line, c.text]) for c in new_chunks)
-                if progress is not None and (done == len(candidates) or time.monotonic() - last_report >= PROGRESS_SECONDS):
-                    progress({"files_done": done, "files_total": len(candidates), "path": rel})
-                    last_report = time.monotonic()
+            stop = _Cancel(name, cancelled)
+            files, chunks, counts = self._scan(folder, old_files, old_chunks, progress, stop)
 
             removed = [cid for cid in old_chunks if cid not in chunks]
             added = [Chunk(cid, *chunks[cid]) for cid in chunks if cid not in old_chunks]
@@ -306,6 +295,7 @@ class RagLibrary:
             if rebuild or removed or added:
                 generation += 1
                 instance = self._build(cls, retriever_name, directory, old, generation, rebuild, removed, added)
+                stop.check(lambda: shutil.rmtree(directory / f"retriever-{generation}", ignore_errors=True))
             state = _Index(name, str(folder), retriever_name, generation, list(self.chunking), time.time(),
                            files, chunks, instance)
             write_atomic(directory / MANIFEST, msgpack.packb({
@@ -320,6 +310,30 @@ class RagLibrary:
             return {"name": name, "path": state.path, "retriever": retriever_name, "files": len(files),
                     **counts, "files_removed": sum(rel not in files for rel in (old.files if old else {})),
                     "chunks": len(chunks), "seconds": round(time.monotonic() - started, 3)}
+
+    def _scan(self, folder: Path, old_files: dict, old_chunks: dict, progress, stop: _Cancel):
+        """(files, chunks, counts) of the folder now: new and changed files read and chunked."""
+        files, chunks = {}, {}
+        counts = {"files_indexed": 0, "files_unchanged": 0, "files_skipped": 0}
+        candidates = list(_walk(folder))
+        last_report = time.monotonic()
+        for done, file in enumerate(candidates, 1):
+            stop.check()
+            if INDEX_SLEEP:
+                time.sleep(INDEX_SLEEP)
+            rel = file.relative_to(folder).as_posix()
+            result = self._read(file, rel, old_files.get(rel), counts)
+            if result is not None:
+                entry, new_chunks = result
+                files[rel] = entry
+                if new_chunks is None:  # unchanged: keep the chunks already indexed
+                    chunks.update((cid, old_chunks[cid]) for cid in entry["chunks"])
+                else:
+                    chunks.update((c.id, [c.source, c.start_line, c.end_line, c.text]) for c in new_chunks)
+            if progress is not None and (done == len(candidates) or time.monotonic() - last_report >= PROGRESS_SECONDS):
+                progress({"files_done": done, "files_total": len(candidates), "path": rel})
+                last_report = time.monotonic()
+        return files, chunks, counts
 
     def search(self, query: str, k: int = 4, name: str = "default") -> list[Passage]:
         """The k passages of index `name` that best match `query`, best first."""
@@ -433,6 +447,19 @@ class RagLibrary:
             instance.add(added)
         instance.save()
         return instance
+
+
+class _Cancel:
+    """Where an index run looks whether it was cancelled (a client's cancel, or the daemon's shutdown)."""
+
+    def __init__(self, name: str, event: threading.Event | None):
+        self.name, self.event = name, event
+
+    def check(self, undo=None) -> None:
+        if self.event is not None and self.event.is_set():
+            if undo is not None:
+                undo()
+            raise RetrievalError(f"indexing {self.name!r} was cancelled; the index is as it was", "cancelled")
 
 
 def _check_name(name) -> None:

@@ -50,9 +50,10 @@ class SlotsBusy(Exception):
     """Every slot holds a generating session: the request waits for one to finish."""
 
 
-# Ops that never touch the engine run on one thread beside it (SkillLibrary and RagLibrary are
-# thread-safe), so that indexing a folder never delays a decode step.
-ASIDE_OPS = {"rag.index", "rag.list", "rag.remove", "skill.list"}
+# Ops that never touch the engine run beside it (SkillLibrary and RagLibrary are thread-safe), so
+# that indexing a folder never delays a decode step: those that write an index on one thread, those
+# that read on another, so that a listing never waits for an index run.
+ASIDE_OPS = {"rag.index": "write", "rag.remove": "write", "rag.list": "read", "skill.list": "read"}
 ANONYMOUS = "anonymous"  # the tag of sessions made by completion requests that named none
 
 
@@ -75,12 +76,13 @@ def protocol_error(e: Exception) -> RuntimeError_:
 
 def reply(request, result=None, error: Exception | None = None) -> None:
     """Resolve a request's future once (a request answered already, e.g. at shutdown, stays so)."""
-    if request.future.done():
-        return
-    if error is not None:
-        request.future.set_exception(protocol_error(error))
-    else:
-        request.future.set_result(result)
+    try:
+        if error is not None:
+            request.future.set_exception(protocol_error(error))
+        else:
+            request.future.set_result(result)
+    except concurrent.futures.InvalidStateError:  # answered already (stop answers aside ops at once)
+        pass
 
 
 @dataclass
@@ -142,8 +144,9 @@ class Runtime:
         self.counters = {"prefilled": 0, "reused": 0, "generated": 0}
         self.observers: list = []  # callables given the final usage of every generation (engine thread)
         self._thread = threading.Thread(target=self.run, name="engine", daemon=True)
-        self._aside = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="aside")
-        self._aside_waiting: dict[int, Request] = {}  # aside requests not started yet
+        self._aside = {kind: concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"aside-{kind}")
+                       for kind in ("write", "read")}
+        self._aside_pending: dict[int, Request] = {}  # aside requests waiting or running
         self._stopped = threading.Event()
         self._closed = False  # set once shutdown begins: later requests are cancelled at once
 
@@ -175,23 +178,30 @@ class Runtime:
             reply(request, error=e)
             return request
         if op in ASIDE_OPS:
-            self._aside_waiting[id(request)] = request
-            self._aside.submit(self._run_aside, request)
+            self._aside_pending[id(request)] = request
+            self._aside[ASIDE_OPS[op]].submit(self._run_aside, request)
         else:
             self.queue.put(request)
         return request
 
     def stop(self, timeout: float | None = None) -> None:
-        """End generations cleanly, snapshot every resident session, end the engine loop."""
+        """End generations cleanly, snapshot every resident session, end the engine loop.
+
+        Aside ops still waiting are dropped and those running cancelled (an index run stops at its
+        next file, leaving the index as it was), all answered `cancelled` now."""
         self.queue.put(None)
         self._stopped.wait(timeout)
-        self._aside.shutdown(wait=False, cancel_futures=True)
-        for request in list(self._aside_waiting.values()):  # dropped before they ran
+        for pool in self._aside.values():
+            pool.shutdown(wait=False, cancel_futures=True)
+        for request in list(self._aside_pending.values()):
+            request.cancelled.set()
             reply(request, error=RuntimeError_("cancelled", "the daemon is shutting down"))
 
     def _run_aside(self, request: Request) -> None:
-        self._aside_waiting.pop(id(request), None)
-        self._handle(request)
+        try:
+            self._handle(request)
+        finally:
+            self._aside_pending.pop(id(request), None)
 
     # ---- the engine thread ------------------------------------------------------------------
 
@@ -760,7 +770,8 @@ class Runtime:
         def progress(data):
             if request.emit:
                 request.emit("progress", data)
-        return self._rag().index(Path(path), name=name, retriever=retriever, progress=progress)
+        return self._rag().index(Path(path), name=name, retriever=retriever, progress=progress,
+                                 cancelled=request.cancelled)
 
     def op_rag_list(self, request):
         return {"indexes": self._rag().list()}

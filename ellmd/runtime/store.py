@@ -20,6 +20,7 @@ import fcntl
 import hashlib
 import logging
 import os
+import signal
 import struct
 import time
 import uuid
@@ -37,9 +38,11 @@ log = logging.getLogger("ellmd.store")
 CHUNK_TOKENS = 256
 CHECKSUM_BYTES = 8
 FULL = "the store is full: raise store_map_size or delete sessions (nothing was lost)"
-# Crash tests only: seconds slept inside each write transaction, before it commits, so that a
-# SIGKILL lands inside one (tests/test_crash.py). Unset in normal use.
+# Crash tests only (tests/test_crash.py, see _test_sleep): seconds slept inside each write
+# transaction before it commits, so that a SIGKILL lands inside one; and a file whose presence
+# makes the next write transaction SIGKILL the process before it commits. Unset in normal use.
 TXN_SLEEP = float(os.environ.get("ELLMD_TEST_TXN_SLEEP", "0") or 0)
+TXN_KILL = os.environ.get("ELLMD_TEST_TXN_KILL")
 
 
 class StoreError(EllmError):
@@ -127,7 +130,7 @@ class Store:
                     txn.delete(_chunk_key(session_id, index), db=self.kv)
                 txn.put(session_id.encode(), np.asarray(tokens, "<i4").tobytes(), db=self.tokens)
                 txn.put(session_id.encode(), pack(record), db=self.meta)
-                _test_sleep()
+                _test_sleep("snapshot")
         except lmdb.MapFullError:
             raise StoreError(FULL) from None
         except lmdb.Error as e:
@@ -166,7 +169,7 @@ class Store:
                     txn.put(_chunk_key(target_id, index), txn.get(_chunk_key(source_id, index), db=self.kv), db=self.kv)
                 txn.put(target_id.encode(), txn.get(source_id.encode(), db=self.tokens), db=self.tokens)
                 txn.put(target_id.encode(), pack(record), db=self.meta)
-                _test_sleep()
+                _test_sleep("copy")
         except lmdb.MapFullError:
             raise StoreError(FULL) from None
         except lmdb.Error as e:
@@ -182,6 +185,7 @@ class Store:
                     txn.delete(_chunk_key(session_id, index), db=self.kv)
                 txn.delete(session_id.encode(), db=self.tokens)
                 txn.delete(session_id.encode(), db=self.meta)
+                _test_sleep("delete")
         except lmdb.Error as e:
             raise StoreError(f"delete of {session_id} failed: {e}") from None
         return True
@@ -271,7 +275,7 @@ class Store:
                     txn.put(_chunk_key(session_id, index), value, db=self.kv)
                 txn.put(session_id.encode(), tokens, db=self.tokens)
                 txn.put(session_id.encode(), pack(meta), db=self.meta)
-                _test_sleep()
+                _test_sleep("import")
         except lmdb.MapFullError:
             raise StoreError(FULL) from None
         except lmdb.Error as e:
@@ -346,6 +350,14 @@ def lock(path: Path) -> int:
     return fd
 
 
-def _test_sleep() -> None:
+def _test_sleep(transaction: str) -> None:
+    """With ELLMD_TEST_TXN_SLEEP: sleep inside a write transaction, just before it commits, between
+    two log lines that tell a crash test where its SIGKILL landed (scripts/crash_loop.py); and
+    when the ELLMD_TEST_TXN_KILL file exists, die there by SIGKILL."""
     if TXN_SLEEP:
+        log.info("test: inside the %s transaction", transaction)
         time.sleep(TXN_SLEEP)
+    if TXN_KILL and os.path.exists(TXN_KILL):
+        os.kill(os.getpid(), signal.SIGKILL)
+    if TXN_SLEEP:
+        log.info("test: leaving the %s transaction", transaction)

@@ -62,6 +62,7 @@ class Settings:
     frame_timeout_s: float = 30.0
     max_write_buffer_mb: int = 32
     write_timeout_s: float = 60.0
+    http_max_connections: int = 64
     http_max_body_mb: int = 16
     http_read_timeout_s: float = 60.0
     max_render_kb: int = 4096
@@ -153,4 +154,5 @@ def _check_type(key, value, field):
 
 
 LIMITS = {"max_connections", "max_in_flight", "max_queue", "max_upload_mb", "hello_timeout_s", "frame_timeout_s",
-          "max_write_buffer_mb", "write_timeout_s", "http_max_body_mb", "http_read_timeout_s", "max_render_kb"}
+          "max_write_buffer_mb", "write_timeout_s", "http_max_connections", "http_max_body_mb", "http_read_timeout_s",
+          "max_render_kb"}

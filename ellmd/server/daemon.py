@@ -38,21 +38,23 @@ def run(settings: Settings, progress=None) -> int:
     prepare_socket_dir(settings.socket_path.parent)
     if settings.socket_path.exists() and socket_in_use(settings.socket_path):
         raise EllmError(f"another ellmd is already serving on {settings.socket_path} (stop it with: ellmd stop)")
-    engine = Engine(
-        settings.model_path, weight_dtype=settings.weight_dtype, kv_dtype=settings.kv_dtype,
-        sequence_length=settings.sequence_length, batch_size=settings.batch_size,
-        chunk_size=settings.chunk_size, threads=settings.threads, progress=progress,
-    )
-    if engine.chat_template is not None:
-        engine.chat_template.max_chars = settings.max_render_kb * 1024
-    limits = Limits.from_settings(settings, engine.kv.bytes_per_token)
+    # The store's lock too: a second daemon on this store is refused before the model loads.
     store = Store(settings.store_path, map_size=settings.store_map_size_gb << 30)
-    skills = SkillLibrary(settings.skills_dir)
-    rag = RagLibrary(settings.rag_path, default_retriever=settings.rag_retriever)
-    runtime = Runtime(engine, store, skills=skills, rag=rag, rag_k=settings.rag_k,
-                      snapshot_every_turn=settings.snapshot_every_turn, context_role=settings.context_role)
-    servers = Servers(runtime, settings, http_address, limits, api_keys)
+    servers = None
     try:
+        engine = Engine(
+            settings.model_path, weight_dtype=settings.weight_dtype, kv_dtype=settings.kv_dtype,
+            sequence_length=settings.sequence_length, batch_size=settings.batch_size,
+            chunk_size=settings.chunk_size, threads=settings.threads, progress=progress,
+        )
+        if engine.chat_template is not None:
+            engine.chat_template.max_chars = settings.max_render_kb * 1024
+        limits = Limits.from_settings(settings, engine.kv.bytes_per_token)
+        skills = SkillLibrary(settings.skills_dir)
+        rag = RagLibrary(settings.rag_path, default_retriever=settings.rag_retriever)
+        runtime = Runtime(engine, store, skills=skills, rag=rag, rag_k=settings.rag_k,
+                          snapshot_every_turn=settings.snapshot_every_turn, context_role=settings.context_role)
+        servers = Servers(runtime, settings, http_address, limits, api_keys)
         servers.start()
         # The engine loop runs here, on the main thread, which loaded the model and warmed its
         # kernels up (see Runtime.run); the servers' event loop has a thread of its own.
@@ -60,8 +62,9 @@ def run(settings: Settings, progress=None) -> int:
             signal.signal(signum, lambda *_: servers.request_stop())
         runtime.run()
     finally:
-        servers.request_stop()
-        servers.join()
+        if servers is not None:
+            servers.request_stop()
+            servers.join()
         store.close()
     log.info("stopped")
     return 1 if servers.error else 0

@@ -32,8 +32,8 @@ Security: with API keys set (`--api-key`, ELLMD_API_KEY, `api_key_file`) every e
 created it (the runtime is given a fingerprint of the key as the session's owner); listening beyond
 loopback needs a key. On a loopback address the Host header must name this machine and an Origin,
 if any, too, so that a web page (DNS rebinding, a cross-site form) cannot drive the API. Bodies are
-JSON with a JSON content type. Limits: body size, read timeout, and the engine queue (429 with
-Retry-After when full).
+JSON with a JSON content type. Limits: connections (one more gets 503 with Retry-After and is
+closed), body size, read timeout, and the engine queue (429 with Retry-After when full).
 """
 
 from __future__ import annotations
@@ -63,7 +63,8 @@ log = logging.getLogger("ellmd.http")
 
 DEFAULT_HOST = "127.0.0.1"
 LOCAL_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
-RETRY_AFTER_S = 1  # what a 429 (the engine queue is full) asks the client to wait
+RETRY_AFTER_S = 1  # what a 429 (the engine queue is full) or a 503 (no connection free) asks the client to wait
+REFUSAL_LINGER_S = 2.0  # a refused connection is answered once its request head is in, closed by then at the latest
 
 # Both tool-call formats open a call with this marker.
 TOOL_CALL_MARKER = "<tool_call>"
@@ -359,6 +360,103 @@ class EventStream:
         return self.response
 
 
+class CountedSite(web.BaseSite):
+    """A TCP site serving at most `limit` connections at once; one more is refused (503, see Refusal).
+
+    A connection counts from connection_made to connection_lost, which asyncio calls once for every
+    transport however it ends (a client that vanishes too), so a place is never lost.
+    """
+
+    def __init__(self, runner: web.AppRunner, host: str, port: int, limit: int):
+        super().__init__(runner)
+        self.runner, self.host, self.port, self.limit = runner, host, port, limit
+        self.open = 0
+
+    @property
+    def name(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    async def start(self) -> None:
+        await super().start()
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(lambda: Gate(self), self.host, self.port, reuse_address=True)
+
+
+class Gate(asyncio.Protocol):
+    """One accepted connection: aiohttp's handler while the site has room, else a Refusal."""
+
+    def __init__(self, site: CountedSite):
+        self.site, self.counted = site, False
+        self.inner: asyncio.Protocol | None = None
+
+    def connection_made(self, transport) -> None:
+        site = self.site
+        if site.open < site.limit:
+            site.open += 1
+            self.counted, self.inner = True, site.runner.server()
+        else:
+            self.inner = Refusal(f"the daemon already serves {site.open} HTTP connections "
+                                 "(http_max_connections); retry later")
+        self.inner.connection_made(transport)
+
+    def connection_lost(self, exc) -> None:
+        if self.counted:
+            self.site.open -= 1
+            self.counted = False
+        self.inner.connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        self.inner.data_received(data)
+
+    def eof_received(self):
+        return self.inner.eof_received()
+
+    def pause_writing(self) -> None:
+        self.inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        self.inner.resume_writing()
+
+
+class Refusal(asyncio.Protocol):
+    """A connection beyond http_max_connections: 503 with Retry-After, once the request's head has
+    arrived (a reply before it could be lost to the reset of closing with unread input), then closed."""
+
+    def __init__(self, message: str):
+        body = json.dumps(ApiError(503, message, "server_error", code="too_many_connections").body()).encode()
+        self.reply = (f"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+                      f"Content-Length: {len(body)}\r\nRetry-After: {RETRY_AFTER_S}\r\nConnection: close\r\n\r\n"
+                      ).encode() + body
+        self.head = b""
+
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+        self.timer = asyncio.get_running_loop().call_later(REFUSAL_LINGER_S, self.close)
+
+    def data_received(self, data: bytes) -> None:
+        if self.reply:  # after the reply, what comes is read and dropped until the client closes
+            self.head += data
+            if b"\r\n\r\n" in self.head or len(self.head) > 16384:
+                self.answer()
+
+    def answer(self) -> None:
+        self.transport.write(self.reply)
+        self.reply = b""
+        if self.transport.can_write_eof():
+            self.transport.write_eof()
+
+    def close(self) -> None:
+        if self.reply:
+            self.answer()
+        self.transport.close()
+
+    def eof_received(self) -> None:
+        self.close()
+
+    def connection_lost(self, exc) -> None:
+        self.timer.cancel()
+
+
 class Guard:
     """The checks every request passes before its handler: Host and Origin on a loopback address
     (a web page must not reach the API), and the API key when keys are set."""
@@ -499,7 +597,7 @@ class HttpServer:
     async def start(self) -> None:
         await self.runner.setup()
         try:
-            await web.TCPSite(self.runner, self.host, self.port).start()
+            await CountedSite(self.runner, self.host, self.port, self.limits.http_max_connections).start()
         except OSError as e:
             await self.runner.cleanup()
             raise EllmError(f"--http {self.host}:{self.port}: {e.strerror or e}") from None
