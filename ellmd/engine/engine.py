@@ -18,7 +18,7 @@ from ellmd.engine.kvcache import KVCache, available_memory
 from ellmd.engine.plan import Plan
 from ellmd.engine.sampling import Sampler, SamplingParams
 from ellmd.errors import CapacityError, ModelError
-from ellmd.kernels import cpu, formats, quant
+from ellmd.kernels import bf16, cpu, formats, quant
 from ellmd.kernels.matmul import PREFILL_MIN_ROWS
 from ellmd.model import FAMILIES
 from ellmd.model.weights import GGUFCheckpoint, RandomCheckpoint, open_checkpoint
@@ -164,12 +164,13 @@ class Engine:
         unused = sorted(cpu.host_paths() - cpu.ENABLED)
         more = f" (ELLM_KERNELS=auto adds: {', '.join(unused)})" if unused else ""
         if "vnni" in cpu.ENABLED:
-            blocks = "int8 vpdpbusd (AVX512-VNNI) on GGUF blocks, activations quantized to int8 per 32"
+            blocks = "GGUF blocks: int8 vpdpbusd, activations quantized to int8 per 32"
         elif "int16" in cpu.ENABLED:
-            blocks = "int16 vpdpwssd (AVX512-VNNI) on GGUF blocks, activations quantized to int16 per 32"
+            blocks = "GGUF blocks: int16 vpdpwssd, activations quantized to int16 per 32"
         else:
-            return "f32 FMA for every weight format" + more
-        return f"{blocks}; f32 FMA for bf16, f16" + more
+            blocks = "GGUF blocks: f32 FMA"
+        prefill = "AMX tdpbf16ps (activations as two bf16 halves)" if "bf16" in cpu.ENABLED and bf16.AMX else "f32 FMA"
+        return f"{blocks}; bf16/f16/f32 weights: f32 FMA in decode, {prefill} for bf16 in prefill" + more
 
     def memory_budget(self) -> dict[str, int]:
         """Bytes of weights (in all, and by format: "weights:Q4_K", ...), KV cache and workspace."""

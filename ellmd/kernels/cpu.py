@@ -5,7 +5,8 @@ Paths (each needs its CPU features; without them the portable f32 FMA kernels ru
            32 values (~1e-5 of a product: the same numbers as f32 to the alignment tolerances)
   "vnni"   vpdpbusd (AVX512-VNNI) for weights in GGUF blocks, activations quantized to int8 per
            32 values as llama.cpp does (~1% of a product: it changes some greedy answers)
-  "bf16"   vdpbf16ps (AVX512-BF16) for bf16 weights
+  "bf16"   AMX tdpbf16ps for the prefill matmuls of bf16 weights, activations as two bf16 halves
+           (~3e-6 of a product; bf16.py also needs Linux to grant the tile state)
 
 ELLM_KERNELS picks them: "auto" (every path this CPU has), "portable" (none), or a comma-separated
 list of paths (those this CPU lacks are left out). Unset, DEFAULT applies. Kernels test
@@ -16,9 +17,9 @@ import os
 
 from llvmlite import binding
 
-PATHS = {"int16": ("avx512vnni", "avx512bw"), "vnni": ("avx512vnni", "avx512vl"), "bf16": ("avx512bf16", "avx512vl")}
+PATHS = {"int16": ("avx512vnni", "avx512bw"), "vnni": ("avx512vnni", "avx512vl"), "bf16": ("amx-bf16", "amx-tile")}
 INTEGER = frozenset({"int16", "vnni"})  # the paths of block weights; "vnni" wins when both are on
-DEFAULT = "int16"  # int8 activations ("vnni") move logits too far to be on unless asked for
+DEFAULT = "int16,bf16"  # int8 activations ("vnni") move logits too far to be on unless asked for
 
 
 def host_paths() -> frozenset[str]:
