@@ -112,14 +112,10 @@ class Plan:
         model, ws, kv, spec = self.model, self.ws, self.kv, self.model.spec
         layers = [model.fused_layer(i) for i in range(len(model.layers))]
         self.lm_head = model.parts(model.lm_head)
-        self.runs = []  # [(is_moe, tuple of (attention, mlp) weights)]
-        for attention, mlp, moe in layers:
-            entry = (attention, mlp)
-            run = self.runs[-1] if self.runs else None
-            if run and run[0] == moe and numba.typeof(run[1][0]) == numba.typeof(entry):
-                self.runs[-1] = (moe, run[1] + (entry,))
-            else:
-                self.runs.append((moe, (entry,)))
+        # [(is_moe, ((attention, mlp) weights,))]: one layer a call. A run of several same-typed
+        # layers in one call is a tuple type of its own length, which numba compiles anew for every
+        # run length (minutes for a model of mixed block types) to save ~2 us a layer.
+        self.runs = [(moe, ((attention, mlp),)) for attention, mlp, moe in layers]
         scratch = ws.attention_scratch
         self.attention_ws = (
             ws.x, ws.h, ws.qkv, ws.attn, ws.lengths, ws.cos, ws.sin, kernel_view(kv.k, kv.fmt),

@@ -1,4 +1,4 @@
-"""A decode step through many transformer layers in one compiled call.
+"""A decode step through a transformer layer in one compiled call.
 
 Shape legend (n decode rows, one token per slot; h hidden; H, G query/kv heads; d head_dim;
 I intermediate; W workers = kernel threads; L layers of the model):
@@ -12,9 +12,9 @@ I intermediate; W workers = kernel threads; L layers of the model):
                   quantized for the integer paths, one matmul input at a time
 
 Why: a decode step of a 30-layer model otherwise makes ~14 Python-to-numba calls per layer,
-and at batch 1 on a small model those calls cost as much as the arithmetic. Here the layers of
-a run (consecutive layers whose weights have the same numba types) are one call; the plan
-groups them (plan.py). Every kernel inside is the same code the per-kernel path runs, on the
+and at batch 1 on a small model those calls cost as much as the arithmetic. Here a layer is one
+call (the functions take a tuple of layers; the plan passes one at a time, plan.py, since each
+tuple length would be compiled anew). Every kernel inside is the same code the per-kernel path runs, on the
 same rows in the same order, so the results are identical to it.
 
 A weight is a tuple of parts (one matrix, or the matrices of a fusion of different formats)
