@@ -30,6 +30,9 @@ log = logging.getLogger("ellmd.server")
 PROTOCOL_VERSION = 1
 MAX_FRAME = 16 * 1024 * 1024
 READ_SIZE = 1 << 16
+# A refused connection is answered once its hello has arrived (or after this long): hung up on
+# first, a client still sending its hello gets a broken pipe instead of the reason.
+REFUSAL_WAIT_S = 2.0
 # What a stream that is not msgpack maps raises while it is unpacked (TypeError: a map or an array
 # used as a map key).
 UNPACK_ERRORS = (msgpack.ExtraData, msgpack.FormatError, msgpack.StackError, ValueError, TypeError)
@@ -155,6 +158,10 @@ class UnixServer:
         refused = self.refusal(writer)
         if refused:
             log.warning("connection refused: %s", refused[1])
+            try:
+                await asyncio.wait_for(reader.read(READ_SIZE), REFUSAL_WAIT_S)
+            except (asyncio.TimeoutError, OSError):
+                pass
             connection.send_error(None, *refused)
             await connection.close()
             return
