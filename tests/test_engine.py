@@ -246,3 +246,24 @@ def test_bench_appends_time_a_turn_on_top_of_the_held_tokens(engine, monkeypatch
     assert [(r["test"], r["context"]) for r in rows] == [("pp8@0", 0), ("pp8@20", 20)]
     # (8, 0): two timed prefills on an empty slot; (8, 20): the history once, then two timed turns on top of it
     assert held_at_start == [(0, 8), (0, 8), (0, 20), (20, 8), (20, 8)]
+
+
+@pytest.mark.parametrize("model", [None, "none"])
+def test_a_gguf_without_a_vocabulary_loads_without_a_tokenizer(tmp_path, model):
+    import gguf
+
+    from ellmd.engine.engine import load_tokenizer
+    from ellmd.model.weights import GGUFCheckpoint
+
+    path = tmp_path / "no-vocab.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    if model:
+        writer.add_tokenizer_model(model)  # what llama-quantize keeps of a file written without a vocabulary
+    writer.add_tensor("output_norm.weight", np.ones(8, np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    checkpoint = GGUFCheckpoint.__new__(GGUFCheckpoint)  # the tokenizer needs only the file's metadata
+    checkpoint.reader = gguf.GGUFReader(str(path))
+    assert load_tokenizer(checkpoint) is None
