@@ -106,14 +106,18 @@ def test_matmul_on_blocks(rng, monkeypatch, kernels, name, n):
 
 @pytest.mark.parametrize("dtype", [np.int8, np.int16])
 def test_quantize_activations_matches_reference(rng, dtype):
+    group = quant.activation_group(K, np.dtype(dtype).itemsize)  # int16: one scale per 256 values
+    assert group == (256 if dtype == np.int16 else 32)
     x = rng.standard_normal((3, K)).astype(np.float32)
-    x[1, :32] = 0.0  # an all-zero block: scale 0, codes 0
+    x[1, :group] = 0.0  # an all-zero group: scale 0, codes 0
     xq, xd, xs = np.zeros((3, K), dtype), np.zeros((3, K // 32), np.float32), np.zeros((3, K // 16), np.int32)
     quant.quantize_activations(x, xq, xd, xs)
     ref_q, ref_d, ref_s = quant.quantize_activations_ref(x, dtype)
     assert np.array_equal(xq, ref_q) and np.array_equal(xs, ref_s)
     np.testing.assert_allclose(xd, ref_d, rtol=1e-7)
-    assert xd[1, 0] == 0 and not xq[1, :32].any()
+    assert xd[1, 0] == 0 and not xq[1, :group].any()
+    per_group = xd.reshape(3, -1, group // 32)
+    assert np.all(per_group == per_group[..., :1])  # the 32-value scales of a group are one
     assert np.abs(xq).max() == np.iinfo(dtype).max  # the block's largest value takes the top code
     blocks_x = (xq.reshape(3, -1, 32) * xd[..., None]).reshape(3, K)
     assert np.abs(blocks_x - x).max() <= 0.5 * xd.max() * (1 + 1e-6)  # round to nearest

@@ -19,16 +19,17 @@ Kernels read the block bytes through as_bytes (a uint8 view, no copy).
 
 Kernel paths (cpu.py): the portable kernels (exact to float32 rounding) convert blocks to float32
 in vector registers (dot_rows), with LLVM's generic vectors (AVX2, AVX-512 or SSE). Where the CPU
-has AVX512-VNNI, rows_vnni multiplies the codes of every block type in integers by activations
-quantized per 32 values: to int16 with vpdpwssd on the "int16" path (the default; ~1e-5 of a
-product, SmolLM2's logits within 2.5e-4 of the reference and its greedy text unchanged), or to
+has AVX512-VNNI, rows_vnni multiplies the codes of every block type in integers by quantized
+activations: to int16 with vpdpwssd on the "int16" path (the default; one scale per 256 values,
+~1e-4 of a product, SmolLM2's logits within 2.5e-4 of the reference and its greedy text
+unchanged), or, one scale per 32 values, to
 int8 with vpdpbusd on the "vnni" path (as llama.cpp's q8 x q8; ~1% of a product, which moves
 SmolLM2's logits by a few percent and changes some greedy answers, so it is asked for).
 """
 
 import numba
 import numpy as np
-from llvmlite import ir
+from llvmlite import binding, ir
 from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
@@ -36,6 +37,12 @@ from numba.extending import intrinsic, overload
 from ellmd.kernels.formats import decode, f16_to_f32
 
 QK = 256  # weights per K-quant super-block
+# bytes ahead of the one in use that the kernels streaming weight rows ask for: this machine's hardware
+# prefetcher alone left Q4_K decode at 8 of the 19 Gw/s a core reaches with it (2,048 measured
+# best of 1-8 KiB); scripts/kernel_bench.py
+PREFETCH = 2048
+
+binding.initialize_native_asmparser()  # numba's object emitter then takes inline assembly (_vpdpwssd)
 
 BLOCK_DTYPES = {
     "Q8_0": np.dtype([("d", "<u2"), ("qs", "i1", (32,))]),
@@ -174,6 +181,30 @@ def _address(typingctx, a):
         return builder.ptrtoint(data, context.get_value_type(types.intp))
 
     return types.intp(a), codegen
+
+
+@intrinsic
+def _prefetch(typingctx, b, o):
+    """Ask for the cache line of b[o] (a byte view); any o: a prefetch never faults."""
+    if not (isinstance(b, types.Array) and b.dtype == types.uint8 and b.ndim == 1):
+        return None
+
+    def codegen(context, builder, signature, args):
+        data = context.make_array(signature.args[0])(context, builder, args[0]).data
+        i32 = ir.IntType(32)
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [data.type, i32, i32, i32]),
+                                            "llvm.prefetch.p0")
+        builder.call(fn, [builder.gep(data, [args[1]]), ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
+        return context.get_dummy_value()
+
+    return types.void(b, types.intp), codegen
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _prefetch_ahead(b, o, size):
+    """Ask for the cache lines of the size bytes PREFETCH past b[o] (see PREFETCH)."""
+    for line in range(0, size, 64):
+        _prefetch(b, o + PREFETCH + line)
 
 
 @intrinsic
@@ -460,6 +491,7 @@ def _dot_q8_0(x, b, acc):
     n = x.shape[0]
     for blk in range(b.shape[0] // 34):
         o, y = blk * 34, blk * 32
+        _prefetch_ahead(b, o, 34)
         d = _f16_at(b, o)
         for h in range(2):  # int8 codes: flip the sign bit to an unsigned code, then minus 128
             fma16(acc, x, n, y + 16 * h, b, o + 2 + 16 * h, 0x80, 0, 255, d, -128 * d, 0, 0, 0, 0)
@@ -470,6 +502,7 @@ def _dot_q4_0(x, b, acc):
     n = x.shape[0]
     for blk in range(b.shape[0] // 18):
         o, y = blk * 18, blk * 32
+        _prefetch_ahead(b, o, 18)
         d = _f16_at(b, o)
         fma16(acc, x, n, y, b, o + 2, 0, 0, 15, d, -8 * d, 0, 0, 0, 0)
         fma16(acc, x, n, y + 16, b, o + 2, 0, 4, 15, d, -8 * d, 0, 0, 0, 0)
@@ -480,6 +513,7 @@ def _dot_q4_1(x, b, acc):
     n = x.shape[0]
     for blk in range(b.shape[0] // 20):
         o, y = blk * 20, blk * 32
+        _prefetch_ahead(b, o, 20)
         d, m = _f16_at(b, o), _f16_at(b, o + 2)
         fma16(acc, x, n, y, b, o + 4, 0, 0, 15, d, m, 0, 0, 0, 0)
         fma16(acc, x, n, y + 16, b, o + 4, 0, 4, 15, d, m, 0, 0, 0, 0)
@@ -490,6 +524,7 @@ def _dot_q5_0(x, b, acc):
     n = x.shape[0]
     for blk in range(b.shape[0] // 22):
         o, y = blk * 22, blk * 32
+        _prefetch_ahead(b, o, 22)
         d, qh = _f16_at(b, o), _u32_at(b, o + 2)
         fma16_bits(acc, x, n, y, b, o + 6, 0, 0, 15, d, -16 * d, qh, 0, 0, 0)
         fma16_bits(acc, x, n, y + 16, b, o + 6, 0, 4, 15, d, -16 * d, qh, 16, 0, 0)
@@ -500,6 +535,7 @@ def _dot_q5_1(x, b, acc):
     n = x.shape[0]
     for blk in range(b.shape[0] // 24):
         o, y = blk * 24, blk * 32
+        _prefetch_ahead(b, o, 24)
         d, m, qh = _f16_at(b, o), _f16_at(b, o + 2), _u32_at(b, o + 4)
         fma16_bits(acc, x, n, y, b, o + 8, 0, 0, 15, d, m, qh, 0, 0, 0)
         fma16_bits(acc, x, n, y + 16, b, o + 8, 0, 4, 15, d, m, qh, 16, 0, 0)
@@ -510,6 +546,7 @@ def _dot_q4_k(x, b, acc):
     n = x.shape[0]
     for blk in range(b.shape[0] // 144):
         o, y = blk * 144, blk * QK
+        _prefetch_ahead(b, o, 144)
         d, dmin = _f16_at(b, o), _f16_at(b, o + 2)
         for c in range(4):
             sc1, m1 = _scale_min_k4(b, o + 4, 2 * c)
@@ -527,6 +564,7 @@ def _dot_q5_k(x, b, acc):
     n = x.shape[0]
     for blk in range(b.shape[0] // 176):
         o, y = blk * 176, blk * QK
+        _prefetch_ahead(b, o, 176)
         d, dmin = _f16_at(b, o), _f16_at(b, o + 2)
         for c in range(4):
             sc1, m1 = _scale_min_k4(b, o + 4, 2 * c)
@@ -545,6 +583,7 @@ def _dot_q6_k(x, b, acc):
     n = x.shape[0]
     for blk in range(b.shape[0] // 210):
         o, y = blk * 210, blk * QK
+        _prefetch_ahead(b, o, 210)
         d = _f16_at(b, o + 208)
         for half in range(2):
             ql, qh, sc, y0 = o + 64 * half, o + 128 + 32 * half, o + 192 + 8 * half, y + 128 * half
@@ -629,40 +668,55 @@ def _dot_rows_overload(x, w, out, j0, j1, acc=None):
 #   sum(w * x) = dx * (a * sum(c * xq) + b * sum(xq))
 # and every offset (Q8_0's sign flip, Q4_0's -8, Q6_K's -32) and every min is the exact b term.
 # Rounding x to int8 costs ~1% of a product (rms), to int16 ~1e-4 of that.
+# int16 activations share one scale per 256 values where the width allows (activation_group):
+# then a K-quant super-block's 6- or 8-bit sub-block scales multiply its codes in int16
+# (vpmullw), its 8 groups sum in int32, and one float step per super-block remains (the
+# per-group float scaling cost more than the products). Every kernel streams its rows with
+# software prefetches PREFETCH bytes ahead.
+
+
+def activation_group(k, itemsize):
+    """Values sharing one activation scale: 256 for int16 codes of a width 256 divides (a K-quant
+    super-block, whose sub-block scales then apply in integers), else 32 (one block)."""
+    return 256 if itemsize == 2 and k % 256 == 0 else 32
 
 
 @numba.njit(cache=True, nogil=True, fastmath=True)
 def quantize_activations(x, xq, xd, xs):
     """x [n, k] float32 -> xq [n, k] int8 or int16 codes, xd [n, k/32] float32 scales (one per 32
-    values, x ~ xq * xd), xs [n, k/16] int32 sums of the codes per 16 values."""
+    values, x ~ xq * xd; equal over each activation_group), xs [n, k/16] int32 sums of the codes
+    per 16 values."""
     n, k = x.shape
     top = np.float32(127.0) if xq.itemsize == 1 else np.float32(32767.0)
+    group = 256 if xq.itemsize == 2 and k % 256 == 0 else 32
     for i in range(n):
-        for blk in range(k // 32):
+        for g0 in range(0, k, group):
             amax = np.float32(0.0)
-            for l in range(32):
-                amax = max(amax, abs(x[i, blk * 32 + l]))
+            for l in range(g0, g0 + group):
+                amax = max(amax, abs(x[i, l]))
             d = amax / top
             inv = np.float32(1.0) / d if d > 0 else np.float32(0.0)
-            for h in range(2):
+            for s in range(g0 // 16, (g0 + group) // 16):
                 total = 0
-                for l in range(blk * 32 + 16 * h, blk * 32 + 16 * h + 16):
+                for l in range(16 * s, 16 * s + 16):
                     q = np.int32(np.rint(x[i, l] * inv))
                     xq[i, l] = q
                     total += q
-                xs[i, 2 * blk + h] = total
-            xd[i, blk] = d
+                xs[i, s] = total
+            xd[i, g0 // 32 : (g0 + group) // 32] = d
 
 
 def quantize_activations_ref(x, dtype=np.int8):
     """numpy reference of quantize_activations, codes of dtype (int8 or int16): (xq, xd, xs)."""
     n, k = x.shape
-    blocks = x.reshape(n, k // 32, 32)
-    d = np.abs(blocks).max(axis=2) / np.float32(np.iinfo(dtype).max)  # [n, k/32]
+    group = activation_group(k, np.dtype(dtype).itemsize)
+    groups = x.reshape(n, k // group, group)
+    d = np.abs(groups).max(axis=2) / np.float32(np.iinfo(dtype).max)  # [n, k/group]
     with np.errstate(divide="ignore"):
         inv = np.where(d > 0, np.float32(1.0) / d, np.float32(0.0)).astype(np.float32)
-    q = np.rint(blocks * inv[..., None]).astype(np.int32)
-    return q.astype(dtype).reshape(n, k), d.astype(np.float32), q.reshape(n, k // 16, 16).sum(axis=2).astype(np.int32)
+    q = np.rint(groups * inv[..., None]).astype(np.int32).reshape(n, k)
+    d = np.repeat(d, group // 32, axis=1)
+    return q.astype(dtype), d.astype(np.float32), q.reshape(n, k // 16, 16).sum(axis=2).astype(np.int32)
 
 
 def rows_vnni_ref(xq, xd, xs, w, out, j0, j1):
@@ -704,6 +758,16 @@ class _Ir:
 
     def bytes(self, at, count):
         return self.b.load(self.b.bitcast(self.ptr(at), self.vec(self.i8, count).as_pointer()), align=1)
+
+    def prefetch(self, at, size):
+        """Ask for the cache lines of the size bytes PREFETCH past byte offset at (a prefetch never
+        faults, so past the row's end is fine: it is the next row's start)."""
+        i8p = self.i8.as_pointer()
+        fn = cgutils.get_or_insert_function(self.b.module, ir.FunctionType(ir.VoidType(), [i8p, self.i32, self.i32, self.i32]),
+                                            "llvm.prefetch.p0")
+        for line in range(0, size, 64):
+            ptr = self.ptr(self.b.add(at, ir.Constant(at.type, PREFETCH + line)))
+            self.b.call(fn, [ptr, ir.Constant(self.i32, 0), ir.Constant(self.i32, 3), ir.Constant(self.i32, 1)])
 
     def byte(self, at):
         return self.b.zext(self.b.load(self.ptr(at)), self.i32)
@@ -781,17 +845,10 @@ def _group(name, q, o, g):
     return codes, 32, a_lo, a_hi, None
 
 
-def _k_scales(name, q, o, dxv, xsv):
-    """Scales of a K-quant super-block at byte offset o, once for its 8 groups, in vectors:
-    (scales, bias), scales[l] of value l * 16 of the block times its activation scale (dxv: the
-    8 of the block), bias the vector whose lane sum is the block's min term (xsv: the 16 code
-    sums); None for no min."""
+def _k4_scale_bytes(q, o):
+    """The 8 six-bit scales and the 8 mins of a Q4_K/Q5_K super-block at byte offset o, as two
+    <8 x i8> vectors."""
     b = q.b
-    d = q.f16(b.add(o, ir.Constant(o.type, 208 if name == "Q6_K" else 0)))
-    every = ir.Constant(q.vec(q.i32, 16), [l // 2 for l in range(16)])
-    if name == "Q6_K":  # 16 signed 8-bit scales, one per 16 values
-        sc = b.sitofp(q.bytes(b.add(o, ir.Constant(o.type, 192)), 16), q.vec(q.f32, 16))
-        return b.fmul(b.fmul(sc, b.shuffle_vector(dxv, dxv, every)), q.splat(d, 16)), None
     raw = q.bytes(b.add(o, ir.Constant(o.type, 4)), 16)  # 12 scale bytes (and 4 code bytes)
 
     def pick(*index):
@@ -805,6 +862,51 @@ def _k_scales(name, q, o, dxv, xsv):
     sc = b.select(first, b.and_(low, c8(63)), b.or_(b.and_(low, c8(15)), b.shl(b.lshr(top, c8(6)), c8(4))))
     low, top = pick(4, 5, 6, 7, 8, 9, 10, 11), pick(4, 5, 6, 7, 4, 5, 6, 7)
     mn = b.select(first, b.and_(low, c8(63)), b.or_(b.lshr(low, c8(4)), b.shl(b.lshr(top, c8(6)), c8(4))))
+    return sc, mn
+
+
+def _k_words(name, q, o, g):
+    """Group g (32 values) of the K-quant super-block at byte offset o as <32 x i16> signed codes
+    (Q6_K's offset 32 taken off), and the index of its scale for each of the 32 values. Codes are
+    cut from their bytes on 256-bit vectors, then widened: a 512-bit shift would take the port
+    the multiplies need."""
+    b = q.b
+
+    def at(v):
+        return b.add(o, ir.Constant(o.type, v))
+
+    w16 = q.vec(ir.IntType(16), 32)
+    if name == "Q6_K":
+        half, part = divmod(g, 4)  # values 128 * half + 32 * part + l, a scale per 16
+        codes = b.or_(q.field(q.bytes(at(64 * half + 32 * (part % 2)), 32), 4 * (part // 2), 15, 0),
+                      q.field(q.bytes(at(128 + 32 * half), 32), 2 * part, 3, 4))
+        codes = b.sub(b.zext(codes, w16), ir.Constant(w16, [32] * 32))
+        return codes, [8 * half + 2 * part + (l >= 16) for l in range(32)]
+    codes = q.field(q.bytes(at((16 if name == "Q4_K" else 48) + 32 * (g // 2)), 32), 4 * (g % 2), 15, 0)
+    if name == "Q5_K":
+        codes = b.or_(codes, q.field(q.bytes(at(16), 32), g, 1, 4))
+    return b.zext(codes, w16), [g] * 32
+
+
+def _vpdpwssd(b, acc, a, x):
+    """acc + the pairwise products of a and x (<16 x i32> each, as 32 int16): the instruction
+    itself, which LLVM would otherwise split into vpmaddwd and vpaddd (two uops)."""
+    return b.asm(ir.FunctionType(acc.type, [acc.type] * 3), "vpdpwssd $3, $2, $0", "=v,0,v,v", [acc, a, x],
+                 side_effect=False, name="dpwssd")
+
+
+def _k_scales(name, q, o, dxv, xsv):
+    """Scales of a K-quant super-block at byte offset o, once for its 8 groups, in vectors:
+    (scales, bias), scales[l] of value l * 16 of the block times its activation scale (dxv: the
+    8 of the block), bias the vector whose lane sum is the block's min term (xsv: the 16 code
+    sums); None for no min."""
+    b = q.b
+    d = q.f16(b.add(o, ir.Constant(o.type, 208 if name == "Q6_K" else 0)))
+    every = ir.Constant(q.vec(q.i32, 16), [l // 2 for l in range(16)])
+    if name == "Q6_K":  # 16 signed 8-bit scales, one per 16 values
+        sc = b.sitofp(q.bytes(b.add(o, ir.Constant(o.type, 192)), 16), q.vec(q.f32, 16))
+        return b.fmul(b.fmul(sc, b.shuffle_vector(dxv, dxv, every)), q.splat(d, 16)), None
+    sc, mn = _k4_scale_bytes(q, o)
     f8 = q.vec(q.f32, 8)
     scales = b.fmul(b.fmul(b.uitofp(sc, f8), dxv), q.splat(d, 8))
     dmin = b.fneg(q.f16(b.add(o, ir.Constant(o.type, 2))))
@@ -888,6 +990,7 @@ def _rows_vnni_codegen(name, wide):
             return ir.Constant(intp, v)
 
         def group(i, blk, g, chain):
+            q.prefetch(builder.mul(blk, c(size)), size)
             codes, offset, a_lo, a_hi, m = _group(name, q, builder.mul(blk, c(size)), g)
             at = builder.add(builder.mul(blk, c(groups)), c(g))  # the activation block
             dot = _dot_group(q, xq_a, builder.add(builder.mul(i, k), builder.mul(at, c(32))), codes, offset, wide)
@@ -904,6 +1007,7 @@ def _rows_vnni_codegen(name, wide):
 
         def super_block(i, blk):
             o = builder.mul(blk, c(size))
+            q.prefetch(o, size)
             at = builder.add(builder.mul(i, builder.udiv(k, c(32))), builder.mul(blk, c(8)))
             dxv = builder.load(builder.bitcast(builder.gep(xd_a.data, [at]), q.vec(q.f32, 8).as_pointer()), align=4)
             xsv = builder.load(builder.bitcast(builder.gep(xs_a.data, [builder.mul(at, c(2))]),
@@ -922,6 +1026,43 @@ def _rows_vnni_codegen(name, wide):
             if bias is not None:
                 builder.store(builder.fadd(builder.load(kbias), bias), kbias)
 
+        def super_block_words(i, blk):
+            # int16 activations share one scale per super-block (activation_group): the sub-block
+            # scales multiply the codes in int16 and the 8 groups sum in int32 (|sum| < 2^30)
+            o = builder.mul(blk, c(size))
+            q.prefetch(o, size)
+            at = builder.add(builder.mul(i, builder.udiv(k, c(32))), builder.mul(blk, c(8)))
+            dxv = builder.load(builder.bitcast(builder.gep(xd_a.data, [at]), q.vec(q.f32, 8).as_pointer()), align=4)
+            xsv = builder.load(builder.bitcast(builder.gep(xs_a.data, [builder.mul(at, c(2))]),
+                                               q.vec(q.i32, 16).as_pointer()), align=4)
+            dx = builder.extract_element(dxv, ir.Constant(q.i32, 0))
+            w16, bias = q.vec(ir.IntType(16), 32), None
+            if name == "Q6_K":
+                scales = builder.sext(q.bytes(builder.add(o, c(192)), 16), q.vec(ir.IntType(16), 16))
+            else:
+                scales, mins = _k4_scale_bytes(q, o)
+                scales = builder.zext(scales, q.vec(ir.IntType(16), 8))
+                # the mins times the code sums per 16 of the activations
+                mins = builder.shuffle_vector(mins, mins, ir.Constant(q.vec(q.i32, 16), [l // 2 for l in range(16)]))
+                dmin = builder.fneg(builder.fmul(q.f16(builder.add(o, c(2))), dx))
+                bias = builder.fmul(builder.fmul(builder.uitofp(mins, f32v), builder.sitofp(xsv, f32v)),
+                                    q.splat(dmin, lanes))
+            i32v = q.vec(q.i32, 16)
+            sums = [ir.Constant(i32v, [0] * 16)] * 2  # two chains
+            for g in range(groups):
+                codes, index = _k_words(name, q, o, g)
+                scale = builder.shuffle_vector(scales, scales, ir.Constant(q.vec(q.i32, 32), index))
+                xi = builder.add(builder.mul(i, k), builder.mul(builder.add(builder.mul(blk, c(8)), c(g)), c(32)))
+                xv = builder.load(builder.bitcast(builder.gep(xq_a.data, [xi]), w16.as_pointer()), align=1)
+                product = builder.bitcast(builder.mul(codes, scale), i32v)
+                sums[g % 2] = _vpdpwssd(builder, sums[g % 2], product, builder.bitcast(xv, i32v))
+            total = builder.fadd(builder.sitofp(sums[0], f32v), builder.sitofp(sums[1], f32v))
+            d = q.f16(builder.add(o, c(208 if name == "Q6_K" else 0)))
+            acc = accs[0]
+            builder.store(builder.call(fma, [total, q.splat(builder.fmul(d, dx), lanes), builder.load(acc)]), acc)
+            if bias is not None:
+                builder.store(builder.fadd(builder.load(accs[1]), bias), accs[1])
+
         with cgutils.for_range(builder, n) as rows:
             i = rows.index
             for acc, corr in zip(accs, corrs):
@@ -936,7 +1077,7 @@ def _rows_vnni_codegen(name, wide):
                     group(i, builder.sub(nb, c(1)), 0, 0)
             else:
                 with cgutils.for_range(builder, nb) as blocks:
-                    super_block(i, blocks.index)
+                    (super_block_words if wide else super_block)(i, blocks.index)
             total = q.hsum(builder.fadd(builder.load(accs[0]), builder.load(accs[1])))
             corr = builder.fadd(builder.load(corrs[0]), builder.load(corrs[1]))
             value = builder.fadd(total, builder.fadd(corr, q.hsum(builder.load(kbias))))
