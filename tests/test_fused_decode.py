@@ -159,3 +159,13 @@ def test_decode_allocates_nothing_in_numba(alignment_dir, variant, weight_dtype)
     engine.plan.fused_decode = False  # the kernel-by-kernel step: block rows take heap accumulators
     if weight_dtype != "bf16":
         assert decode_allocations(engine) > fused + 10
+
+
+@pytest.mark.parametrize("kernels", ["int16", "vnni", "portable"])
+def test_moe_decode_on_blocks_allocates_nothing_in_numba(alignment_dir, monkeypatch, kernels):
+    """The routed experts take their accumulators and quantized activations from the MoE workspace,
+    on every kernel path: as many allocations as on f32 experts (the arguments' unboxing)."""
+    monkeypatch.setattr(cpu, "ENABLED", cpu.choose(kernels))
+    engine = make_engine(alignment_dir / "qwen3_moe", "q4_k")
+    assert quant.block_name(engine.model.layers[0]["experts_down"]) in quant.VNNI_BLOCKS
+    assert decode_allocations(engine) == decode_allocations(make_engine(alignment_dir / "qwen3_moe", "f32"))

@@ -1,14 +1,16 @@
 """The MoE block (ellmd.kernels.moe): fused and grouped paths against the numpy reference.
 
 moe_experts takes the fused path up to FUSED_MAX_TOKENS tokens and groups tokens by expert above;
-both read the same stored expert values as the reference, so tolerances are float32 arithmetic's.
+both read the same stored expert values as the reference, so tolerances are float32 arithmetic's,
+except on the integer paths (cpu.py), where block weights meet activations quantized per 32 values.
 """
 
 import numpy as np
 import pytest
 
 from ellmd.kernels import cpu, moe, quant
-from ellmd.kernels.formats import BF16, F16, F32, to_storage
+from ellmd.kernels.activations import silu_mul_ref
+from ellmd.kernels.formats import BF16, F16, F32, to_f32, to_storage
 
 FORMATS = [F32, BF16, F16]
 TOL = dict(rtol=1e-5, atol=2e-5)
@@ -33,6 +35,8 @@ def block_stacks(rng, gate_type, up_type, down_type, experts, hidden, inter):
     """GGUF block stacks [E, rows, blocks]; gate and up separate when their types differ (a tuple)."""
 
     def q(rows, cols, name):
+        if name == "BF16":  # a float stack beside blocks
+            return to_storage(randn(rng, experts, rows, cols, scale=cols**-0.5), BF16)
         if name in ("Q5_K", "Q6_K"):  # no quantizer for these here: random blocks with small scales
             dtype = quant.BLOCK_DTYPES[name]
             shape = (experts, rows, cols // quant.BLOCK_SIZES[name])
@@ -107,13 +111,14 @@ def test_moe_block_tokens_sharing_experts_sum_their_own_outputs(rng):
     assert np.abs(got[0] - got[1]).max() > 1e-3  # the same experts, different weights
 
 
-# llama-quantize's Q4_K_M mixes (Q4_K gate/up, Q6_K down), Q8_0, and gate and up of different types
+# llama-quantize's Q4_K_M mixes (Q4_K gate/up, Q6_K down), Q8_0, gate and up of different types, and
+# blocks beside a bf16 stack (each on its own kernels: the same input quantized for one, not the other)
 BLOCK_CASES = [("Q4_K", "Q4_K", "Q6_K", 256, 512), ("Q8_0", "Q8_0", "Q8_0", 64, 96), ("Q4_K", "Q5_K", "Q4_K", 256, 256),
-               ("Q5_0", "Q5_0", "Q4_1", 96, 64)]
+               ("Q5_0", "Q5_0", "Q4_1", 96, 64), ("Q8_0", "BF16", "Q4_0", 64, 64)]
 
 
 def run_blocks(rng, n, gate_type, up_type, down_type, hidden, inter):
-    """(moe_block, moe_block_ref) outputs on random block stacks."""
+    """(moe_block, moe_block_ref) outputs on random block stacks, then the input, routing and stacks."""
     experts, top_k = 16, 4
     gate_up, down = block_stacks(rng, gate_type, up_type, down_type, experts, hidden, inter)
     x = randn(rng, n, hidden)
@@ -126,21 +131,60 @@ def run_blocks(rng, n, gate_type, up_type, down_type, hidden, inter):
         chosen = np.empty((n, top_k), np.int64)
         block(x, router, top_k, True, gate_up, down, BF16, out, logits, weights, chosen, scratch)
         outs.append(out)
-    return outs
+    return outs, (x, chosen, weights, gate_up, down)
 
 
 @pytest.mark.parametrize("n", [1, 3, 20])
 @pytest.mark.parametrize("gate_type,up_type,down_type,hidden,inter", BLOCK_CASES)
 def test_moe_block_on_blocks_matches_dequantized_reference(rng, monkeypatch, n, gate_type, up_type, down_type, hidden,
                                                            inter):
-    # the portable kernels: float32 products of the blocks (the grouped path's dense matmul would
-    # otherwise quantize activations to int8 for Q8_0/Q4_0/Q4_1 where VNNI exists; checked below)
+    # the portable kernels: float32 products of the blocks
     monkeypatch.setattr(cpu, "ENABLED", frozenset())
-    got, want = run_blocks(rng, n, gate_type, up_type, down_type, hidden, inter)
+    (got, want), _ = run_blocks(rng, n, gate_type, up_type, down_type, hidden, inter)
     np.testing.assert_allclose(got, want, **TOL)
 
 
-def test_grouped_path_with_int8_activations_costs_what_int8_costs(rng, monkeypatch):
-    monkeypatch.setattr(cpu, "ENABLED", cpu.choose("auto"))  # int8 activations where VNNI exists
-    got, want = run_blocks(rng, 20, "Q8_0", "Q8_0", "Q8_0", 64, 96)
-    assert np.abs(got - want).max() < 0.02 * np.abs(want).max()
+def quantized(x, dtype):
+    """x as the integer paths meet it: codes of dtype per 32 values times their scale (float64)."""
+    xq, xd, _ = quant.quantize_activations_ref(x, dtype)
+    return (xq.astype(np.float64).reshape(len(x), -1, 32) * xd[..., None]).reshape(x.shape)
+
+
+def integer_reference(x, experts, weights, gate_up, down, dtype):
+    """moe_experts_ref as the integer paths compute it (quant.rows_vnni_ref): each token's input and
+    each (token, expert) silu output quantized per 32 values, times the blocks dequantized by gguf."""
+    out = np.zeros(x.shape)
+    for i, (chosen, mix) in enumerate(zip(experts, weights)):
+        for e, weight in zip(chosen, mix):
+            parts = (gate_up[0][e], gate_up[1][e]) if isinstance(gate_up, tuple) else (gate_up[e],)
+            xi = [quantized(x[i : i + 1], dtype) if quant.is_blocks(part) else x[i : i + 1] for part in parts]
+            gu = np.concatenate([a @ to_f32(part, BF16).T.astype(np.float64) for a, part in zip(xi, parts)], axis=1)
+            act = np.empty((1, gu.shape[1] // 2), np.float32)
+            silu_mul_ref(gu.astype(np.float32), act)
+            out[i] += weight * (quantized(act, dtype) @ quant.dequantize(down[e]).T.astype(np.float64))[0]
+    return out.astype(np.float32)
+
+
+# int16 codes: ~5e-5 of the largest output from the float32 products, the rest f32 rounding (which
+# can flip a code); int8 codes: ~1% from them, which integer_reference reproduces
+INTEGER = {"int16": (np.int16, 3e-4, 3e-4), "vnni": (np.int8, 1e-3, 0.02)}
+
+
+@pytest.mark.parametrize("n", [1, 3, 16, 20])
+@pytest.mark.parametrize("kernels", ["int16", "vnni"])
+@pytest.mark.parametrize("gate_type,up_type,down_type,hidden,inter", BLOCK_CASES)
+def test_moe_block_on_integer_paths_matches_quantized_reference(rng, monkeypatch, kernels, n, gate_type, up_type,
+                                                                down_type, hidden, inter):
+    """The fused path (n <= 16) and the grouped one (n = 20) run the experts' blocks on the integer
+    kernels: the activations quantized once per token for gate and up, once per pair for down."""
+    monkeypatch.setattr(cpu, "ENABLED", cpu.choose(kernels))
+    dtype, tolerance, float_tolerance = INTEGER[kernels]
+    (got, want_float), (x, chosen, weights, gate_up, down) = run_blocks(rng, n, gate_type, up_type, down_type,
+                                                                        hidden, inter)
+    want = integer_reference(x, chosen, weights, gate_up, down, dtype)
+    scale = np.abs(want).max()
+    np.testing.assert_allclose(got, want, rtol=0, atol=tolerance * scale)
+    error = np.abs(got - want_float).max() / scale
+    assert error < float_tolerance
+    if kernels in cpu.ENABLED:  # the codes' rounding shows: the float32 kernels come within ~5e-7
+        assert error > 5e-6

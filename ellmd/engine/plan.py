@@ -15,6 +15,9 @@ I intermediate, V vocab, E experts, k experts per token):
   xq8, xq16       [B*K] int8, int16   decode activations quantized for the integer paths ("vnni", "int16")
   xd, xs          [B*K/32], [B*K/16]  their scales (per 32) and code sums (per 16)
                                              (K the widest matmul input)
+  router_logits   [C, E]; expert_weights, expert_ids [C, k]; moe_out [C, h]
+  moe_scratch     kernels.moe.MoeScratch: the experts' gathered rows, and the fused decode's own
+                  per-worker accumulators and quantized activations (tokens, pairs, silu outputs)
 
 Decode (up to Plan.fused_max_rows rows) runs through kernels.layer: the layers in a few compiled
 calls, one per run of consecutive layers whose weights have the same types (one run for a
@@ -31,7 +34,7 @@ from ellmd import kernels
 from ellmd.kernels import cpu, layer, quant
 from ellmd.kernels.formats import kernel_view
 from ellmd.kernels.matmul import PREFILL_MIN_ROWS
-from ellmd.kernels.moe import FUSED_MAX_TOKENS, _fused_args
+from ellmd.kernels.moe import FUSED_MAX_TOKENS, fused_work
 from ellmd.model.llama import logical_shape
 from ellmd.model.spec import ModelSpec
 
@@ -124,14 +127,8 @@ class Plan:
         )
         self.mlp_ws = (ws.x, ws.h, ws.gate_up, ws.act, ws.acc)
         self.fused_max_rows = min(len(ws.logits), PREFILL_MIN_ROWS - 1)  # matmul's choice of kernel
-        self.moe_ws = None
-        moe_mlp = next((mlp for attention, mlp, moe in layers if moe), None)
-        if moe_mlp is not None:
+        if any(moe for _, _, moe in layers):
             self.fused_max_rows = min(self.fused_max_rows, FUSED_MAX_TOKENS)
-            _, gate, up, _, down = moe_mlp
-            _, views = _fused_args((gate, up), down, model.fmt, self.fused_max_rows, spec.num_experts_per_tok,
-                                   ws.moe_scratch)
-            self.moe_ws = (ws.x, ws.h, ws.moe_out, ws.router_logits, ws.expert_weights, ws.expert_ids, *views)
 
     def forward(self, n: int, decode: bool) -> None:
         """Embed and run the n tokens set in ws.tokens/slots/positions; the residual ends in ws.x[:n]."""
@@ -149,15 +146,22 @@ class Plan:
         xq = ws.xq8 if "vnni" in cpu.ENABLED else ws.xq16
         return bool(cpu.INTEGER & cpu.ENABLED), min(numba.get_num_threads(), len(ws.acc)), (xq, ws.xd, ws.xs)
 
+    def _moe_ws(self) -> tuple:
+        """The MoE buffers of kernels.layer.decode_moe, on the kernel path of this step (as _paths)."""
+        ws = self.ws
+        work, _ = fused_work(ws.moe_scratch)
+        return ws.x, ws.h, ws.moe_out, ws.router_logits, ws.expert_weights, ws.expert_ids, work
+
     def _decode_layers(self, n: int) -> None:
         spec, ws = self.model.spec, self.ws
         nsplit = min(ws.attention_scratch["partial_m"].shape[0], numba.get_num_threads())
         paths = self._paths()
         shape = (spec.num_attention_heads, spec.num_key_value_heads, spec.head_dim)
         common = (n, ws.slots, ws.positions, shape, spec.rms_norm_eps, self.model.scale, nsplit, paths)
+        moe_ws = self._moe_ws() if spec.num_experts else None
         for moe, layers in self.runs:
             if moe:
-                layer.decode_moe(layers, self.attention_ws, self.moe_ws, *common, spec.num_experts_per_tok,
+                layer.decode_moe(layers, self.attention_ws, moe_ws, *common, spec.num_experts_per_tok,
                                  spec.norm_topk_prob)
             else:
                 layer.decode_dense(layers, self.attention_ws, self.mlp_ws, *common)

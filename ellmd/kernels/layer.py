@@ -195,16 +195,16 @@ def decode_moe(layers, ws, moe_ws, n, slots, positions, shape, eps, scale, nspli
     """decode_dense for a run of Qwen3-MoE layers: the routed experts' MLP (moe.moe_block's fused path).
 
     layers: a tuple of (attention weights, (router [E, h], gate, up, up0, down)) with the expert
-    stacks of moe.moe_block; moe_ws: (x, h, moe_out, router logits, weights, experts, then the
-    MoeScratch views and widths of moe._fused_args).
+    stacks of moe.moe_block; moe_ws: (x, h, moe_out, router logits, weights, experts, the work
+    arrays of moe.fused_work, whose codes have the dtype of paths' xq).
     """
-    x, h, out, logits, weights, experts, order, offsets, active, xs, gu, act, ys, widths = moe_ws
-    rows = n * top_k
+    x, h, out, logits, weights, experts, work = moe_ws
+    integer = paths[0]
     for i in range(len(layers)):
         attention_weights, (router, gate, up, up0, down) = layers[i]
         _attention(attention_weights, ws, n, slots, positions, shape, eps, scale, nsplit, paths)
-        _block_fused(h[:n], router, top_k, normalize, gate, up, up0, down, out[:n], logits[:n], weights[:n],
-                     experts[:n], order, offsets, active, xs[:rows], gu[:rows], act[:rows], ys[:rows], widths)
+        _block_fused(h[:n], router, top_k, normalize, (gate, up, up0, down), out[:n], logits[:n], weights[:n],
+                     experts[:n], work, integer)
         _add(x[:n], out[:n])
 
 

@@ -4,17 +4,20 @@ Shape legend:
   n   tokens
   E   experts; k experts per token (top_k)
   h   hidden size; I expert intermediate size
+  W   workers of the fused path (kernel threads)
   expert stacks: gate_up [E, 2*I, h] (gate rows, then up rows) or a tuple (gate, up) of [E, I, h];
   down [E, h, I]; in a block format (quant.py) the last axis counts blocks
 
 Two paths, both reading each routed expert's weights once per call whatever its number of tokens:
 
 - few tokens (decode, short appends; n <= FUSED_MAX_TOKENS): moe_block runs the router, the top-k,
-  and every routed expert's gate_up, silu, down and weighted sum in one compiled call. Each
-  parallel task owns a block of weight rows across all routed experts (gate_up: a block of
-  intermediate columns, with its silu; down: a block of hidden columns of the output), so tasks
-  write disjoint outputs and need no reduction, and a decode step costs one Python-to-numba
-  transition per layer instead of a few per expert.
+  and every routed expert's gate_up, silu, down and weighted sum in one compiled call. Each of W
+  workers owns a run of weight rows across all routed experts (gate_up: a run of intermediate
+  columns, with its silu; down: a run of hidden columns of the output), so workers write disjoint
+  outputs and need no reduction, and a decode step costs one Python-to-numba transition per layer
+  instead of a few per expert. On the integer paths (cpu.py) block weights meet activations
+  quantized once: each token's input once for gate and up, each (token, expert) pair's silu
+  output once for down, as dense layers do (kernels.layer). Every work array is the scratch's.
 - many tokens (prefill): experts run one at a time over the tokens routed to them (gathered into
   contiguous rows), through the same matmul as dense layers (packed panels for many rows).
 
@@ -26,13 +29,14 @@ from typing import NamedTuple
 import numba
 import numpy as np
 from numba import prange
+from numba.extending import overload
 
+from ellmd.kernels import cpu, quant
 from ellmd.kernels.activations import exp_f32, silu_mul, silu_mul_ref
 from ellmd.kernels.formats import F32, kernel_view, to_f32
 from ellmd.kernels.matmul import ROW_BLOCK, linear_rows, matmul, matmul_ref, prefill_scratch_size
 
 FUSED_MAX_TOKENS = 16  # up to this many tokens moe_block takes the fused path (decode batches)
-TASKS_PER_THREAD = 8  # parallel tasks of a fused loop per thread: balance vs long contiguous row runs
 
 
 @numba.njit(cache=True, nogil=True, fastmath=True)
@@ -98,11 +102,21 @@ class MoeScratch(NamedTuple):
     act: np.ndarray  # [rows, I] float32
     ys: np.ndarray  # [rows, h] float32: expert outputs before weighting
     matmul: np.ndarray  # 1-D float32: matmul's prefill scratch
+    # the fused path's own (T = min(max_tokens, FUSED_MAX_TOKENS) tokens, F = k * T pairs):
+    acc: np.ndarray  # [W, quant.acc_floats(T)] float32: each worker's block-row accumulator
+    # activations quantized for the integer paths, three areas one after the other: the tokens'
+    # inputs [T, h], the same gathered by pair [F, h], the pairs' silu outputs [F, I] (see _area)
+    codes8: np.ndarray  # [T*h + F*h + F*I] int8 codes ("vnni")
+    codes16: np.ndarray  # [T*h + F*h + F*I] int16 codes ("int16")
+    scales: np.ndarray  # [(T*h + F*h + F*I) / 32] float32: one per 32 values
+    sums: np.ndarray  # [(T*h + F*h + F*I) / 16] int32: code sums per 16 values
 
 
 def moe_scratch(max_tokens, top_k, num_experts, hidden, inter):
     """Allocate the scratch of moe_experts and moe_block for up to max_tokens tokens."""
-    rows = max(max_tokens, top_k * min(max_tokens, FUSED_MAX_TOKENS))
+    fused = min(max_tokens, FUSED_MAX_TOKENS)
+    rows = max(max_tokens, top_k * fused)
+    codes = fused * hidden + top_k * fused * (hidden + inter)
     return MoeScratch(
         order=np.zeros(max_tokens * top_k, np.int64),
         offsets=np.zeros(num_experts + 1, np.int64),
@@ -114,7 +128,25 @@ def moe_scratch(max_tokens, top_k, num_experts, hidden, inter):
         matmul=np.zeros(
             max(prefill_scratch_size(2 * inter, hidden), prefill_scratch_size(hidden, inter)), np.float32
         ),
+        acc=np.zeros((numba.get_num_threads(), quant.acc_floats(fused)), np.float32),
+        codes8=np.zeros(codes, np.int8),
+        codes16=np.zeros(codes, np.int16),
+        scales=np.zeros(codes // 32 + 1, np.float32),
+        sums=np.zeros(codes // 16 + 1, np.int32),
     )
+
+
+def fused_work(scratch) -> tuple:
+    """(work, integer): the scratch arrays the fused kernels take, on the kernel path cpu.ENABLED
+    names at this call (int8 codes on "vnni", int16 on "int16"), and whether an integer path is on.
+
+    work: (order, offsets, active, xs, gate_up, act, ys, acc of W workers, codes, scales, sums).
+    """
+    s = scratch
+    codes = s.codes8 if "vnni" in cpu.ENABLED else s.codes16
+    workers = max(1, min(numba.get_num_threads(), len(s.acc)))
+    work = (s.order, s.offsets, s.active, s.xs, s.gate_up, s.act, s.ys, s.acc[:workers], codes, s.scales, s.sums)
+    return work, bool(cpu.INTEGER & cpu.ENABLED)
 
 
 @numba.njit(cache=True, nogil=True, fastmath=True)
@@ -168,19 +200,66 @@ def _scatter_add(ys, pairs, weights, out):
             dst[c] += w * src[c]
 
 
+def _rows(x, q, w, out, j0, j1, acc, integer):
+    """out[:, j0:j1] = x @ w[j0:j1].T: from q = (xq, xd, xs), x quantized, when integer and w is in a
+    block type of the integer paths; else from x on the float kernels (acc: dot_rows' accumulator)."""
+    raise NotImplementedError("numba only")
+
+
+@overload(_rows, jit_options={"fastmath": True, "nogil": True})
+def _rows_overload(x, q, w, out, j0, j1, acc, integer):
+    if quant.record_name(w.dtype) in quant.VNNI_BLOCKS:
+
+        def impl_integer(x, q, w, out, j0, j1, acc, integer):
+            if integer:
+                quant.rows_vnni(q[0], q[1], q[2], w, out, j0, j1)
+            else:
+                linear_rows(x, w, out, j0, j1, acc)
+
+        return impl_integer
+
+    def impl(x, q, w, out, j0, j1, acc, integer):
+        linear_rows(x, w, out, j0, j1, acc)
+
+    return impl
+
+
+def _on_integer(w):
+    """True (a compile-time constant) when stack w is in a block type of the integer paths."""
+    raise NotImplementedError("numba only")
+
+
+@overload(_on_integer)
+def _on_integer_overload(w):
+    flag = quant.record_name(w.dtype) in quant.VNNI_BLOCKS
+    return lambda w: flag
+
+
 @numba.njit(cache=True, nogil=True, fastmath=True)
-def _gate_up_block(xs, gate, up, up0, offsets, active, count, act, gu, c0, c1):
+def _area(codes, scales, sums, start, rows, k):
+    """(xq [rows, k], xd [rows, k/32], xs [rows, k/16]): quantized activations from value `start`
+    of the flat buffers (areas carved this way from increasing starts never overlap)."""
+    xq = codes[start : start + rows * k].reshape((rows, k))
+    xd = scales[start // 32 : start // 32 + rows * (k // 32)].reshape((rows, k // 32))
+    xs = sums[start // 16 : start // 16 + rows * (k // 16)].reshape((rows, k // 16))
+    return xq, xd, xs
+
+
+@numba.njit(cache=True, nogil=True, fastmath=True)
+def _gate_up_block(xs, q, stacks, offsets, active, count, act, gu, c0, c1, acc, integer):
     """act[:, c0:c1] = silu(gate) * up of intermediate columns c0:c1, for every routed expert.
 
-    gate rows c0:c1 and up rows up0 + c0:up0 + c1 of each expert; gu [rows, 2*I] holds them.
+    gate rows c0:c1 and up rows up0 + c0:up0 + c1 of each expert; gu [rows, 2*I] holds them;
+    xs [rows, h] the gathered inputs, q the same quantized (read on the integer path only).
     """
+    gate, up, up0, _ = stacks
     inter = act.shape[1]
     for t in range(count):
         e = active[t]
         r0, r1 = offsets[e], offsets[e + 1]
-        x_e, gu_e = xs[r0:r1], gu[r0:r1]
-        linear_rows(x_e, gate[e], gu_e, c0, c1)
-        linear_rows(x_e, up[e], gu_e[:, inter - up0 :], up0 + c0, up0 + c1)
+        x_e, q_e, gu_e = xs[r0:r1], (q[0][r0:r1], q[1][r0:r1], q[2][r0:r1]), gu[r0:r1]
+        _rows(x_e, q_e, gate[e], gu_e, c0, c1, acc, integer)
+        _rows(x_e, q_e, up[e], gu_e[:, inter - up0 :], up0 + c0, up0 + c1, acc, integer)
         for r in range(r0, r1):
             for c in range(c0, c1):
                 g = gu[r, c]
@@ -188,8 +267,9 @@ def _gate_up_block(xs, gate, up, up0, offsets, active, count, act, gu, c0, c1):
 
 
 @numba.njit(cache=True, nogil=True, fastmath=True)
-def _down_block(act, down, order, offsets, active, count, weights, ys, out, c0, c1):
-    """out[:, c0:c1] = sum over routed experts of weight * down rows c0:c1 (overwrites out's columns)."""
+def _down_block(act, q, down, order, offsets, active, count, weights, ys, out, c0, c1, acc, integer):
+    """out[:, c0:c1] = sum over routed experts of weight * down rows c0:c1 (overwrites out's columns);
+    q: act quantized (read on the integer path only)."""
     k = weights.shape[1]
     for i in range(out.shape[0]):
         for c in range(c0, c1):
@@ -197,7 +277,7 @@ def _down_block(act, down, order, offsets, active, count, weights, ys, out, c0, 
     for t in range(count):
         e = active[t]
         r0, r1 = offsets[e], offsets[e + 1]
-        linear_rows(act[r0:r1], down[e], ys[r0:r1], c0, c1)
+        _rows(act[r0:r1], (q[0][r0:r1], q[1][r0:r1], q[2][r0:r1]), down[e], ys[r0:r1], c0, c1, acc, integer)
         for r in range(r0, r1):
             pair = order[r]
             w = weights[pair // k, pair % k]
@@ -206,56 +286,73 @@ def _down_block(act, down, order, offsets, active, count, weights, ys, out, c0, 
                 dst[c] += w * src[c]
 
 
-def _task_width(rows):
-    """Weight rows per task of a fused loop: TASKS_PER_THREAD tasks per thread, at least ROW_BLOCK
-    rows (an even count). Long runs of one expert's consecutive rows keep the hardware prefetcher
-    streaming. (numba.get_num_threads inside njit code would defeat the on-disk cache.)
-    """
-    tasks = TASKS_PER_THREAD * numba.get_num_threads()
-    width = (rows + tasks - 1) // tasks
-    return max(ROW_BLOCK, width + width % 2)
+@numba.njit(cache=True, nogil=True, fastmath=True)
+def _gather_inputs(x, pairs, k, xs, codes, scales, sums, quantized, floats):
+    """The gate/up inputs of every pair: when quantized, each token quantized once and its codes
+    gathered by pair (the integer path); when floats, xs (the float path). Returns the pairs'
+    quantized area."""
+    n, hidden = x.shape
+    rows = pairs.shape[0]
+    q = _area(codes, scales, sums, n * hidden, rows, hidden)
+    if quantized:
+        tokens = _area(codes, scales, sums, 0, n, hidden)
+        quant.quantize_activations(x, tokens[0], tokens[1], tokens[2])
+        _gather(tokens[0], pairs, k, q[0])
+        _gather(tokens[1], pairs, k, q[1])
+        _gather(tokens[2], pairs, k, q[2])
+    if floats:
+        _gather(x, pairs, k, xs)
+    return q
 
 
 @numba.njit(cache=True, nogil=True, fastmath=True, parallel=True)
-def _experts_fused(x, experts, weights, gate, up, up0, down, out, order, offsets, active, xs, gu, act, ys, widths):
-    """Every routed expert's MLP for all tokens in two parallel loops; see moe_experts.
+def _experts_fused(x, experts, weights, stacks, out, work, integer):
+    """Every routed expert's MLP for all tokens in two parallel loops over W workers; see moe_experts.
 
-    widths: (gate_up task width, down task width), from _task_width.
+    stacks: (gate, up, up0, down), up's rows starting at up0; work and integer: of fused_work.
     """
-    k = experts.shape[1]
+    order, offsets, active, xs, gu, act, ys, acc, codes, scales, sums = work
+    n, k = experts.shape
+    rows, (hidden, inter) = n * k, (x.shape[1], act.shape[1])
+    xs, gu, act, ys = xs[:rows], gu[:rows], act[:rows], ys[:rows]
+    gate, up, _, down = stacks
     count = _group(experts, order, offsets, active)
-    _gather(x, order[: experts.shape[0] * k], k, xs)
-    inter, hidden = act.shape[1], out.shape[1]
-    width = widths[0]
-    for b in prange((inter + width - 1) // width):
-        _gate_up_block(xs, gate, up, up0, offsets, active, count, act, gu, b * width, min(inter, b * width + width))
-    width = widths[1]
-    for b in prange((hidden + width - 1) // width):
-        _down_block(act, down, order, offsets, active, count, weights, ys, out, b * width, min(hidden, b * width + width))
+    # gate and up share their inputs: quantized if either takes them so, as floats if either does
+    quantized = integer and (_on_integer(gate) or _on_integer(up))
+    floats = not (integer and _on_integer(gate) and _on_integer(up))
+    q = _gather_inputs(x, order[:rows], k, xs, codes, scales, sums, quantized, floats)
+    workers = acc.shape[0]
+    blocks = (inter + ROW_BLOCK - 1) // ROW_BLOCK
+    for wk in prange(workers):
+        c0, c1 = wk * blocks // workers * ROW_BLOCK, min(inter, (wk + 1) * blocks // workers * ROW_BLOCK)
+        _gate_up_block(xs, q, stacks, offsets, active, count, act, gu, c0, c1, acc[wk], integer)
+    qa = _area(codes, scales, sums, (n + rows) * hidden, rows, inter)
+    if integer and _on_integer(down):
+        quant.quantize_activations(act, qa[0], qa[1], qa[2])
+    blocks = (hidden + ROW_BLOCK - 1) // ROW_BLOCK
+    for wk in prange(workers):
+        c0, c1 = wk * blocks // workers * ROW_BLOCK, min(hidden, (wk + 1) * blocks // workers * ROW_BLOCK)
+        _down_block(act, qa, down, order, offsets, active, count, weights, ys, out, c0, c1, acc[wk], integer)
 
 
 @numba.njit(cache=True, nogil=True, fastmath=True, parallel=True)
-def _block_fused(x, router, top_k, normalize, gate, up, up0, down, out, logits, weights, experts,
-                 order, offsets, active, xs, gu, act, ys, widths):
+def _block_fused(x, router, top_k, normalize, stacks, out, logits, weights, experts, work, integer):
     """moe_block in one compiled call: router logits, top-k, then _experts_fused."""
     num_experts = router.shape[0]
     for b in prange((num_experts + ROW_BLOCK - 1) // ROW_BLOCK):
         linear_rows(x, router, logits, b * ROW_BLOCK, min(num_experts, b * ROW_BLOCK + ROW_BLOCK))
     route(logits, top_k, normalize, weights, experts)
-    _experts_fused(x, experts, weights, gate, up, up0, down, out, order, offsets, active, xs, gu, act, ys, widths)
+    _experts_fused(x, experts, weights, stacks, out, work, integer)
 
 
-def _fused_args(gate_up, down, fmt, n, top_k, scratch):
-    """The stacks and scratch views of the fused kernels, or None when n tokens take the grouped path."""
-    rows, s = n * top_k, scratch
-    if n > FUSED_MAX_TOKENS or rows > s.xs.shape[0]:
+def _fused_stacks(gate_up, down, fmt, n, top_k, scratch):
+    """(gate, up, up0, down) in kernel views for the fused kernels, or None when n tokens take the
+    grouped path."""
+    if n > min(FUSED_MAX_TOKENS, len(scratch.order) // top_k):  # the scratch's fused capacity
         return None
-    inter = s.act.shape[1]
     gate, up = gate_up if isinstance(gate_up, tuple) else (gate_up, gate_up)
-    up0 = 0 if isinstance(gate_up, tuple) else inter
-    widths = (_task_width(inter), _task_width(s.xs.shape[1]))
-    views = (s.order, s.offsets, s.active, s.xs[:rows], s.gate_up[:rows], s.act[:rows], s.ys[:rows], widths)
-    return (kernel_view(gate, fmt), kernel_view(up, fmt), up0, kernel_view(down, fmt)), views
+    up0 = 0 if isinstance(gate_up, tuple) else scratch.act.shape[1]
+    return kernel_view(gate, fmt), kernel_view(up, fmt), up0, kernel_view(down, fmt)
 
 
 def _expert(gate_up, e):
@@ -273,10 +370,9 @@ def moe_experts(x, experts, weights, gate_up, down, fmt, out, scratch):
     tokens. Allocates nothing.
     """
     n, k = experts.shape
-    fused = _fused_args(gate_up, down, fmt, n, k, scratch)
-    if fused is not None:
-        stacks, views = fused
-        _experts_fused(x, experts, weights, *stacks, out, *views)
+    stacks = _fused_stacks(gate_up, down, fmt, n, k, scratch)
+    if stacks is not None:
+        _experts_fused(x, experts, weights, stacks, out, *fused_work(scratch))
         return
     s = scratch
     count = _group(experts, s.order, s.offsets, s.active)
@@ -300,10 +396,9 @@ def moe_block(x, router, top_k, normalize, gate_up, down, fmt, out, logits, weig
     logits: [n, E], weights: [n, k] float32 and experts: [n, k] int64 receive the routing.
     Up to FUSED_MAX_TOKENS tokens this is one compiled call; allocates nothing.
     """
-    fused = _fused_args(gate_up, down, fmt, x.shape[0], top_k, scratch)
-    if fused is not None:
-        stacks, views = fused
-        _block_fused(x, router, top_k, normalize, *stacks, out, logits, weights, experts, *views)
+    stacks = _fused_stacks(gate_up, down, fmt, x.shape[0], top_k, scratch)
+    if stacks is not None:
+        _block_fused(x, router, top_k, normalize, stacks, out, logits, weights, experts, *fused_work(scratch))
         return
     matmul(x, router, F32, logits, scratch.matmul)
     route(logits, top_k, normalize, weights, experts)
