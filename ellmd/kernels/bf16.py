@@ -1,4 +1,4 @@
-"""The bf16 GEMM of prefill on AMX (tdpbf16ps): weights as stored, f32 accumulation.
+"""The bf16 GEMM of prefill on AMX (tdpbf16ps): weights as stored, f32 accumulation; AMX tile products.
 
 Shape legend:
   n       input rows (tokens)
@@ -17,6 +17,9 @@ halves of a block of tokens are packed per pair of depths (`pack_activations`: x
 (16 rows x 32 depths) and two tiles of each half of the tokens. The product is c[weight row,
 token], copied transposed into out. Products of bf16 values are exact in f32 and every sum is
 an f32 sum.
+
+tile_product builds the same kind of block for operands at any offsets (attention.py's AMX
+prefill: keys . queries and values^T . probabilities).
 
 Why not vdpbf16ps (AVX512-BF16): on the Xeon these figures come from it retires ~0.5 a cycle,
 so with the two halves it would run at half the f32 FMA kernels' speed; CPUs without AMX keep
@@ -246,6 +249,84 @@ def _make_amx_block(row_tiles, accumulate):
         return sig, codegen
 
     return amx_block
+
+
+def tile_product(row_tiles, col_tiles, halves, accumulate):
+    """An intrinsic c (+)= a . b over row_tiles x col_tiles AMX tiles of c, for operands at offsets.
+
+    product(a, ar, ac, b, b2, br, bc, c, cr, cc, pairs), all matrices C-contiguous:
+      a: [*, *] bf16 bits, rows ar + 16 i, values ac.. (the A operand: values along its rows);
+      b, b2: [*, 2 * cols] uint16 packed pairs (row p holds the pairs (x[2p, t], x[2p + 1, t])
+        of columns t), rows br.., columns bc + 16 j; with halves == 2, b . a + b2 . a (hi + lo);
+      c: [*, *] float32, tile (i, j) at rows cr + 16 i, columns cc + 16 j;
+      pairs: the contracted pairs of values, a multiple of 16 (32 values of a per step).
+    """
+
+    @intrinsic
+    def product(typingctx, a, ar, ac, b, b2, br, bc, c, cr, cc, pairs):
+        u16 = types.uint16
+        if not (_is_matrix(a, u16) and _is_matrix(b, u16) and _is_matrix(b2, u16) and _is_matrix(c, types.float32)):
+            return None
+        ip = types.intp
+        sig = types.void(a, ip, ip, b, b2, ip, ip, c, ip, ip, ip)
+
+        def codegen(context, builder, signature, args):
+            a_p, (_, lda), _ = _data(context, builder, signature.args[0], args[0])
+            b_p, (_, ldb), _ = _data(context, builder, signature.args[3], args[3])
+            b2_p, _, _ = _data(context, builder, signature.args[4], args[4])
+            c_p, (_, ldc), _ = _data(context, builder, signature.args[7], args[7])
+            ar, ac, br, bc, cr, cc, pairs = (args[i] for i in (1, 2, 5, 6, 8, 9, 10))
+            f = _amx_functions(builder)
+            i8p = ir.IntType(8).as_pointer()
+            intp = context.get_value_type(types.intp)
+
+            def const(v):
+                return ir.Constant(intp, v)
+
+            def offset(row, col, ld, size):  # byte offset of element (row, col)
+                return builder.mul(builder.add(builder.mul(row, ld), col), const(size))
+
+            rows, width = ir.Constant(ir.IntType(16), TILE), ir.Constant(ir.IntType(16), 4 * TILE)
+            a_stride, b_stride, c_stride = (builder.mul(ld, const(n)) for ld, n in ((lda, 2), (ldb, 2), (ldc, 4)))
+            a_bytes = builder.bitcast(a_p, i8p)
+            b_halves = [builder.bitcast(ptr, i8p) for ptr in (b_p, b2_p)[:halves]]
+            c_bytes = builder.bitcast(c_p, i8p)
+            a_at = [offset(builder.add(ar, const(TILE * i)), ac, lda, 2) for i in range(row_tiles)]
+            b_at = [offset(br, builder.mul(builder.add(bc, const(TILE * j)), const(2)), ldb, 2)
+                    for j in range(col_tiles)]
+            c_at = [[offset(builder.add(cr, const(TILE * i)), builder.add(cc, const(TILE * j)), ldc, 4)
+                     for j in range(col_tiles)] for i in range(row_tiles)]
+            accs = []
+            for i in range(row_tiles):
+                for j in range(col_tiles):
+                    if accumulate:
+                        start = builder.call(f["load"], [rows, width, builder.gep(c_bytes, [c_at[i][j]]), c_stride])
+                    else:
+                        start = builder.call(f["zero"], [rows, width])
+                    accs.append(cgutils.alloca_once_value(builder, builder.call(f["vec"], [start])))
+            with cgutils.for_range(builder, builder.udiv(pairs, const(TILE))) as loop:
+                s = loop.index
+                a_step, b_step = builder.mul(s, const(4 * TILE)), builder.mul(s, builder.mul(b_stride, const(TILE)))
+                a_tiles = [builder.call(f["load"], [rows, width, builder.gep(a_bytes, [builder.add(at, a_step)]),
+                                                    a_stride]) for at in a_at]
+                for j in range(col_tiles):
+                    for half in b_halves:
+                        at = builder.gep(half, [builder.add(b_at[j], b_step)])
+                        b_tile = builder.call(f["load"], [rows, width, at, b_stride])
+                        for i in range(row_tiles):
+                            slot = accs[i * col_tiles + j]
+                            acc = builder.call(f["tile"], [builder.load(slot)])
+                            acc = builder.call(f["dp"], [rows, width, width, acc, a_tiles[i], b_tile])
+                            builder.store(builder.call(f["vec"], [acc]), slot)
+            for i in range(row_tiles):
+                for j in range(col_tiles):
+                    tile = builder.call(f["tile"], [builder.load(accs[i * col_tiles + j])])
+                    builder.call(f["store"], [rows, width, builder.gep(c_bytes, [c_at[i][j]]), c_stride, tile])
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return product
 
 
 _amx_2 = _make_amx_block(2, False)
