@@ -253,3 +253,28 @@ def test_attention_prefill_takes_amx_only_on_its_path(rng, amx, monkeypatch):
         attention.attention_prefill(q, k, v, BF16, start, hd**-0.5, got)
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     assert calls == [q.shape]
+
+
+@numba.njit(cache=True)
+def _softmax_vectors(s, m, m0, best, total, p, cols):
+    bf16.column_max(s, m, m0, best, cols)
+    bf16.exp_pairs(s, best, total, p, cols)
+
+
+def test_column_max_and_exp_pairs(rng):
+    rows, width, cols, m0 = 64, 128, 96, 7
+    s = (rng.standard_normal((rows, width)) * 30).astype(np.float32)
+    s[:, 3] = -3e30  # a column of hidden scores under a finite running max
+    m = (rng.standard_normal(m0 + width) * 30).astype(np.float32)
+    best, total = np.full(width, np.nan, np.float32), np.full(width, np.nan, np.float32)
+    p = np.zeros((rows // 2, width), np.uint32)
+    _softmax_vectors(s, m, m0, best, total, p, cols)
+    want_max = np.maximum(m[m0 : m0 + cols], s[:, :cols].max(axis=0))
+    np.testing.assert_array_equal(best[:cols], want_max)
+    assert np.isnan(best[cols:]).all() and np.isnan(total[cols:]).all() and not p[:, cols:].any()
+    e = np.exp(s[:, :cols].astype(np.float64) - want_max).astype(np.float32)  # [rows, cols]
+    bits = np.stack([p[:, :cols] & 0xFFFF, p[:, :cols] >> 16], axis=1).reshape(rows, cols).astype(np.uint16)
+    got = formats.to_f32(bits, BF16)
+    np.testing.assert_allclose(got, e, rtol=2.0**-8, atol=1e-37)  # bf16 of exp, 2 ulp f32 before rounding
+    assert (got[:, 3] == 0).all()
+    np.testing.assert_allclose(total[:cols], got.astype(np.float64).sum(axis=0), rtol=1e-6)

@@ -273,50 +273,28 @@ def _mask(st, nk, r0, cols, base, g):
 
 
 @numba.njit(cache=True, nogil=True, fastmath=True)
-def _exp_bf16_into(s, m, total):
-    """s = bf16(exp(s - m)), total += s, elementwise: l sums the very weights the values
+def _softmax_block(st, r0, cols, m, l, acc, pt, scratch):
+    """Online softmax of rows r0..r0+cols over a tile: st: [KA, RB] scores; m, l: [Rp];
+    acc: [hdp, Rp]; pt: [KA // 2, RB] uint32, the bf16 probabilities of keys 2p and 2p + 1 (the
+    B operand of the values product); scratch: [3, RB]. l sums the very bf16 weights the values
     product uses, so the output is their exact weighted mean (a constant value stays constant)."""
-    for r in range(s.shape[0]):
-        e = _bitcast_f32(_bf16_bits(exp_f32(s[r] - m[r])))
-        s[r] = e
-        total[r] += e
-
-
-@numba.njit(cache=True, nogil=True, fastmath=True)
-def _bf16_pairs(x0, x1, dst):
-    """dst = the bf16 pairs (x0, x1) of bf16 values, elementwise."""
-    for c in range(dst.shape[0]):
-        dst[c] = (_bitcast_u32(x0[c]) >> np.uint32(16)) | _bitcast_u32(x1[c])
-
-
-@numba.njit(cache=True, nogil=True, fastmath=True)
-def _softmax_block(st, cols, m, l, acc, pt, m_new, alpha, total):
-    """Online softmax of one block of rows over a tile: m, l: [cols] views; acc: [hdp, cols] view;
-    st: [KA, RB] scores; pt: [KA // 2, RB] uint32, the bf16 probabilities of keys 2p and 2p + 1
-    (the B operand of the values product)."""
-    src = m
-    for j in range(st.shape[0]):  # the running max, ping-ponging so that it ends in m_new (KA even)
-        dst = m_new if j % 2 == 1 else alpha
-        _max_into(src, st[j, :cols], dst[:cols])
-        src = dst
+    m_new, alpha, total = scratch[0], scratch[1], scratch[2]
+    bf16.column_max(st, m, r0, m_new, cols)
+    mv, lv = m[r0 : r0 + cols], l[r0 : r0 + cols]
     scale = False
     for c in range(cols):  # the reference max moves only when a score passes it by _SLACK
-        grow = m_new[c] > m[c] + _SLACK
-        mc = m_new[c] if grow else m[c]
-        alpha[c] = exp_f32(m[c] - mc)
+        grow = m_new[c] > mv[c] + _SLACK
+        mc = m_new[c] if grow else mv[c]
+        alpha[c] = exp_f32(mv[c] - mc)
         scale |= grow
-        m[c] = mc
+        mv[c] = mc
         m_new[c] = mc
-        total[c] = np.float32(0.0)
-    for j in range(st.shape[0]):
-        _exp_bf16_into(st[j, :cols], m_new[:cols], total[:cols])
-    for p in range(st.shape[0] // 2):
-        _bf16_pairs(st[2 * p, :cols], st[2 * p + 1, :cols], pt[p, :cols])
+    bf16.exp_pairs(st, m_new, total, pt, cols)
     for c in range(cols):
-        l[c] = l[c] * alpha[c] + total[c]
+        lv[c] = lv[c] * alpha[c] + total[c]
     if scale:
         for d in range(acc.shape[0]):
-            a = acc[d]
+            a = acc[d, r0 : r0 + cols]
             for c in range(cols):
                 a[c] *= alpha[c]
 
@@ -332,8 +310,7 @@ def _amx_rows(kt, vt, qh, ql, st, pt, pt_pairs, acc, m, l, r0, cols, nk, base, g
             _scores(kt, j, 0, qh, ql, 0, r0 + c, st, j, c, hdp // 2)
     if nk < AMX_KEYS or base + r0 // g < AMX_KEYS - 1:  # the diagonal or the last tile
         _mask(st, nk, r0, cols, base, g)
-    _softmax_block(st, cols, m[r0 : r0 + cols], l[r0 : r0 + cols], acc[:, r0 : r0 + cols], pt,
-                   scratch[0], scratch[1], scratch[2])
+    _softmax_block(st, r0, cols, m, l, acc, pt, scratch)
     for d in range(0, hdp, 32):
         for c in range(0, cols, 32):
             _values(vt, d, 0, pt_pairs, pt_pairs, 0, c, acc, d, r0 + c, AMX_KEYS // 2)

@@ -329,6 +329,118 @@ def tile_product(row_tiles, col_tiles, halves, accumulate):
     return product
 
 
+_F32X16 = ir.VectorType(ir.FloatType(), _LANES)
+
+
+def _exp16(builder, x):
+    """e**x of <16 x float>: exp_f32's Cephes polynomial (activations.py), written as vectors."""
+    mod = builder.module
+    floor = cgutils.get_or_insert_function(mod, ir.FunctionType(_F32X16, [_F32X16]), "llvm.floor.v16f32")
+    fma = cgutils.get_or_insert_function(mod, ir.FunctionType(_F32X16, [_F32X16] * 3), "llvm.fma.v16f32")
+
+    def c(v):
+        return ir.Constant(_F32X16, [v] * _LANES)
+
+    low, high = c(-87.33654), c(88.37626)
+    xc = builder.select(builder.fcmp_ordered("<", x, low), low, x)
+    xc = builder.select(builder.fcmp_ordered(">", xc, high), high, xc)
+    k = builder.call(floor, [builder.call(fma, [xc, c(1.4426950408889634), c(0.5)])])
+    r = builder.call(fma, [k, c(-0.693359375), xc])
+    r = builder.call(fma, [k, c(2.12194440e-4), r])
+    p = c(1.9875691500e-4)
+    for coef in (1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1, 5.0000001201e-1):
+        p = builder.call(fma, [p, r, c(coef)])
+    y = builder.fadd(builder.call(fma, [p, builder.fmul(r, r), r]), c(1.0))
+    i32x16 = ir.VectorType(ir.IntType(32), _LANES)
+    bits = builder.shl(builder.add(builder.fptosi(k, i32x16), ir.Constant(i32x16, [127] * _LANES)),
+                       ir.Constant(i32x16, [23] * _LANES))
+    e = builder.fmul(y, builder.bitcast(bits, _F32X16))
+    return builder.select(builder.fcmp_ordered("<", x, low), c(0.0), e)
+
+
+def _vec_at(builder, base, index):
+    return builder.bitcast(builder.gep(base, [index]), _F32X16.as_pointer())
+
+
+@intrinsic
+def column_max(typingctx, s, m, m0, out, cols):
+    """out[c] = max(m[m0 + c], max_j s[j, c]) for c < cols (a multiple of 16).
+
+    s: [rows, *] float32; m, out: 1-D float32, C-contiguous. 16 columns a vector, every row of
+    s in one pass down the columns."""
+    f32 = types.float32
+    if not (_is_matrix(s, f32) and isinstance(m, types.Array) and m.ndim == 1 and m.layout == "C"
+            and isinstance(out, types.Array) and out.ndim == 1 and out.layout == "C"):
+        return None
+    sig = types.void(s, m, types.intp, out, types.intp)
+
+    def codegen(context, builder, signature, args):
+        s_p, (rows, ld), _ = _data(context, builder, signature.args[0], args[0])
+        m_p = context.make_array(signature.args[1])(context, builder, args[1]).data
+        out_p = context.make_array(signature.args[3])(context, builder, args[3]).data
+        m0, cols = args[2], args[4]
+        intp = context.get_value_type(types.intp)
+        with cgutils.for_range(builder, builder.udiv(cols, ir.Constant(intp, _LANES))) as blocks:
+            col = builder.mul(blocks.index, ir.Constant(intp, _LANES))
+            best = cgutils.alloca_once_value(builder, builder.load(_vec_at(builder, m_p, builder.add(m0, col)), align=4))
+            with cgutils.for_range(builder, rows) as loop:
+                v = builder.load(_vec_at(builder, s_p, builder.add(builder.mul(loop.index, ld), col)), align=4)
+                old = builder.load(best)
+                builder.store(builder.select(builder.fcmp_ordered(">", v, old), v, old), best)
+            builder.store(builder.load(best), _vec_at(builder, out_p, col), align=4)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def exp_pairs(typingctx, s, m, total, p, cols):
+    """p[j, c] = the bf16 pair (bf16(e[2j, c]), bf16(e[2j + 1, c])), e = exp(s - m[c]) by column,
+    and total[c] = the sum of those bf16 values down column c, for c < cols (a multiple of 16).
+
+    s: [rows, *] float32, rows even; m, total: 1-D float32; p: [rows // 2, *] uint32 (the B operand
+    layout of tile_product); all C-contiguous. bf16 rounds to nearest even (vcvtneps2bf16)."""
+    f32 = types.float32
+    if not (_is_matrix(s, f32) and _is_matrix(p, types.uint32)):
+        return None
+    for v in (m, total):
+        if not (isinstance(v, types.Array) and v.ndim == 1 and v.layout == "C" and v.dtype == f32):
+            return None
+    sig = types.void(s, m, total, p, types.intp)
+
+    def codegen(context, builder, signature, args):
+        s_p, (rows, ld), _ = _data(context, builder, signature.args[0], args[0])
+        m_p = context.make_array(signature.args[1])(context, builder, args[1]).data
+        t_p = context.make_array(signature.args[2])(context, builder, args[2]).data
+        p_p, (_, ldp), _ = _data(context, builder, signature.args[3], args[3])
+        cols = args[4]
+        intp = context.get_value_type(types.intp)
+        bf16x16 = ir.VectorType(_BFloat(), _LANES)
+        interleave = ir.Constant(ir.VectorType(ir.IntType(32), 2 * _LANES),
+                                 [i // 2 + (_LANES if i % 2 else 0) for i in range(2 * _LANES)])
+        two = ir.Constant(intp, 2)
+        with cgutils.for_range(builder, builder.udiv(cols, ir.Constant(intp, _LANES))) as blocks:
+            col = builder.mul(blocks.index, ir.Constant(intp, _LANES))
+            mv = builder.load(_vec_at(builder, m_p, col), align=4)
+            acc = cgutils.alloca_once_value(builder, ir.Constant(_F32X16, [0.0] * _LANES))
+            with cgutils.for_range(builder, builder.udiv(rows, two)) as loop:
+                row0 = builder.mul(loop.index, two)
+                halves = []
+                for dr in range(2):
+                    at = builder.add(builder.mul(builder.add(row0, ir.Constant(intp, dr)), ld), col)
+                    e = _exp16(builder, builder.fsub(builder.load(_vec_at(builder, s_p, at), align=4), mv))
+                    b = builder.fptrunc(e, bf16x16)
+                    builder.store(builder.fadd(builder.load(acc), builder.fpext(b, _F32X16)), acc)
+                    halves.append(b)
+                pair = builder.shuffle_vector(halves[0], halves[1], interleave)
+                dst = builder.gep(p_p, [builder.add(builder.mul(loop.index, ldp), col)])
+                builder.store(pair, builder.bitcast(dst, _BF16X32.as_pointer()), align=4)
+            builder.store(builder.load(acc), _vec_at(builder, t_p, col), align=4)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
 _amx_2 = _make_amx_block(2, False)
 _amx_2_acc = _make_amx_block(2, True)
 _amx_1 = _make_amx_block(1, False)
