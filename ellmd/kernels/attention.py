@@ -264,12 +264,13 @@ def _pack_tile(k_head, v_head, t0, nk, kt, vt):
 
 @numba.njit(cache=True, nogil=True, fastmath=True)
 def _mask(st, nk, r0, cols, base, g):
-    """Hide tile key j from row r0 + c unless j < nk and j <= base + (r0 + c) // g."""
+    """Hide tile key j from row r0 + c unless j < nk and j <= base + (r0 + c) // g, i.e. from
+    the columns c < (j - base) * g - r0 (a prefix of each row: no division per element)."""
     for j in range(st.shape[0]):
         s = st[j]
-        for c in range(cols):
-            if j >= nk or j > base + (r0 + c) // g:
-                s[c] = _MASKED
+        hidden = cols if j >= nk else min(cols, max(0, (j - base) * g - r0))
+        for c in range(hidden):
+            s[c] = _MASKED
 
 
 @numba.njit(cache=True, nogil=True, fastmath=True)
