@@ -1,7 +1,10 @@
-"""The AMX bf16 prefill GEMM (bf16.py) against numpy, and linear_prefill's choice of it.
+"""The AMX bf16 prefill GEMM (bf16.py) and AMX attention prefill (attention.py) against numpy.
 
-The reference splits the activations into the same two bf16 halves; products of bf16 values are
-exact in f32, so kernel and reference differ only by f32 summation order.
+GEMM: the reference splits the activations into the same two bf16 halves; products of bf16 values
+are exact in f32, so kernel and reference differ only by f32 summation order. Attention: the
+probabilities are rounded to bf16 (relative error <= 2**-9 of each weight, the output a weighted
+mean of the values with those weights), so the output is within 2**-8 x max|v| of the reference;
+tests with exactly representable weights check the key ranges to f32 precision.
 """
 
 from importlib import import_module
@@ -11,8 +14,8 @@ import numpy as np
 import pytest
 from llvmlite import binding
 
-from ellmd.kernels import bf16, cpu, formats
-from ellmd.kernels.formats import BF16, F32
+from ellmd.kernels import attention, bf16, cpu, formats
+from ellmd.kernels.formats import BF16, F16, F32
 
 matmul = import_module("ellmd.kernels.matmul")  # ellmd.kernels re-exports a function named matmul
 
@@ -151,3 +154,127 @@ def test_fused_weights_write_their_column_slices(rng, amx, monkeypatch):
     bf16.gemm_ref(x, np.concatenate(parts), want, None)
     np.testing.assert_allclose(got, want, **TOL)
     assert calls == [(64, k), (32, k)]
+
+
+# --- attention prefill on AMX ---------------------------------------------------------------
+
+
+def _attention_inputs(rng, n, start, kvh, group, hd, q_scale=1.0):
+    seq = start + n + 5  # positions past the chunk hold keys that must stay unseen
+    q = (rng.standard_normal((n, kvh * group, hd)) * q_scale).astype(np.float32)
+    k = formats.to_storage(rng.standard_normal((kvh, seq, hd)).astype(np.float32), BF16)
+    v = formats.to_storage(rng.standard_normal((kvh, seq, hd)).astype(np.float32), BF16)
+    return q, k, v
+
+
+def _amx_attention(q, k, v, start, nsplit):
+    out = np.full(q.shape, np.nan, np.float32)
+    attention._prefill_amx(q, k, v, start, q.shape[2] ** -0.5, out, nsplit)
+    return out
+
+
+@pytest.mark.parametrize(
+    "n,start,kvh,group,hd",
+    [
+        (1, 0, 2, 3, 64),
+        (70, 0, 3, 3, 64),  # SmolLM2 heads; queries of a group straddle tiles of 16 rows
+        (45, 100, 1, 1, 128),  # MHA, start not a multiple of the key tile
+        (131, 37, 2, 4, 128),
+        (200, 5, 1, 4, 80),  # head_dim not a multiple of 32: zero-padded depth
+        (3, 300, 2, 1, 40),
+        (600, 10, 1, 2, 64),  # 1,200 rows: two query blocks of a kv head
+        (256, 2000, 3, 3, 64),  # a chunk over a long history
+    ],
+)
+@pytest.mark.parametrize("nsplit", [1, 2, 3])
+def test_amx_attention_matches_reference(rng, n, start, kvh, group, hd, nsplit):
+    q, k, v = _attention_inputs(rng, n, start, kvh, group, hd)
+    got = _amx_attention(q, k, v, start, nsplit)
+    want = np.empty_like(q)
+    attention.attention_prefill_ref(q, k, v, BF16, start, hd**-0.5, want)
+    bound = 2.0**-8 * float(np.abs(formats.to_f32(v, BF16)).max())
+    assert np.abs(got - want).max() <= bound
+    assert np.abs(got - want).mean() <= bound / 20  # typical errors are far below the bound
+
+
+@pytest.mark.parametrize("n,start,hd", [(256, 2000, 64), (50, 4097, 80), (300, 0, 128)])
+@pytest.mark.parametrize("nsplit", [1, 2])
+def test_amx_attention_key_ranges_exact(rng, n, start, hd, nsplit):
+    """Zero queries: every visible key weighs exactly 1 (exact in bf16), so the output is the
+    plain mean of the visible values, and one key too many or too few shows at f32 precision."""
+    q, k, v = _attention_inputs(rng, n, start, 2, 3, hd, q_scale=0.0)
+    got = _amx_attention(q, k, v, start, nsplit)
+    want = np.empty_like(q)
+    attention.attention_prefill_ref(q, k, v, BF16, start, hd**-0.5, want)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_amx_attention_constant_values_stay_constant(rng):
+    """The normalizer sums the very bf16 weights the values product uses: a constant column of
+    values comes out unchanged, however the weights were rounded."""
+    q, k, v = _attention_inputs(rng, 200, 900, 2, 2, 64, q_scale=3.0)
+    column = formats.to_storage(np.full(v.shape[:2], 1.7, np.float32), BF16)
+    v[:, :, 5] = column
+    got = _amx_attention(q, k, v, 900, 2)
+    np.testing.assert_allclose(got[:, :, 5], formats.to_f32(column[0, 0], BF16), rtol=2e-6)
+
+
+def _counting_amx(monkeypatch):
+    calls = []
+    real = attention._prefill_amx
+
+    def amx(*args):
+        calls.append(args[0].shape)
+        real(*args)
+
+    monkeypatch.setattr(attention, "_prefill_amx", amx)
+    return calls
+
+
+def test_attention_prefill_takes_amx_only_on_its_path(rng, amx, monkeypatch):
+    n, start, hd = 40, 70, 64
+    q, k, v = _attention_inputs(rng, n, start, 2, 2, hd)
+    calls = _counting_amx(monkeypatch)
+    want = np.empty_like(q)
+    attention.attention_prefill_ref(q, k, v, BF16, start, hd**-0.5, want)
+    got = np.empty_like(q)
+    attention.attention_prefill(q, k, v, BF16, start, hd**-0.5, got)
+    assert calls == [q.shape]
+    assert np.abs(got - want).max() <= 2.0**-8 * np.abs(formats.to_f32(v, BF16)).max()
+
+    for fmt in (F16, F32):  # KV kept in f16 or f32 for its precision: the f32 kernels
+        kf = formats.to_storage(formats.to_f32(k, BF16), fmt)
+        vf = formats.to_storage(formats.to_f32(v, BF16), fmt)
+        attention.attention_prefill(q, kf, vf, fmt, start, hd**-0.5, got)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    for enabled, has_amx in ((frozenset(), True), (frozenset({"bf16"}), False)):  # path off; a CPU without AMX
+        monkeypatch.setattr(cpu, "ENABLED", enabled)
+        monkeypatch.setattr(bf16, "AMX", has_amx)
+        attention.attention_prefill(q, k, v, BF16, start, hd**-0.5, got)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    assert calls == [q.shape]
+
+
+@numba.njit(cache=True)
+def _softmax_vectors(s, m, m0, best, total, p, cols):
+    bf16.column_max(s, m, m0, best, cols)
+    bf16.exp_pairs(s, best, total, p, cols)
+
+
+def test_column_max_and_exp_pairs(rng):
+    rows, width, cols, m0 = 64, 128, 96, 7
+    s = (rng.standard_normal((rows, width)) * 30).astype(np.float32)
+    s[:, 3] = -3e30  # a column of hidden scores under a finite running max
+    m = (rng.standard_normal(m0 + width) * 30).astype(np.float32)
+    best, total = np.full(width, np.nan, np.float32), np.full(width, np.nan, np.float32)
+    p = np.zeros((rows // 2, width), np.uint32)
+    _softmax_vectors(s, m, m0, best, total, p, cols)
+    want_max = np.maximum(m[m0 : m0 + cols], s[:, :cols].max(axis=0))
+    np.testing.assert_array_equal(best[:cols], want_max)
+    assert np.isnan(best[cols:]).all() and np.isnan(total[cols:]).all() and not p[:, cols:].any()
+    e = np.exp(s[:, :cols].astype(np.float64) - want_max).astype(np.float32)  # [rows, cols]
+    bits = np.stack([p[:, :cols] & 0xFFFF, p[:, :cols] >> 16], axis=1).reshape(rows, cols).astype(np.uint16)
+    got = formats.to_f32(bits, BF16)
+    np.testing.assert_allclose(got, e, rtol=2.0**-8, atol=1e-37)  # bf16 of exp, 2 ulp f32 before rounding
+    assert (got[:, 3] == 0).all()
+    np.testing.assert_allclose(total[:cols], got.astype(np.float64).sum(axis=0), rtol=1e-6)

@@ -11,6 +11,7 @@ import numba
 import numpy as np
 import pytest
 
+from ellmd.kernels import cpu
 from ellmd.kernels.formats import BF16, F16, F32
 
 # The modules themselves: ellmd.kernels re-exports functions named like some of them (rope, matmul).
@@ -313,7 +314,9 @@ def test_store_kv(rng, fmt):
         (F16, 3, 300, 2, 1, 64),  # a short chunk after a long history
     ],
 )
-def test_attention_prefill(rng, fmt, n, start, kvh, group, hd):
+def test_attention_prefill(rng, monkeypatch, fmt, n, start, kvh, group, hd):
+    """The f32 kernels (the AMX path of bf16 KV has tests of its own in test_bf16.py)."""
+    monkeypatch.setattr(cpu, "ENABLED", frozenset())
     heads = kvh * group
     seq = start + n + 7
     q = randn(rng, n, heads, hd)
@@ -349,7 +352,8 @@ def test_attention_decode(rng, fmt, lengths, kvh, group, hd):
     np.testing.assert_allclose(got, want, **TOL)
 
 
-def test_decode_matches_prefill_of_last_token(rng):
+def test_decode_matches_prefill_of_last_token(rng, monkeypatch):
+    monkeypatch.setattr(cpu, "ENABLED", frozenset())  # the f32 prefill kernels: decode's arithmetic
     kvh, group, hd, seq = 2, 3, 64, 500
     k = formats.to_storage(randn(rng, 1, kvh, seq, hd), BF16)
     v = formats.to_storage(randn(rng, 1, kvh, seq, hd), BF16)

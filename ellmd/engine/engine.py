@@ -169,8 +169,10 @@ class Engine:
             blocks = "GGUF blocks: int16 vpdpwssd, activations quantized to int16 per 32"
         else:
             blocks = "GGUF blocks: f32 FMA"
-        prefill = "AMX tdpbf16ps (activations as two bf16 halves)" if "bf16" in cpu.ENABLED and bf16.AMX else "f32 FMA"
-        return f"{blocks}; bf16/f16/f32 weights: f32 FMA in decode, {prefill} for bf16 in prefill" + more
+        amx = "bf16" in cpu.ENABLED and bf16.AMX
+        prefill = "AMX tdpbf16ps (activations as two bf16 halves)" if amx else "f32 FMA"
+        attention = "; prefill attention over bf16 KV: AMX tdpbf16ps" if amx else ""
+        return f"{blocks}; bf16/f16/f32 weights: f32 FMA in decode, {prefill} for bf16 in prefill{attention}" + more
 
     def memory_budget(self) -> dict[str, int]:
         """Bytes of weights (in all, and by format: "weights:Q4_K", ...), KV cache and workspace."""

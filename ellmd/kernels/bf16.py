@@ -1,4 +1,4 @@
-"""The bf16 GEMM of prefill on AMX (tdpbf16ps): weights as stored, f32 accumulation.
+"""The bf16 GEMM of prefill on AMX (tdpbf16ps): weights as stored, f32 accumulation; AMX tile products.
 
 Shape legend:
   n       input rows (tokens)
@@ -17,6 +17,9 @@ halves of a block of tokens are packed per pair of depths (`pack_activations`: x
 (16 rows x 32 depths) and two tiles of each half of the tokens. The product is c[weight row,
 token], copied transposed into out. Products of bf16 values are exact in f32 and every sum is
 an f32 sum.
+
+tile_product builds the same kind of block for operands at any offsets (attention.py's AMX
+prefill: keys . queries and values^T . probabilities).
 
 Why not vdpbf16ps (AVX512-BF16): on the Xeon these figures come from it retires ~0.5 a cycle,
 so with the two halves it would run at half the f32 FMA kernels' speed; CPUs without AMX keep
@@ -246,6 +249,196 @@ def _make_amx_block(row_tiles, accumulate):
         return sig, codegen
 
     return amx_block
+
+
+def tile_product(row_tiles, col_tiles, halves, accumulate):
+    """An intrinsic c (+)= a . b over row_tiles x col_tiles AMX tiles of c, for operands at offsets.
+
+    product(a, ar, ac, b, b2, br, bc, c, cr, cc, pairs), all matrices C-contiguous:
+      a: [*, *] bf16 bits, rows ar + 16 i, values ac.. (the A operand: values along its rows);
+      b, b2: [*, 2 * cols] uint16 packed pairs (row p holds the pairs (x[2p, t], x[2p + 1, t])
+        of columns t), rows br.., columns bc + 16 j; with halves == 2, b . a + b2 . a (hi + lo);
+      c: [*, *] float32, tile (i, j) at rows cr + 16 i, columns cc + 16 j;
+      pairs: the contracted pairs of values, a multiple of 16 (32 values of a per step).
+    """
+
+    @intrinsic
+    def product(typingctx, a, ar, ac, b, b2, br, bc, c, cr, cc, pairs):
+        u16 = types.uint16
+        if not (_is_matrix(a, u16) and _is_matrix(b, u16) and _is_matrix(b2, u16) and _is_matrix(c, types.float32)):
+            return None
+        ip = types.intp
+        sig = types.void(a, ip, ip, b, b2, ip, ip, c, ip, ip, ip)
+
+        def codegen(context, builder, signature, args):
+            a_p, (_, lda), _ = _data(context, builder, signature.args[0], args[0])
+            b_p, (_, ldb), _ = _data(context, builder, signature.args[3], args[3])
+            b2_p, _, _ = _data(context, builder, signature.args[4], args[4])
+            c_p, (_, ldc), _ = _data(context, builder, signature.args[7], args[7])
+            ar, ac, br, bc, cr, cc, pairs = (args[i] for i in (1, 2, 5, 6, 8, 9, 10))
+            f = _amx_functions(builder)
+            i8p = ir.IntType(8).as_pointer()
+            intp = context.get_value_type(types.intp)
+
+            def const(v):
+                return ir.Constant(intp, v)
+
+            def offset(row, col, ld, size):  # byte offset of element (row, col)
+                return builder.mul(builder.add(builder.mul(row, ld), col), const(size))
+
+            rows, width = ir.Constant(ir.IntType(16), TILE), ir.Constant(ir.IntType(16), 4 * TILE)
+            a_stride, b_stride, c_stride = (builder.mul(ld, const(n)) for ld, n in ((lda, 2), (ldb, 2), (ldc, 4)))
+            a_bytes = builder.bitcast(a_p, i8p)
+            b_halves = [builder.bitcast(ptr, i8p) for ptr in (b_p, b2_p)[:halves]]
+            c_bytes = builder.bitcast(c_p, i8p)
+            a_at = [offset(builder.add(ar, const(TILE * i)), ac, lda, 2) for i in range(row_tiles)]
+            b_at = [offset(br, builder.mul(builder.add(bc, const(TILE * j)), const(2)), ldb, 2)
+                    for j in range(col_tiles)]
+            c_at = [[offset(builder.add(cr, const(TILE * i)), builder.add(cc, const(TILE * j)), ldc, 4)
+                     for j in range(col_tiles)] for i in range(row_tiles)]
+            accs = []
+            for i in range(row_tiles):
+                for j in range(col_tiles):
+                    if accumulate:
+                        start = builder.call(f["load"], [rows, width, builder.gep(c_bytes, [c_at[i][j]]), c_stride])
+                    else:
+                        start = builder.call(f["zero"], [rows, width])
+                    accs.append(cgutils.alloca_once_value(builder, builder.call(f["vec"], [start])))
+            with cgutils.for_range(builder, builder.udiv(pairs, const(TILE))) as loop:
+                s = loop.index
+                a_step, b_step = builder.mul(s, const(4 * TILE)), builder.mul(s, builder.mul(b_stride, const(TILE)))
+                a_tiles = [builder.call(f["load"], [rows, width, builder.gep(a_bytes, [builder.add(at, a_step)]),
+                                                    a_stride]) for at in a_at]
+                for j in range(col_tiles):
+                    for half in b_halves:
+                        at = builder.gep(half, [builder.add(b_at[j], b_step)])
+                        b_tile = builder.call(f["load"], [rows, width, at, b_stride])
+                        for i in range(row_tiles):
+                            slot = accs[i * col_tiles + j]
+                            acc = builder.call(f["tile"], [builder.load(slot)])
+                            acc = builder.call(f["dp"], [rows, width, width, acc, a_tiles[i], b_tile])
+                            builder.store(builder.call(f["vec"], [acc]), slot)
+            for i in range(row_tiles):
+                for j in range(col_tiles):
+                    tile = builder.call(f["tile"], [builder.load(accs[i * col_tiles + j])])
+                    builder.call(f["store"], [rows, width, builder.gep(c_bytes, [c_at[i][j]]), c_stride, tile])
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return product
+
+
+_F32X16 = ir.VectorType(ir.FloatType(), _LANES)
+
+
+def _exp16(builder, x):
+    """e**x of <16 x float>: exp_f32's Cephes polynomial (activations.py), written as vectors."""
+    mod = builder.module
+    floor = cgutils.get_or_insert_function(mod, ir.FunctionType(_F32X16, [_F32X16]), "llvm.floor.v16f32")
+    fma = cgutils.get_or_insert_function(mod, ir.FunctionType(_F32X16, [_F32X16] * 3), "llvm.fma.v16f32")
+
+    def c(v):
+        return ir.Constant(_F32X16, [v] * _LANES)
+
+    low, high = c(-87.33654), c(88.37626)
+    xc = builder.select(builder.fcmp_ordered("<", x, low), low, x)
+    xc = builder.select(builder.fcmp_ordered(">", xc, high), high, xc)
+    k = builder.call(floor, [builder.call(fma, [xc, c(1.4426950408889634), c(0.5)])])
+    r = builder.call(fma, [k, c(-0.693359375), xc])
+    r = builder.call(fma, [k, c(2.12194440e-4), r])
+    p = c(1.9875691500e-4)
+    for coef in (1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1, 5.0000001201e-1):
+        p = builder.call(fma, [p, r, c(coef)])
+    y = builder.fadd(builder.call(fma, [p, builder.fmul(r, r), r]), c(1.0))
+    i32x16 = ir.VectorType(ir.IntType(32), _LANES)
+    bits = builder.shl(builder.add(builder.fptosi(k, i32x16), ir.Constant(i32x16, [127] * _LANES)),
+                       ir.Constant(i32x16, [23] * _LANES))
+    e = builder.fmul(y, builder.bitcast(bits, _F32X16))
+    return builder.select(builder.fcmp_ordered("<", x, low), c(0.0), e)
+
+
+def _vec_at(builder, base, index):
+    return builder.bitcast(builder.gep(base, [index]), _F32X16.as_pointer())
+
+
+@intrinsic
+def column_max(typingctx, s, m, m0, out, cols):
+    """out[c] = max(m[m0 + c], max_j s[j, c]) for c < cols (a multiple of 16).
+
+    s: [rows, *] float32; m, out: 1-D float32, C-contiguous. 16 columns a vector, every row of
+    s in one pass down the columns."""
+    f32 = types.float32
+    if not (_is_matrix(s, f32) and isinstance(m, types.Array) and m.ndim == 1 and m.layout == "C"
+            and isinstance(out, types.Array) and out.ndim == 1 and out.layout == "C"):
+        return None
+    sig = types.void(s, m, types.intp, out, types.intp)
+
+    def codegen(context, builder, signature, args):
+        s_p, (rows, ld), _ = _data(context, builder, signature.args[0], args[0])
+        m_p = context.make_array(signature.args[1])(context, builder, args[1]).data
+        out_p = context.make_array(signature.args[3])(context, builder, args[3]).data
+        m0, cols = args[2], args[4]
+        intp = context.get_value_type(types.intp)
+        with cgutils.for_range(builder, builder.udiv(cols, ir.Constant(intp, _LANES))) as blocks:
+            col = builder.mul(blocks.index, ir.Constant(intp, _LANES))
+            best = cgutils.alloca_once_value(builder, builder.load(_vec_at(builder, m_p, builder.add(m0, col)), align=4))
+            with cgutils.for_range(builder, rows) as loop:
+                v = builder.load(_vec_at(builder, s_p, builder.add(builder.mul(loop.index, ld), col)), align=4)
+                old = builder.load(best)
+                builder.store(builder.select(builder.fcmp_ordered(">", v, old), v, old), best)
+            builder.store(builder.load(best), _vec_at(builder, out_p, col), align=4)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def exp_pairs(typingctx, s, m, total, p, cols):
+    """p[j, c] = the bf16 pair (bf16(e[2j, c]), bf16(e[2j + 1, c])), e = exp(s - m[c]) by column,
+    and total[c] = the sum of those bf16 values down column c, for c < cols (a multiple of 16).
+
+    s: [rows, *] float32, rows even; m, total: 1-D float32; p: [rows // 2, *] uint32 (the B operand
+    layout of tile_product); all C-contiguous. bf16 rounds to nearest even (vcvtneps2bf16)."""
+    f32 = types.float32
+    if not (_is_matrix(s, f32) and _is_matrix(p, types.uint32)):
+        return None
+    for v in (m, total):
+        if not (isinstance(v, types.Array) and v.ndim == 1 and v.layout == "C" and v.dtype == f32):
+            return None
+    sig = types.void(s, m, total, p, types.intp)
+
+    def codegen(context, builder, signature, args):
+        s_p, (rows, ld), _ = _data(context, builder, signature.args[0], args[0])
+        m_p = context.make_array(signature.args[1])(context, builder, args[1]).data
+        t_p = context.make_array(signature.args[2])(context, builder, args[2]).data
+        p_p, (_, ldp), _ = _data(context, builder, signature.args[3], args[3])
+        cols = args[4]
+        intp = context.get_value_type(types.intp)
+        bf16x16 = ir.VectorType(_BFloat(), _LANES)
+        interleave = ir.Constant(ir.VectorType(ir.IntType(32), 2 * _LANES),
+                                 [i // 2 + (_LANES if i % 2 else 0) for i in range(2 * _LANES)])
+        two = ir.Constant(intp, 2)
+        with cgutils.for_range(builder, builder.udiv(cols, ir.Constant(intp, _LANES))) as blocks:
+            col = builder.mul(blocks.index, ir.Constant(intp, _LANES))
+            mv = builder.load(_vec_at(builder, m_p, col), align=4)
+            acc = cgutils.alloca_once_value(builder, ir.Constant(_F32X16, [0.0] * _LANES))
+            with cgutils.for_range(builder, builder.udiv(rows, two)) as loop:
+                row0 = builder.mul(loop.index, two)
+                halves = []
+                for dr in range(2):
+                    at = builder.add(builder.mul(builder.add(row0, ir.Constant(intp, dr)), ld), col)
+                    e = _exp16(builder, builder.fsub(builder.load(_vec_at(builder, s_p, at), align=4), mv))
+                    b = builder.fptrunc(e, bf16x16)
+                    builder.store(builder.fadd(builder.load(acc), builder.fpext(b, _F32X16)), acc)
+                    halves.append(b)
+                pair = builder.shuffle_vector(halves[0], halves[1], interleave)
+                dst = builder.gep(p_p, [builder.add(builder.mul(loop.index, ldp), col)])
+                builder.store(pair, builder.bitcast(dst, _BF16X32.as_pointer()), align=4)
+            builder.store(builder.load(acc), _vec_at(builder, t_p, col), align=4)
+        return context.get_dummy_value()
+
+    return sig, codegen
 
 
 _amx_2 = _make_amx_block(2, False)
