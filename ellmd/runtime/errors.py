@@ -52,7 +52,7 @@ def not_found(session_id) -> RuntimeError_:
 
 
 def busy(session_id) -> RuntimeError_:
-    return RuntimeError_("busy", f"session {session_id} is generating")
+    return RuntimeError_("busy", f"session {session_id} is busy with another request (generating or prefilling)")
 
 
 def cancelled(why: str) -> RuntimeError_:

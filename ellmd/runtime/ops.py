@@ -2,7 +2,7 @@
 
 A handler is `handler(rt, request, **args)` with the arguments its schema (schemas.py) let
 through. It returns the reply's result, or None when a generation answers later. A handler that
-prefills is a generator: it yields turns.Prefill jobs to the engine loop (see Runtime._drive).
+prefills is a generator: it yields turns.Prefill jobs to the engine loop (see Runtime._resume).
 Handlers of ops marked `aside` never touch the engine or the sessions and run beside the engine
 thread, on a "write" or a "read" thread (SkillLibrary and RagLibrary are thread-safe), so that
 indexing a folder never delays a decode step, nor a listing waits for an index run.

@@ -1,8 +1,10 @@
 """The runtime: the engine loop over its parts.
 
-One engine thread owns the Engine. Requests arrive on a queue; between two batched decode steps
-(one forward over every generating session) the thread runs queued requests. Handlers on other
-threads never touch arrays: they submit a request and wait on its future. The parts:
+One engine thread owns the Engine. Requests arrive on a queue; the thread runs every queued
+request, then one chunk of a prefill (if any is in progress), then one batched decode step (one
+forward over every generating session), and again: a long prefill delays the others' tokens by
+one chunk at most, and a cancelled one stops at its next chunk. Handlers on other threads never
+touch arrays: they submit a request and wait on its future. The parts:
 
   ops.py          the op -> handler table (and which ops run aside of the loop), shared guards
   residency.py    sessions in slots, eviction, snapshots: the only code that talks to the store
@@ -85,6 +87,8 @@ class Runtime:
         self.observers = self.generations.observers  # callables given the final usage of every generation
         self.queue: queue.Queue[Request | None] = queue.Queue()
         self.waiting: list[Request] = []  # requests that need a slot while every slot is busy
+        self.prefills: list[Prefill] = []  # prefills in progress, in arrival order (their sessions busy)
+        self.deferred: dict[str, list[Request]] = {}  # session id -> requests queued behind its prefill
         self.started = time.time()
         self._thread = threading.Thread(target=self.run, name="engine", daemon=True)
         self._aside = {kind: concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"aside-{kind}")
@@ -182,20 +186,25 @@ class Runtime:
         while True:
             self._retry_waiting()
             try:
-                request = self.queue.get(block=not self.generations.active)
+                request = self.queue.get(block=not (self.generations.active or self.prefills))
             except queue.Empty:
                 request = False
             if request is None:
                 break
             if request:
                 self._handle(request)
-                continue  # drain the queue before the next decode step
-            self.generations.step()
+                continue  # drain the queue before the next step
+            if self.prefills:
+                self._prefill_chunk()
+            if self.generations.active:
+                began = time.perf_counter()
+                self.generations.step()
+                self.policy.observe_decode(time.perf_counter() - began)
         self._shutdown()
 
     def _retry_waiting(self) -> None:
         """Run the requests that waited for a slot, once one may be free (in arrival order)."""
-        if self.waiting and any(s is None or not s.busy for s in self.residency.slots):
+        if self.waiting and self.policy.admit(self.residency.slots):
             waiting, self.waiting = self.waiting, []
             for request in waiting:
                 if request.cancelled.is_set():
@@ -204,35 +213,81 @@ class Runtime:
                     self._handle(request)
 
     def _handle(self, request: Request) -> None:
-        """Run one validated request; any failure becomes its error reply, never the loop's."""
+        """Run one validated request; any failure becomes its error reply, never the loop's.
+
+        A request naming a session that is prefilling waits for that prefill to end, so that
+        requests on one session run in their order (an append pipelined behind another is not busy).
+        """
+        session_id = request.args.get("session_id")
+        if session_id is not None and any(job.session.session_id == session_id for job in self.prefills):
+            self.deferred.setdefault(session_id, []).append(request)
+            return
         try:
             result = self.ops[request.op].handler(self, request, **request.args)
-            if inspect.isgenerator(result):
-                result = self._drive(result)
-            if result is not None:  # generations resolve later
-                reply(request, result)
-        except SlotsBusy:
-            self.waiting.append(request)
         except Exception as e:
-            if not isinstance(e, EllmError):  # a bug: report it with its request, keep serving
-                log.exception("op %s failed (args %s)", request.op, brief(request.args))
-            reply(request, error=e)
+            return self._failed(request, e)
+        if inspect.isgenerator(result):  # a handler that prefills
+            self._resume(request, result, result.send, None)
+        elif result is not None:  # generations resolve later
+            reply(request, result)
 
-    def _drive(self, handler):
-        """Run a handler that prefills: each Prefill job it yields runs whole, its logits sent back."""
-        value = None
-        while True:
-            try:
-                job = handler.send(value)
-            except StopIteration as stop:
-                return stop.value
-            assert isinstance(job, Prefill)
-            value = job.run(self.engine, len(job.tokens)) if job.tokens else None
+    def _resume(self, request: Request, handler, step, value) -> None:
+        """Run a prefilling handler on to its next Prefill job (queued) or its end (replied)."""
+        try:
+            job = step(value)
+        except StopIteration as stop:
+            if stop.value is not None:
+                reply(request, stop.value)
+            return
+        except Exception as e:
+            return self._failed(request, e)
+        job.handler = handler
+        job.session.busy = True  # no other request changes it, nor evicts it, until the job ends
+        self.prefills.append(job)
+
+    def _failed(self, request: Request, e: Exception) -> None:
+        if isinstance(e, SlotsBusy):
+            self.waiting.append(request)
+            return
+        if not isinstance(e, EllmError):  # a bug: report it with its request, keep serving
+            log.exception("op %s failed (args %s)", request.op, brief(request.args))
+        reply(request, error=e)
+
+    def _prefill_chunk(self) -> None:
+        """Run one chunk of the prefill the policy picks, within its budget."""
+        job = self.policy.next_prefill(self.prefills)
+        if job.request.cancelled.is_set():
+            return self._end_prefill(job, error=cancelled("cancelled during its prefill"))
+        began, done = time.perf_counter(), job.done
+        try:
+            logits = job.run(self.engine, self.policy.budget(len(self.generations.active)))
+        except Exception as e:
+            return self._end_prefill(job, error=e)
+        self.policy.observe_prefill(job.done - done, time.perf_counter() - began)
+        if not job.left:
+            self._end_prefill(job, logits=logits)
+
+    def _end_prefill(self, job: Prefill, logits=None, error: Exception | None = None) -> None:
+        """Hand a finished job's logits (or its error, which puts the session back) to its handler."""
+        self.prefills.remove(job)
+        job.session.busy = False
+        if error is None:
+            self._resume(job.request, job.handler, job.handler.send, logits)
+        else:
+            self._resume(job.request, job.handler, job.handler.throw, error)
+        if not self._closed:
+            for request in self.deferred.pop(job.session.session_id, []):
+                self._handle(request)  # in order; each may wait again behind a new prefill
 
     def _shutdown(self) -> None:
         """Finish generations, snapshot every resident session (each on its own: one failure does
         not stop the others) and answer every request still waiting."""
         self._closed = True
+        for deferred in self.deferred.values():
+            self.waiting.extend(deferred)
+        self.deferred = {}
+        for job in list(self.prefills):
+            self._end_prefill(job, error=cancelled("the daemon is shutting down"))
         self.generations.end_all()
         for session in self.residency.resident_sessions():
             try:

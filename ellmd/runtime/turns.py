@@ -2,8 +2,8 @@
 putting a session back as it was when an op fails.
 
 A prefill is not run here: `prefill` is a generator that yields a `Prefill` job to the engine
-loop and gets the logits back when the job is done, so the loop decides when its chunks run
-(between decode steps). Ops that prefill are generators too (`yield from`).
+loop and gets the logits back when the job is done (or its error thrown in), so the loop decides
+when its chunks run (between decode steps). Ops that prefill are generators too (`yield from`).
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ class Prefill:
     tokens: list[int]
     need_logits: bool
     done: int = 0  # tokens prefilled so far
+    handler: object = None  # the op's generator that yielded the job, resumed when it ends
 
     @property
     def left(self) -> int:
