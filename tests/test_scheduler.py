@@ -12,7 +12,8 @@ import pytest
 from ellmd.engine.kvcache import KVCache
 from ellmd.kernels import formats
 from ellmd.model.spec import ModelSpec
-from ellmd.runtime.runtime import Runtime, RuntimeError_
+from ellmd.runtime.ops import Op
+from ellmd.runtime.runtime import Request, Runtime, RuntimeError_
 from ellmd.runtime.scheduler import Policy
 from ellmd.runtime.store import Store
 
@@ -110,6 +111,26 @@ def make(tmp_path):
         rt.store.close()
 
 
+class held:
+    """Hold the engine loop (it runs a request that waits) while requests queue behind it, so
+    that the loop finds them all queued at once."""
+
+    def __init__(self, rt):
+        self.rt, self.release = rt, threading.Event()
+
+    def __enter__(self):
+        def hold(rt, request):
+            self.release.wait(30)
+            return {}
+        self.rt.ops = {**self.rt.ops, "hold": Op(hold)}
+        self.request = Request("hold", {})
+        self.rt.queue.put(self.request)
+
+    def __exit__(self, *exc):
+        self.release.set()
+        self.request.future.result(timeout=30)
+
+
 def call(rt, op, **args):
     return rt.submit(op, args).future.result(timeout=30)
 
@@ -173,8 +194,9 @@ def test_a_long_prefill_runs_in_budgeted_chunks_between_decode_steps(make):
     b = call(rt, "session.open")["session_id"]
     call(rt, "session.append", session_id=a, tokens=tokens(5))
     engine.log.clear()
-    generation = rt.submit("session.generate", {"session_id": a, "max_tokens": 60, "ignore_eos": True})
-    appended = rt.submit("session.append", {"session_id": b, "tokens": tokens(100, 1)})
+    with held(rt):
+        generation = rt.submit("session.generate", {"session_id": a, "max_tokens": 60, "ignore_eos": True})
+        appended = rt.submit("session.append", {"session_id": b, "tokens": tokens(100, 1)})
     assert appended.future.result(timeout=30)["tokens"] == 100
     assert generation.future.result(timeout=30)["finish_reason"] == "length"
     b_slot = rt.sessions[b].slot
@@ -191,8 +213,10 @@ def test_with_whole_chunks_decoding_waits_for_the_plan_chunk(make):
     b = call(rt, "session.open")["session_id"]
     call(rt, "session.append", session_id=a, tokens=tokens(5))
     engine.log.clear()
-    generation = rt.submit("session.generate", {"session_id": a, "max_tokens": 40, "ignore_eos": True})
-    call(rt, "session.append", session_id=b, tokens=tokens(100, 1))
+    with held(rt):
+        generation = rt.submit("session.generate", {"session_id": a, "max_tokens": 40, "ignore_eos": True})
+        appended = rt.submit("session.append", {"session_id": b, "tokens": tokens(100, 1)})
+    appended.future.result(timeout=30)
     generation.future.result(timeout=30)
     chunks = [e[2] for e in engine.log if e[0] == "prefill" and e[1] == rt.sessions[b].slot]
     assert chunks == [CHUNK, CHUNK, CHUNK, 100 - 3 * CHUNK]
@@ -242,8 +266,9 @@ def test_a_failing_chunk_fails_its_request_alone(make):
             raise FloatingPointError("injected")
 
     engine.on_prefill = fail_second
-    generation = rt.submit("session.generate", {"session_id": a, "max_tokens": 30, "ignore_eos": True})
-    appended = rt.submit("session.append", {"session_id": b, "tokens": tokens(100, 1)})
+    with held(rt):
+        generation = rt.submit("session.generate", {"session_id": a, "max_tokens": 30, "ignore_eos": True})
+        appended = rt.submit("session.append", {"session_id": b, "tokens": tokens(100, 1)})
     with pytest.raises(RuntimeError_) as raised:
         appended.future.result(timeout=30)
     assert raised.value.code == "internal" and "injected" in str(raised.value)
@@ -277,11 +302,12 @@ def test_short_prefills_pass_a_long_one(make):
     a, b, c = (call(rt, "session.open")["session_id"] for _ in range(3))
     call(rt, "session.append", session_id=a, tokens=tokens(5))
     order = []
-    generation = rt.submit("session.generate", {"session_id": a, "max_tokens": 200, "ignore_eos": True})
-    long = rt.submit("session.append", {"session_id": b, "tokens": tokens(300, 1)})
-    long.future.add_done_callback(lambda f: order.append("long"))
-    short = rt.submit("session.append", {"session_id": c, "tokens": tokens(6, 2)})
-    short.future.add_done_callback(lambda f: order.append("short"))
+    with held(rt):
+        generation = rt.submit("session.generate", {"session_id": a, "max_tokens": 200, "ignore_eos": True})
+        long = rt.submit("session.append", {"session_id": b, "tokens": tokens(300, 1)})
+        long.future.add_done_callback(lambda f: order.append("long"))
+        short = rt.submit("session.append", {"session_id": c, "tokens": tokens(6, 2)})
+        short.future.add_done_callback(lambda f: order.append("short"))
     long.future.result(timeout=30)
     short.future.result(timeout=30)
     rt.submit("stats", {}).future.result(timeout=30)

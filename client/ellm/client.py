@@ -100,8 +100,8 @@ class Stream(Generic[T, R]):
 def _blocking(method):
     """The blocking form of an async method of AsyncClient or AsyncSession."""
     @functools.wraps(method)
-    def call(self, *args, **kwargs):
-        return self._wrap(self._loop.run(method(self._async, *args, **kwargs)))
+    def call(owner, /, *args, **kwargs):  # positional-only: `self` may be a request argument
+        return owner._wrap(owner._loop.run(method(owner._async, *args, **kwargs)))
     return call
 
 
