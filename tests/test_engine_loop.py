@@ -17,6 +17,7 @@ from ellmd.engine import Engine
 from ellmd.engine.engine import builtin_model_path
 from ellmd.engine.sampling import Sampler, SamplingParams
 from ellmd.errors import EllmError
+from ellmd.runtime.ops import Op
 from ellmd.runtime.runtime import Request, Runtime, RuntimeError_
 from ellmd.runtime.store import Store, StoreError
 
@@ -116,12 +117,12 @@ def test_the_loop_failing_snapshots_every_session_and_answers_everyone(engine, t
             raise MemoryError("injected")
         real_retry()
 
-    def stats(request):
+    def stats(rt, request):
         release.wait(60)
         return {}
 
     monkeypatch.setattr(rt, "_retry_waiting", retry)
-    monkeypatch.setattr(rt, "op_stats", stats)
+    monkeypatch.setitem(rt.ops, "stats", Op(stats))
     held = rt.submit("stats", {})  # holds the loop while two more requests queue behind it
     waiting = [rt.submit("session.info", {"session_id": sid}) for _ in range(2)]
     fail.set()

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from ellmd.errors import BadRequest, CapacityError, EllmError
-from ellmd.runtime.runtime import RuntimeError_, check_fingerprint
+from ellmd.runtime.errors import RuntimeError_
+from ellmd.runtime.residency import check_fingerprint
 from ellmd.runtime.store import CHECKSUM_BYTES, CHUNK_TOKENS, Store, StoreError, _checksum, _chunk_key, first_changed
 from ellmd.server.config import load_settings
 

@@ -12,19 +12,23 @@ from ellm.errors import BadRequest as ClientBadRequest
 from ellm.errors import NotFound
 from ellmd.errors import BadRequest
 from ellmd.runtime import schemas
-from ellmd.runtime.runtime import Runtime
+from ellmd.runtime.ops import OPS as HANDLERS
 
 from daemon import Daemon
 
 VOCAB = 49152  # SmolLM2's
 
 
+def test_every_op_has_a_schema_and_a_handler():
+    assert set(schemas.OPS) == set(HANDLERS)
+
+
 @pytest.mark.parametrize("op", sorted(schemas.OPS))
 def test_every_schema_field_binds_to_its_handler(op):
     """What the schema lets through is exactly what the handler takes (owner is the request's)."""
     fields = {f.name: f for f in msgspec.structs.fields(schemas.OPS[op]) if f.name != "owner"}
-    params = inspect.signature(getattr(Runtime, "op_" + op.replace(".", "_"))).parameters
-    named = {n: p for n, p in params.items() if p.kind is p.POSITIONAL_OR_KEYWORD and n not in ("self", "request")}
+    params = inspect.signature(HANDLERS[op].handler).parameters
+    named = {n: p for n, p in params.items() if p.kind is p.POSITIONAL_OR_KEYWORD and n not in ("rt", "request")}
     sampling = {f.name for f in msgspec.structs.fields(schemas.Sampling)} - {"owner"}
     takes_sampling = any(p.kind is p.VAR_KEYWORD for p in params.values())
     assert set(fields) - set(named) == (sampling if takes_sampling else set())

@@ -10,15 +10,13 @@ from __future__ import annotations
 import asyncio
 import copy
 import itertools
-import threading
-from collections import deque
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any, Generic, TypeVar
 
 from ellm import __version__
 from ellm.errors import BadRequest, Cancelled, ConnectionLost, EllmError, ProtocolVersionError, RequestTimeout, error_from_wire
 from ellm.framing import MAX_FRAME, READ_SIZE, FrameDecoder, pack
-from ellm.transport import AsyncSocketTransport, SocketTransport
+from ellm.transport import AsyncSocketTransport
 
 PROTOCOL_VERSION = 1
 CLIENT_NAME = f"ellm-py/{__version__}"
@@ -59,7 +57,7 @@ def same(result: dict) -> dict:
 
 
 def take_message(stream, message: dict):
-    """One message of a stream (sync or async): an event's value, or None once the reply ends it."""
+    """One message of a stream: an event's value, or None once the reply ends it."""
     if is_event(message):
         return stream._item(message["event"], message.get("data") or {})
     stream.done = True
@@ -67,10 +65,16 @@ def take_message(stream, message: dict):
     return None
 
 
-class _Base:
-    """What both connections share: ids, inboxes, the request size check, the failure state."""
+class AsyncRpcConnection:
+    """An asyncio connection: a reader task routes messages to per-request queues, so any number
+    of requests may be in flight. `timeout` bounds each wait for a message. (The blocking client
+    runs this connection on an event loop of its own: ellm.client.)"""
 
-    def __init__(self):
+    def __init__(self, transport: AsyncSocketTransport, timeout: float | None = None):
+        self._transport = transport
+        self._decoder = FrameDecoder()
+        self._timeout = timeout
+        self._reader: asyncio.Task | None = None
         self._ids = itertools.count()  # hello gets id 0
         self._inbox: dict[int, Any] = {}
         self.error: EllmError | None = None  # why the connection ended; None while it is open
@@ -104,107 +108,6 @@ class _Base:
         """Abandon request `rid`: its later messages are dropped on arrival."""
         self._inbox.pop(rid, None)
 
-
-class RpcConnection(_Base):
-    """A blocking connection, safe to share between threads.
-
-    A thread waiting for its request reads from the socket, and queues whatever belongs to other
-    requests for them; so a stream may be read while other calls go through.
-    """
-
-    def __init__(self, transport: SocketTransport):
-        super().__init__()
-        self._transport = transport
-        self._decoder = FrameDecoder()
-        self._send_lock = threading.Lock()
-        self._read_lock = threading.Lock()
-        try:
-            self._hello(self.call("hello", hello_args()))
-        except BaseException:
-            self.close()
-            raise
-
-    @classmethod
-    def connect(cls, path: str, timeout: float | None = None) -> RpcConnection:
-        return cls(SocketTransport(path, timeout))
-
-    def send(self, op: str, args: dict) -> int:
-        """Send a request; its id."""
-        with self._send_lock:
-            rid, data = self._frame(op, args)
-            self._inbox[rid] = deque()  # before sending: another thread may read the reply first
-            try:
-                self._transport.send(data)
-            except EllmError as exc:
-                self._fail(exc)
-                raise
-        return rid
-
-    def next_message(self, rid: int) -> dict:
-        """The next event or the reply of request `rid`, waiting for it."""
-        inbox = self._inbox[rid]
-        while True:
-            with self._read_lock:
-                if inbox:
-                    message = inbox.popleft()
-                    if not is_event(message):
-                        self.forget(rid)
-                    return message
-                if self.error is not None:
-                    self.forget(rid)
-                    self._raise_error()
-                try:
-                    self._read()
-                except RequestTimeout:
-                    self.forget(rid)
-                    raise
-
-    def call(self, op: str, args: dict) -> dict:
-        """Send a request and wait for its result (events, if any, are dropped)."""
-        rid = self.send(op, args)
-        while is_event(message := self.next_message(rid)):
-            pass
-        return reply_result(message)
-
-    def close(self) -> None:
-        """Close the connection; requests in flight fail with ConnectionLost (and the daemon
-        cancels their generations)."""
-        self._fail(ConnectionLost("the connection was closed by the client"))
-
-    def _read(self) -> None:
-        # Called with _read_lock held.
-        try:
-            data = self._transport.recv(READ_SIZE)
-            if not data:
-                raise ConnectionLost("the daemon closed the connection")
-            messages = self._decoder.feed(data)
-        except RequestTimeout:
-            raise
-        except EllmError as exc:
-            self._fail(exc)
-            return
-        for message in messages:
-            if message.get("id") is None:  # bad_frame about the whole connection; the daemon hangs up
-                self._fail(error_from_wire(message.get("error") or {}))
-            elif (inbox := self._inbox.get(message["id"])) is not None:
-                inbox.append(message)
-
-    def _fail(self, exc: EllmError) -> None:
-        if self.error is None:
-            self.error = exc
-            self._transport.close()
-
-
-class AsyncRpcConnection(_Base):
-    """An asyncio connection: a reader task routes messages to per-request queues, so any number
-    of requests may be in flight. `timeout` bounds each wait for a message."""
-
-    def __init__(self, transport: AsyncSocketTransport, timeout: float | None = None):
-        super().__init__()
-        self._transport = transport
-        self._decoder = FrameDecoder()
-        self._timeout = timeout
-        self._reader: asyncio.Task | None = None
 
     @classmethod
     async def connect(cls, path: str, timeout: float | None = None) -> AsyncRpcConnection:
@@ -279,68 +182,11 @@ class AsyncRpcConnection(_Base):
                 inbox.put_nowait(exc)
 
 
-class Stream(Generic[T, R]):
-    """The events of one streaming request, as they arrive; `result` holds the mapped reply once
-    iteration has ended (an error reply is raised from the iteration instead).
-
-    Closing a stream before its end (`close()`, leaving a `with` block) cancels the request on
-    the daemon and drops the rest of its events.
-    """
-
-    def __init__(self, conn: RpcConnection, rid: int,
-                 item: Callable[[str, dict], T | None] = event_data, final: Callable[[dict], R] = same):
-        self._conn = conn
-        self._item = item  # event name and data -> the value to yield, or None to skip the event
-        self._final = final
-        self.request_id = rid
-        self.result: R | None = None
-        self.done = False
-
-    def __iter__(self) -> Iterator[T]:
-        return self
-
-    def __next__(self) -> T:
-        while not self.done:
-            try:
-                message = self._conn.next_message(self.request_id)
-            except EllmError:  # the request is over (an interrupt, by contrast, leaves it cancellable)
-                self.done = True
-                raise
-            value = take_message(self, message)
-            if value is not None:
-                return value
-        raise StopIteration
-
-    def close(self) -> None:
-        """Cancel the request if it is still running and wait for its reply."""
-        if self.done:
-            return
-        try:
-            if not self._conn.closed:
-                self._conn.call("cancel", {"request_id": self.request_id})
-                for _ in self:
-                    pass
-        except (Cancelled, ConnectionLost):  # either way the request is over
-            pass
-        finally:
-            self.done = True
-            self._conn.forget(self.request_id)
-
-    def __enter__(self) -> Stream[T, R]:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def __del__(self):
-        # A dropped stream must not leave its events queued forever.
-        if not self.done:
-            self._conn.forget(self.request_id)
-
-
 class AsyncStream(Generic[T, R]):
-    """The asyncio form of `Stream`: `async for` over it, then read `result`; `aclose()` (or
-    leaving an `async with` block) cancels it if it is still running."""
+    """The events of one streaming request, as they arrive: `async for` over it, then read
+    `result`, the mapped reply (an error reply is raised from the iteration instead). `aclose()`
+    (or leaving an `async with` block) before its end cancels the request on the daemon and drops
+    the rest of its events."""
 
     def __init__(self, conn: AsyncRpcConnection, rid: int,
                  item: Callable[[str, dict], T | None] = event_data, final: Callable[[dict], R] = same):

@@ -1,9 +1,8 @@
-"""Transport: a Unix stream socket to the daemon, blocking or asyncio. Bytes in, bytes out."""
+"""Transport: a Unix stream socket to the daemon (asyncio). Bytes in, bytes out."""
 
 from __future__ import annotations
 
 import asyncio
-import socket
 from pathlib import Path
 
 from ellm.errors import ConnectionLost, DaemonNotRunning, EllmError, RequestTimeout
@@ -14,46 +13,6 @@ def connect_error(path: str, exc: OSError) -> EllmError:
     if isinstance(exc, (FileNotFoundError, ConnectionRefusedError)):
         return DaemonNotRunning(path)
     return EllmError(f"cannot connect to {path}: {exc.strerror or exc}")
-
-
-class SocketTransport:
-    """A connected blocking Unix socket. `timeout` (seconds, `None` for none) bounds the connect
-    and each wait for data."""
-
-    def __init__(self, path: str | Path, timeout: float | None = None):
-        self.path = str(path)
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.settimeout(timeout)
-        try:
-            sock.connect(self.path)
-        except TimeoutError:
-            sock.close()
-            raise RequestTimeout(f"no answer from {self.path} within {timeout} s") from None
-        except OSError as exc:
-            sock.close()
-            raise connect_error(self.path, exc) from None
-        self._sock = sock
-        self._timeout = timeout
-
-    def send(self, data: bytes) -> None:
-        """Send all of `data`. A send that fails or times out leaves a partial message on the
-        wire, so it always means the connection is lost."""
-        try:
-            self._sock.sendall(data)
-        except OSError as exc:
-            raise ConnectionLost(f"cannot send to the daemon: {exc.strerror or exc}") from None
-
-    def recv(self, size: int) -> bytes:
-        """Up to `size` bytes; `b""` when the daemon closed the connection."""
-        try:
-            return self._sock.recv(size)
-        except TimeoutError:
-            raise RequestTimeout(f"no answer from the daemon within {self._timeout} s") from None
-        except OSError as exc:
-            raise ConnectionLost(f"connection to the daemon failed: {exc.strerror or exc}") from None
-
-    def close(self) -> None:
-        self._sock.close()
 
 
 class AsyncSocketTransport:

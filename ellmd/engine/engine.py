@@ -118,7 +118,7 @@ class Engine:
                 f"or use --kv-dtype bf16"
             )
 
-        family = FAMILIES[spec.model_type]
+        family = FAMILIES[spec.model_type].model
         weights = family.sanitize(
             checkpoint, spec, self.fmt, lambda d, t: progress("loading weights", d, t), blocks=blocks
         )

@@ -1,7 +1,7 @@
-"""What the network is: spec, checkpoint readers, and one module per model family."""
+"""What the network is: spec, checkpoint readers, and one module per model family.
 
-from ellmd.model.llama import Llama
-from ellmd.model.qwen3 import Qwen3
-from ellmd.model.qwen3_moe import Qwen3Moe
+Each family module registers itself (registry.register): importing them here fills FAMILIES.
+"""
 
-FAMILIES = {"llama": Llama, "qwen3": Qwen3, "qwen3_moe": Qwen3Moe}
+from ellmd.model import llama, qwen3, qwen3_moe  # noqa: F401 (each registers its family)
+from ellmd.model.registry import FAMILIES, Family, family  # noqa: F401

@@ -16,6 +16,7 @@ import numpy as np
 from ellmd import kernels
 from ellmd.kernels import formats, quant
 from ellmd.kernels.formats import kernel_view
+from ellmd.model.registry import Family, register
 from ellmd.model.spec import ModelSpec
 from ellmd.model.weights import quantize_weight
 
@@ -220,3 +221,22 @@ class Llama:
         np.take(ws.x, rows, axis=0, out=ws.rows_x[:count], mode="clip")  # "raise" would buffer a copy
         kernels.rmsnorm(ws.rows_x[:count], self.norm, self.spec.rms_norm_eps, hidden)
         kernels.matmul(hidden, self.lm_head, self.fmt, out, ws.matmul_scratch)
+
+
+def layer_shapes(spec: ModelSpec, index: int) -> dict[str, tuple[int, ...]]:
+    """Hugging Face tensor names (under model.layers.N) and shapes of a Llama layer."""
+    h, d, I = spec.hidden_size, spec.head_dim, spec.intermediate_size
+    H, G = spec.num_attention_heads, spec.num_key_value_heads
+    return {
+        "input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
+        "self_attn.q_proj.weight": (H * d, h), "self_attn.k_proj.weight": (G * d, h),
+        "self_attn.v_proj.weight": (G * d, h), "self_attn.o_proj.weight": (h, H * d),
+        "mlp.gate_proj.weight": (I, h), "mlp.up_proj.weight": (I, h), "mlp.down_proj.weight": (h, I),
+    }
+
+
+FAMILY = register(Family(
+    model_type="llama", gguf_architecture="llama", model=Llama, layer_shapes=layer_shapes, gguf_permuted_qk=True,
+    honours=("attention_bias", "tie_word_embeddings", "rope_scaling", "head_dim"),
+    refuses={"mlp_bias": False, "hidden_act": "silu"},
+))

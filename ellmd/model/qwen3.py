@@ -7,7 +7,9 @@ from __future__ import annotations
 
 from ellmd import kernels
 from ellmd.kernels import formats
+from ellmd.model import llama
 from ellmd.model.llama import Llama
+from ellmd.model.registry import Family, register
 
 
 class Qwen3(Llama):
@@ -22,3 +24,17 @@ class Qwen3(Llama):
         eps = self.spec.rms_norm_eps
         kernels.rmsnorm_heads(q, layer["q_norm"], eps)  # q [n, H, d] in place
         kernels.rmsnorm_heads(k, layer["k_norm"], eps)  # k [n, G, d] in place
+
+
+def layer_shapes(spec, index: int) -> dict[str, tuple[int, ...]]:
+    d = spec.head_dim
+    return {**llama.layer_shapes(spec, index), "self_attn.q_norm.weight": (d,), "self_attn.k_norm.weight": (d,)}
+
+
+QK_NORM_GGUF_NAMES = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+
+FAMILY = register(Family(
+    model_type="qwen3", gguf_architecture="qwen3", model=Qwen3, layer_shapes=layer_shapes,
+    gguf_layer_names=QK_NORM_GGUF_NAMES, honours=llama.FAMILY.honours,
+    refuses={**llama.FAMILY.refuses, "use_sliding_window": False},
+))

@@ -17,7 +17,9 @@ import numpy as np
 from ellmd.kernels import formats
 from ellmd.kernels.formats import kernel_view
 from ellmd.kernels.moe import moe_block
+from ellmd.model import qwen3
 from ellmd.model.qwen3 import Qwen3
+from ellmd.model.registry import Family, register
 
 
 class Qwen3Moe(Qwen3):
@@ -57,3 +59,34 @@ class Qwen3Moe(Qwen3):
             ws.router_logits[:n], ws.expert_weights[:n], ws.expert_ids[:n], ws.moe_scratch,
         )
         ws.h[:n] = ws.moe_out[:n]
+
+
+def layer_shapes(spec, index: int) -> dict[str, tuple[int, ...]]:
+    shapes = qwen3.layer_shapes(spec, index)
+    if not spec.is_moe_layer(index):
+        return shapes
+    h, I = spec.hidden_size, spec.moe_intermediate_size
+    for name in ("gate_proj", "up_proj", "down_proj"):
+        del shapes[f"mlp.{name}.weight"]
+    shapes["mlp.gate.weight"] = (spec.num_experts, h)
+    for e in range(spec.num_experts):
+        shapes.update({f"mlp.experts.{e}.gate_proj.weight": (I, h), f"mlp.experts.{e}.up_proj.weight": (I, h),
+                       f"mlp.experts.{e}.down_proj.weight": (h, I)})
+    return shapes
+
+
+def gguf_fields(get) -> dict:
+    return {"num_experts": int(get("expert_count", 0)), "num_experts_per_tok": int(get("expert_used_count", 0)),
+            "moe_intermediate_size": int(get("expert_feed_forward_length", 0)),
+            "norm_topk_prob": bool(get("expert_weights_norm", True))}
+
+
+FAMILY = register(Family(
+    model_type="qwen3_moe", gguf_architecture="qwen3moe", model=Qwen3Moe, layer_shapes=layer_shapes,
+    gguf_layer_names={**qwen3.QK_NORM_GGUF_NAMES, "ffn_gate_inp": "mlp.gate", "ffn_gate_exps": "mlp.experts.gate_proj",
+                      "ffn_up_exps": "mlp.experts.up_proj", "ffn_down_exps": "mlp.experts.down_proj"},
+    gguf_fields=gguf_fields,
+    honours=(*qwen3.FAMILY.honours, "num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
+             "decoder_sparse_step", "mlp_only_layers"),
+    refuses=qwen3.FAMILY.refuses,
+))

@@ -7,11 +7,7 @@ import json
 from pathlib import Path
 
 from ellmd.errors import ModelError
-
-FAMILIES = ("llama", "qwen3", "qwen3_moe")
-
-# GGUF architecture name -> Hugging Face model_type
-GGUF_ARCHITECTURES = {"llama": "llama", "qwen3": "qwen3", "qwen3moe": "qwen3_moe"}
+from ellmd.model import registry
 
 
 @dataclasses.dataclass
@@ -47,11 +43,6 @@ class ModelSpec:
             # rotary embeddings turn pairs of dimensions; transformers fails on such a model too
             raise ModelError(f"head_dim {self.head_dim} is odd: rotary position embeddings need an even head_dim")
 
-    @property
-    def group_size(self) -> int:
-        """Query heads per KV head (GQA)."""
-        return self.num_attention_heads // self.num_key_value_heads
-
     def is_moe_layer(self, layer: int) -> bool:
         """True where Qwen3-MoE puts a sparse block instead of the dense MLP (transformers' rule)."""
         return (
@@ -61,15 +52,10 @@ class ModelSpec:
             and (layer + 1) % self.decoder_sparse_step == 0
         )
 
-    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
-        return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * dtype_bytes
-
     @classmethod
     def from_config(cls, config: dict) -> "ModelSpec":
         """Build from a Hugging Face config.json dict."""
-        model_type = config.get("model_type")
-        if model_type not in FAMILIES:
-            raise ModelError(f"unsupported model_type {model_type!r} (supported: {', '.join(FAMILIES)})")
+        registry.family(config.get("model_type")).check_config(config)
         known = {f.name for f in dataclasses.fields(cls)}
         kwargs = {k: v for k, v in config.items() if k in known}
         kwargs.setdefault("num_key_value_heads", config["num_attention_heads"])
@@ -106,8 +92,7 @@ class ModelSpec:
     def from_gguf(cls, fields: dict) -> "ModelSpec":
         """Build from GGUF metadata (a plain dict of key -> value)."""
         arch = fields.get("general.architecture")
-        if arch not in GGUF_ARCHITECTURES:
-            raise ModelError(f"unsupported GGUF architecture {arch!r} (supported: {', '.join(GGUF_ARCHITECTURES)})")
+        family = registry.gguf_family(arch)
 
         def get(key, default=None):
             return fields.get(f"{arch}.{key}", default)
@@ -122,7 +107,7 @@ class ModelSpec:
             if get("rope.scaling.original_context_length"):
                 scaling["original_max_position_embeddings"] = int(get("rope.scaling.original_context_length"))
         return cls(
-            model_type=GGUF_ARCHITECTURES[arch],
+            model_type=family.model_type,
             vocab_size=int(vocab),
             hidden_size=hidden,
             intermediate_size=int(get("feed_forward_length", 0)),
@@ -137,10 +122,7 @@ class ModelSpec:
             tie_word_embeddings=False,  # decided by the loader: no output.weight means tied
             bos_token_id=fields.get("tokenizer.ggml.bos_token_id"),
             eos_token_id=_as_list(fields.get("tokenizer.ggml.eos_token_id")),
-            num_experts=int(get("expert_count", 0)),
-            num_experts_per_tok=int(get("expert_used_count", 0)),
-            moe_intermediate_size=int(get("expert_feed_forward_length", 0)),
-            norm_topk_prob=bool(get("expert_weights_norm", True)) if arch == "qwen3moe" else False,
+            **(family.gguf_fields(get) if family.gguf_fields else {}),
         )
 
 

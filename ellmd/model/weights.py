@@ -19,6 +19,7 @@ import numpy as np
 
 from ellmd.errors import ModelError
 from ellmd.kernels import formats, quant
+from ellmd.model import registry
 from ellmd.model.spec import ModelSpec
 
 # safetensors dtype -> (numpy dtype of the raw bytes, storage format or None if unsupported)
@@ -28,29 +29,6 @@ SAFETENSORS_DTYPES = {
     "F16": (np.uint16, formats.F16),
 }
 
-# GGUF tensor name pieces -> Hugging Face names
-GGUF_GLOBAL_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-GGUF_LAYER_NAMES = {
-    "attn_norm": "input_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
-    "ffn_norm": "post_attention_layernorm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-    "ffn_gate_inp": "mlp.gate",
-    "ffn_gate_exps": "mlp.experts.gate_proj",
-    "ffn_up_exps": "mlp.experts.up_proj",
-    "ffn_down_exps": "mlp.experts.down_proj",
-}
 GGUF_SUPPORTED_TYPES = ("F32", "F16", "BF16", *quant.BLOCK_DTYPES)
 
 
@@ -157,9 +135,10 @@ class GGUFCheckpoint:
             except Exception:
                 raise ModelError(f"{self.file}: corrupt GGUF metadata field {key}") from None
         self.spec = ModelSpec.from_gguf(self.fields)
+        self.family = registry.family(self.spec.model_type)
         self._tensors = {}
         for tensor in self.reader.tensors:
-            hf_name = _gguf_to_hf_name(tensor.name)
+            hf_name = self.family.gguf_name(tensor.name)
             if hf_name is None:
                 continue
             if tensor.tensor_type.name not in GGUF_SUPPORTED_TYPES:
@@ -203,7 +182,7 @@ class GGUFCheckpoint:
                 array, src = quant.from_bytes(tensor.data, kind, shape), None
         except ValueError as e:
             raise ModelError(f"{self.file}: tensor {tensor.name} is corrupt ({e})") from None
-        if self.spec.model_type == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+        if self.family.gguf_permuted_qk and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = self.spec.num_attention_heads if "q_proj" in name else self.spec.num_key_value_heads
             array = _unpermute_rope_rows(array, heads)  # whole rows: blocks move with them
         array = np.ascontiguousarray(array)
@@ -246,15 +225,6 @@ def files_digest(files) -> str:
             f.seek(max(0, size - (1 << 20)))
             digest.update(f.read(1 << 20))
     return digest.hexdigest()
-
-
-def _gguf_to_hf_name(name: str) -> str | None:
-    if name in GGUF_GLOBAL_NAMES:
-        return GGUF_GLOBAL_NAMES[name]
-    parts = name.split(".")
-    if parts[0] != "blk" or len(parts) != 4 or parts[2] not in GGUF_LAYER_NAMES:
-        return None
-    return f"model.layers.{parts[1]}.{GGUF_LAYER_NAMES[parts[2]]}.{parts[3]}"
 
 
 def _unpermute_rope_rows(w: np.ndarray, heads: int) -> np.ndarray:
@@ -306,35 +276,12 @@ class RandomCheckpoint:
 
 
 def _hf_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
-    """Hugging Face tensor names and shapes implied by a spec."""
-    h, d, V = spec.hidden_size, spec.head_dim, spec.vocab_size
-    H, G = spec.num_attention_heads, spec.num_key_value_heads
+    """Hugging Face tensor names and shapes implied by a spec (its family's layer shapes)."""
+    h, V = spec.hidden_size, spec.vocab_size
     shapes = {"model.embed_tokens.weight": (V, h), "model.norm.weight": (h,)}
     if not spec.tie_word_embeddings:
         shapes["lm_head.weight"] = (V, h)
+    layer_shapes = registry.family(spec.model_type).layer_shapes
     for i in range(spec.num_hidden_layers):
-        p = f"model.layers.{i}"
-        shapes.update({
-            f"{p}.input_layernorm.weight": (h,),
-            f"{p}.post_attention_layernorm.weight": (h,),
-            f"{p}.self_attn.q_proj.weight": (H * d, h),
-            f"{p}.self_attn.k_proj.weight": (G * d, h),
-            f"{p}.self_attn.v_proj.weight": (G * d, h),
-            f"{p}.self_attn.o_proj.weight": (h, H * d),
-        })
-        if spec.model_type != "llama":
-            shapes[f"{p}.self_attn.q_norm.weight"] = (d,)
-            shapes[f"{p}.self_attn.k_norm.weight"] = (d,)
-        if spec.is_moe_layer(i):
-            I = spec.moe_intermediate_size
-            shapes[f"{p}.mlp.gate.weight"] = (spec.num_experts, h)
-            for e in range(spec.num_experts):
-                shapes[f"{p}.mlp.experts.{e}.gate_proj.weight"] = (I, h)
-                shapes[f"{p}.mlp.experts.{e}.up_proj.weight"] = (I, h)
-                shapes[f"{p}.mlp.experts.{e}.down_proj.weight"] = (h, I)
-        else:
-            I = spec.intermediate_size
-            shapes[f"{p}.mlp.gate_proj.weight"] = (I, h)
-            shapes[f"{p}.mlp.up_proj.weight"] = (I, h)
-            shapes[f"{p}.mlp.down_proj.weight"] = (h, I)
+        shapes.update({f"model.layers.{i}.{name}": shape for name, shape in layer_shapes(spec, i).items()})
     return shapes

@@ -35,7 +35,7 @@ class Session:
     slot: int | None = None
     stored_tokens: int = 0  # KV on disk is valid for tokens[:stored_tokens]
     dirty: bool = True  # metadata changed since the last snapshot
-    busy: bool = False  # a generation is running
+    busy: bool = False  # a request is running on it: a generation, or a prefill in progress
     last_used: float = dataclasses.field(default_factory=time.monotonic)
 
     STORED_FIELDS = ("session_id", "fingerprint", "title", "tags", "created", "updated", "pending", "turns",

@@ -54,7 +54,7 @@ from urllib.parse import urlsplit
 from aiohttp import web
 
 from ellmd.errors import EllmError
-from ellmd.runtime.runtime import RuntimeError_
+from ellmd.runtime.errors import RuntimeError_
 from ellmd.server.limits import Admission, Limits, QueueFull
 from ellmd.server.metrics import Metrics
 from ellmd.text import TemplateError, parse_tool_calls

@@ -22,7 +22,7 @@ import msgpack
 
 from ellmd import __version__
 from ellmd.errors import EllmError
-from ellmd.runtime.runtime import RuntimeError_
+from ellmd.runtime.errors import RuntimeError_
 from ellmd.server.limits import Admission, Limits, QueueFull
 
 log = logging.getLogger("ellmd.server")

@@ -1,0 +1,217 @@
+"""Generations: the state machine of a generating session, from its first sampled token to its
+closed turn.
+
+started (prompt prefilled, first token sampled) -> decoding (one token per batched decode step)
+-> finished (stop, length or cancelled: the assistant turn is closed as the template would close
+it and tool calls are parsed) or failed (the session goes back to where the op found it).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ellmd.engine.sampling import Sampler, SamplingParams
+from ellmd.errors import EllmError
+from ellmd.runtime.errors import RuntimeError_
+from ellmd.runtime.session import Session
+from ellmd.runtime.store import StoreError
+from ellmd.text import IncrementalDetokenizer, StopMatcher, detect_format, parse_tool_calls
+
+log = logging.getLogger("ellmd.runtime")
+
+
+@dataclass
+class Generation:
+    """A generating session between decode steps."""
+
+    request: object
+    session: Session
+    sampler: Sampler
+    params: SamplingParams
+    stream: bool
+    logprobs: int  # top log-probabilities to report per generated token (0: none)
+    detok: IncrementalDetokenizer
+    stopper: StopMatcher
+    start: int  # session length when generation began (after the prompt)
+    usage: dict
+    next_token: int = -1
+    generated: list[int] = field(default_factory=list)
+    text: list[str] = field(default_factory=list)
+    token_logprobs: list[dict] = field(default_factory=list)
+    first_token_at: float | None = None
+    restore: tuple = ()  # the session before the op (turns.snapshot_of): a failure goes back to it
+
+
+class Generations:
+    """Every generating session; `step` runs one batched decode step over all of them."""
+
+    def __init__(self, engine, turns, counters: dict, after_turn, reply):
+        self.engine = engine
+        self.turns = turns  # Turns.restore puts a failed generation's session back
+        self.counters = counters
+        self.after_turn = after_turn  # the snapshot policy
+        self.reply = reply  # reply(request, result=None, error=None)
+        self.active: list[Generation] = []
+        self.observers: list = []  # callables given the final usage of every generation
+        template = engine.chat_template
+        self.tool_format = detect_format(template.source) if template else None
+
+    def of(self, session: Session) -> Generation | None:
+        return next((g for g in self.active if g.session is session), None)
+
+    def start(self, request, session: Session, sampling: dict, start: int, logits, usage: dict,
+              restore: tuple) -> None:
+        """Begin decoding after a prefilled prompt: sample the first token from its logits."""
+        stream = sampling.pop("stream", True)
+        logprobs = sampling.pop("logprobs", 0)
+        params = SamplingParams(**sampling)
+        gen = Generation(
+            request=request, session=session, sampler=Sampler(params, session.tokens), params=params,
+            stream=stream, logprobs=logprobs, detok=IncrementalDetokenizer(self.engine.tokenizer, skip_special_tokens=True),
+            stopper=StopMatcher(params.stop), start=start, usage=usage, restore=restore,
+        )
+        session.busy = True
+        self.active.append(gen)
+        try:
+            self.accept(gen, gen.sampler(logits), logits)
+        except Exception as e:
+            self.fail(gen, e)
+
+    def step(self) -> None:
+        """One forward over every generating session; a failure ends the generations it touched."""
+        gens = list(self.active)
+        try:
+            logits = self.engine.decode([g.session.slot for g in gens], [g.next_token for g in gens])
+        except Exception as e:
+            for gen in gens:
+                self.fail(gen, e)
+            return
+        for gen, row in zip(gens, logits):
+            try:
+                gen.session.tokens.append(gen.next_token)
+                self.accept(gen, gen.sampler(row), row)
+            except Exception as e:
+                self.fail(gen, e)
+
+    def accept(self, gen: Generation, token: int, logits) -> None:
+        """Take a sampled token: stream its text, then finish or keep it for the next decode step."""
+        gen.first_token_at = gen.first_token_at or time.perf_counter()
+        if gen.logprobs:
+            gen.token_logprobs.append(top_logprobs(logits, token, gen.logprobs))
+        gen.sampler.accept(token)
+        gen.generated.append(token)
+        self.counters["generated"] += 1
+        self.emit(gen, gen.stopper.push(gen.detok.push(token)), [token])
+        stops = set(gen.params.stop_token_ids)
+        if not gen.params.ignore_eos:
+            stops |= set(self.engine.spec.eos_token_id)
+        if token in stops or gen.stopper.hit:
+            self.finish(gen, "stop")
+        elif len(gen.generated) >= gen.params.max_tokens or gen.session.length + 1 >= self.engine.kv.sequence_length:
+            self.finish(gen, "length")
+        elif gen.request.cancelled.is_set():
+            self.finish(gen, "cancelled")
+        else:
+            gen.next_token = token
+
+    def emit(self, gen: Generation, text: str, token_ids: list[int]) -> None:
+        if text:
+            gen.text.append(text)
+            if gen.stream and gen.request.emit:
+                gen.request.emit("token", {"text": text, "token_ids": token_ids})
+
+    def finish(self, gen: Generation, reason: str) -> None:
+        """End a generation: close the assistant turn as the template would, log it, reply."""
+        self.active.remove(gen)
+        session = gen.session
+        self.emit(gen, gen.stopper.push(gen.detok.flush()) + gen.stopper.flush(), [])
+        text = "".join(gen.text)
+        messages_before = len(session.messages)
+        tool_calls = self.close_turn(gen, text)
+        session.add_turn("generation", gen.start, role="assistant", messages=messages_before)
+        session.busy = False
+        usage = self.final_usage(gen)
+        try:
+            self.after_turn(session)
+        except StoreError as e:  # the generation itself succeeded; the next snapshot retries
+            log.error("snapshot after generation failed: %s", e)
+        for observe in self.observers:
+            try:
+                observe(usage)
+            except Exception:
+                log.exception("usage observer failed")
+        self.reply(gen.request, {
+            "session_id": session.session_id, "text": text, "token_ids": gen.generated,
+            "finish_reason": reason, "tool_calls": tool_calls, "usage": usage,
+            **({"content": session.messages[-1]["content"]} if tool_calls else {}),
+            **({"logprobs": gen.token_logprobs} if gen.logprobs else {}),
+        })
+
+    def close_turn(self, gen: Generation, text: str) -> list[dict]:
+        """End the assistant turn as the template would and log its message; returns its tool calls.
+
+        The last sampled token is not in the KV yet: it joins the next prefill, with the turn's end.
+        """
+        session, template = gen.session, self.engine.chat_template
+        session.pending = [gen.generated[-1]]
+        if template is None or not session.messages:
+            return []
+        generated_text = self.engine.tokenizer.decode(gen.generated)
+        session.pending += self.engine.tokenizer.encode(template.end_of_turn(generated_text))
+        message, tool_calls = {"role": "assistant", "content": text}, []
+        if self.tool_format:
+            content, tool_calls = parse_tool_calls(text, self.tool_format, session.tools)
+            if tool_calls:
+                message = {"role": "assistant", "content": content, "tool_calls": tool_calls}
+        session.messages.append(message)
+        return tool_calls
+
+    def final_usage(self, gen: Generation) -> dict:
+        now, count = time.perf_counter(), len(gen.generated)
+        return {**gen.usage, "generated_tokens": count,
+                "ttft_ms": round((gen.first_token_at - gen.request.received) * 1000, 2),
+                "decode_tok_s": round((count - 1) / (now - gen.first_token_at), 2) if count > 1 else None}
+
+    def fail(self, gen: Generation, error: Exception) -> None:
+        """End one generation that raised: the session goes back to where the op found it, the
+        request gets the error (internal unless it is the client's), every other generation goes on."""
+        request, session = gen.request, gen.session
+        if not isinstance(error, EllmError):
+            log.error("generation failed: op %s, session %s, args %s", request.op, session.session_id,
+                      brief(request.args), exc_info=error)
+            error = RuntimeError_("internal", f"{request.op}: the generation failed: {type(error).__name__}: {error}")
+        if gen in self.active:
+            self.active.remove(gen)
+        session.busy = False
+        try:
+            self.turns.restore(session, gen.restore)
+            self.after_turn(session)
+        except Exception:
+            log.exception("session %s: restoring after a failed generation failed", session.session_id)
+        self.reply(request, error=error)
+
+    def end_all(self) -> None:
+        """Finish every generation as cancelled (at shutdown)."""
+        for gen in list(self.active):
+            try:
+                self.finish(gen, "cancelled")
+            except Exception as e:
+                self.fail(gen, e)
+
+
+def brief(args: dict) -> str:
+    """A request's arguments for a log line (long values cut)."""
+    return ", ".join(f"{k}={str(v)[:80]}" for k, v in args.items())
+
+
+def top_logprobs(logits, token: int, count: int) -> dict:
+    """The chosen token's log-probability and the `count` most likely tokens' (model distribution)."""
+    shifted = logits - logits.max()
+    logp = shifted - np.log(np.exp(shifted).sum())
+    top = np.argpartition(-logp, count - 1)[:count]
+    top = top[np.argsort(-logp[top], kind="stable")]
+    return {"token": token, "logprob": float(logp[token]), "top": [[int(t), float(logp[t])] for t in top]}

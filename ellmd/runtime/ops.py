@@ -1,0 +1,343 @@
+"""The protocol's ops, grouped by area, and the one table op -> handler (OPS).
+
+A handler is `handler(rt, request, **args)` with the arguments its schema (schemas.py) let
+through. It returns the reply's result, or None when a generation answers later. A handler that
+prefills is a generator: it yields turns.Prefill jobs to the engine loop (see Runtime._resume).
+Handlers of ops marked `aside` never touch the engine or the sessions and run beside the engine
+thread, on a "write" or a "read" thread (SkillLibrary and RagLibrary are thread-safe), so that
+indexing a folder never delays a decode step, nor a listing waits for an index run.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from ellmd.errors import CapacityError
+from ellmd.runtime.errors import RuntimeError_, SlotsBusy, busy
+from ellmd.runtime.session import Session
+from ellmd.runtime.turns import snapshot_of, usage
+
+ANONYMOUS = "anonymous"  # the tag of sessions made by completion requests that named none
+
+
+@dataclass(frozen=True)
+class Op:
+    handler: Callable
+    aside: str | None = None  # "write" or "read": runs beside the engine thread, on that thread
+
+
+# ---- guards ---------------------------------------------------------------------------------
+# (token ids are checked against the vocabulary at validation, schemas.check_vocabulary)
+
+
+def idle(session: Session) -> Session:
+    """The session, unless a request is running on it (a generation, or a prefill in progress)."""
+    if session.busy:
+        raise busy(session.session_id)
+    return session
+
+
+def timed(began: float) -> float:
+    return round((time.perf_counter() - began) * 1000, 2)
+
+
+# ---- sessions -------------------------------------------------------------------------------
+
+
+def session_open(rt, request, title=None, tags=None, system=None, tools=None):
+    session = Session.new(rt.fingerprint, title or "", tags, tools, owner=request.owner)
+    session.tokens = []
+    try:
+        if system is not None:  # may wait for a slot (SlotsBusy): register the session only after
+            yield from rt.turns.append_message(request, session, {"role": "system", "content": system})
+        else:
+            rt.after_turn(session)
+    except BaseException:  # no ghost: a session that failed to open holds no slot
+        rt.residency.release(session)
+        raise
+    rt.residency.sessions[session.session_id] = session
+    return session.info(resident=session.slot is not None)
+
+
+def session_append(rt, request, session_id, message=None, text=None, tokens=None):
+    session = rt.residency.session(session_id, request.owner)
+    if message is not None:
+        return (yield from rt.turns.append_message(request, session, message))
+    if text is not None:
+        return (yield from rt.turns.append(request, session, "text", rt.engine.tokenizer.encode(text)))
+    return (yield from rt.turns.append(request, session, "tokens", tokens))
+
+
+def session_fork(rt, request, session_id, title=None):
+    source = idle(rt.residency.session(session_id, request.owner))
+    if source.slot is not None:
+        rt.snapshot(source)
+    fork = Session.new(rt.fingerprint, title or f"fork of {source.title or source.session_id}",
+                       source.tags, source.tools, owner=source.owner)
+    for name in ("pending", "turns", "messages", "skills"):
+        setattr(fork, name, copy.deepcopy(getattr(source, name)))
+    rt.residency.fork(source, fork)
+    return fork.info(resident=False)
+
+
+def session_rewind(rt, request, session_id, turn=None, tokens=None):
+    session = idle(rt.residency.session(session_id, request.owner))
+    if turn is not None:
+        if not turn < len(session.turns):
+            raise RuntimeError_("not_found", f"session {session_id} has no turn {turn!r}")
+        length = session.turns[turn]["start"]
+    else:
+        if not tokens <= session.length:
+            raise RuntimeError_("bad_request", f"tokens must be in [0, {session.length}]")
+        length = tokens
+    slot = rt.residency.resident(session)
+    session.truncate(length)
+    rt.engine.rewind(slot, len(session.tokens))
+    rt.after_turn(session)
+    return session.info(resident=True)
+
+
+def session_snapshot(rt, request, session_id):
+    session = rt.residency.session(session_id, request.owner)
+    began = time.perf_counter()
+    session.dirty = True  # an explicit snapshot always rewrites the metadata
+    return {**rt.snapshot(session), "ms": timed(began)}
+
+
+def session_resume(rt, request, session_id):
+    session = rt.residency.session(session_id, request.owner)
+    began = time.perf_counter()
+    rt.residency.resident(session)
+    return {"session_id": session_id, "tokens": session.length, "ms": timed(began)}
+
+
+def session_close(rt, request, session_id):
+    session = idle(rt.residency.session(session_id, request.owner))
+    snapshotted = session.slot is not None
+    if snapshotted:
+        rt.snapshot(session)
+    rt.residency.forget(session)
+    return {"session_id": session_id, "snapshotted": snapshotted}
+
+
+def session_delete(rt, request, session_id):
+    rt.residency.delete(idle(rt.residency.session(session_id, request.owner)))
+    return {"session_id": session_id}
+
+
+def session_info(rt, request, session_id):
+    session = rt.residency.session(session_id, request.owner)
+    return session.info(resident=session.slot is not None)
+
+
+def session_list(rt, request):
+    return {"sessions": rt.residency.list(request.owner)}
+
+
+def session_export(rt, request, session_id):
+    session = rt.residency.session(session_id, request.owner)
+    if session.slot is not None:
+        rt.snapshot(session)
+    stored = rt.residency.stored_meta(session_id)  # a busy session is exported as of its last turn
+    return {"session_id": session_id, "tokens": stored["tokens"] + len(stored["pending"]),
+            "blob": rt.residency.export(session_id)}
+
+
+def session_import(rt, request, data):
+    meta = rt.residency.import_blob(data, request.owner)
+    return rt.residency.session(meta["session_id"], request.owner).info(resident=False)
+
+
+# ---- generation -----------------------------------------------------------------------------
+
+
+def session_generate(rt, request, session_id, **sampling):
+    yield from generate(rt, request, rt.residency.session(session_id, request.owner), sampling)
+
+
+def session_chat(rt, request, session_id, content=None, message=None, **sampling):
+    session = idle(rt.residency.session(session_id, request.owner))
+    before = snapshot_of(session)
+    message = message if message is not None else {"role": "user", "content": content}
+    yield from rt.turns.append_message(request, session, message)
+    yield from generate(rt, request, session, sampling, restore=before)
+
+
+def completion(rt, request, tokens, session_id=None, messages=None, tools=None, **sampling):
+    """Generate after a whole prompt, reusing the KV of its longest prefix already computed.
+
+    With session_id, that session (created if new) is rewound to the common prefix; without, the
+    resident anonymous session sharing the longest prefix is continued (see anonymous_session),
+    so plain OpenAI clients get incremental prefill too.
+    """
+    sequence_length = rt.engine.kv.sequence_length
+    if len(tokens) + 1 > sequence_length:
+        raise CapacityError(f"the prompt holds {len(tokens)} tokens: no room left to generate within "
+                            f"the sequence length {sequence_length}")
+    owner = request.owner
+    session = bound_session(rt, session_id, owner) if session_id is not None else anonymous_session(rt, tokens, owner)
+    idle(session)
+    slot = rt.residency.resident(session)
+    rt.residency.sessions.setdefault(session.session_id, session)  # new sessions once they hold a slot
+    # Keep the longest common prefix that is in the KV (pending tokens are not), and at least
+    # one prompt token to run, whose logits start the generation.
+    keep = min(common_prefix(session.tokens, tokens), len(tokens) - 1)
+    if keep < len(session.tokens) or session.pending:
+        session.truncate(keep)
+        rt.engine.rewind(slot, keep)
+    session.messages, session.tools = list(messages or []), tools
+    if request.emit and sampling.get("stream", True):  # the caller may not know which session it got
+        request.emit("session", {"session_id": session.session_id})
+    yield from generate(rt, request, session, sampling, prompt=tokens[keep:])
+
+
+def generate(rt, request, session: Session, sampling: dict, prompt=None, restore: tuple | None = None):
+    """Prefill the generation prompt (rendered, or the given tokens) and start decoding (generator).
+
+    restore: the session before the op (turns.snapshot_of); if the generation fails, from its
+    prompt to its last token, the session goes back to it (default: as it is now).
+    """
+    idle(session)
+    restore = restore or snapshot_of(session)
+    start = session.length  # the turn opens with the generation prompt
+    try:
+        logits = yield from rt.turns.prefill_prompt(request, session, prompt)
+    except SlotsBusy:
+        raise
+    except BaseException:
+        rt.turns.restore(session, restore)
+        raise
+    rt.generations.start(request, session, sampling, start, logits, usage(request, session), restore)
+
+
+def bound_session(rt, session_id: str, owner: str | None) -> Session:
+    """The session a completion names, created if new."""
+    if rt.residency.known(session_id):
+        return rt.residency.session(session_id, owner)
+    session = Session.new(rt.fingerprint, title=session_id, owner=owner)
+    session.session_id, session.tokens = session_id, []
+    return session
+
+
+def anonymous_session(rt, tokens: list[int], owner: str | None) -> Session:
+    """The anonymous session to continue: the resident one (of the same owner) sharing the
+    longest prefix, or a new one."""
+    residency = rt.residency
+    shared, best = max(((common_prefix(s.tokens, tokens), s) for s in residency.resident_sessions()
+                        if not s.busy and ANONYMOUS in s.tags and s.owner == owner),
+                       key=lambda pair: pair[0], default=(0, None))
+    free = residency.free_slot_index()
+    if shared and shared == len(best.tokens):
+        return best  # the prompt extends that conversation
+    if shared and free is None and 2 * shared >= len(best.tokens):
+        return best  # most of it is shared (a retry, an edited turn) and no slot to fork into: drop its tail
+    shared = shared if free is not None else 0  # else a new session, in the slot of an evicted idle one
+    session = Session.new(rt.fingerprint, title="anonymous", tags=[ANONYMOUS], owner=owner)
+    session.tokens = []
+    if shared:  # fork the shared part into the free slot: a memory copy, no recomputation
+        rt.engine.copy_slot(best.slot, free)
+        rt.engine.rewind(free, shared)
+        session.tokens = best.tokens[:shared]
+        residency.bind(session, free)
+    return session
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """The length of the longest common prefix of two token lists."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    diff = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
+    return int(diff[0])
+
+
+# ---- skills and retrieval -------------------------------------------------------------------
+
+
+def skill_list(rt, request):
+    return {"skills": rt.skills.list() if rt.skills else []}
+
+
+def skill_load(rt, request, session_id, name, force=False, role=None, file=None):
+    session = rt.residency.session(session_id, request.owner)
+    if rt.skills is None:
+        raise RuntimeError_("not_found", "no skill roots are configured (--skills-dir)")
+    skill = rt.skills.get(name)
+    key = skill.name if file is None else f"{skill.name}/{file}"
+    if key in session.skills and not force:
+        return {"skill": skill.name, "file": file, "loaded": False, "tokens_appended": 0,
+                "tokens": session.length, "usage": usage(request, session)}
+    message = {"role": rt.turns.role(role), "content": skill.message(file)}
+    result = yield from rt.turns.append_message(request, session, message, kind="skill", name=key)
+    session.skills.append(key)
+    return {"skill": skill.name, "file": file, "loaded": True, **result}
+
+
+def rag_library(rt):
+    if rt.rag is None:
+        raise RuntimeError_("not_found", "retrieval is not configured on this daemon")
+    return rt.rag
+
+
+def rag_index(rt, request, path, name="default", retriever=None):
+    """Index a folder (aside: indexing never delays a generation)."""
+    def progress(data):
+        if request.emit:
+            request.emit("progress", data)
+    return rag_library(rt).index(Path(path), name=name, retriever=retriever, progress=progress,
+                                 cancelled=request.cancelled)
+
+
+def rag_list(rt, request):
+    return {"indexes": rag_library(rt).list()}
+
+
+def rag_remove(rt, request, name):
+    return rag_library(rt).remove(name)
+
+
+def rag_inject(rt, request, session_id, documents=None, query=None, k=None, index="default", role=None):
+    session = rt.residency.session(session_id, request.owner)
+    if query is not None:
+        k = rt.rag_k if k is None else k
+        passages = [p.to_dict() for p in rag_library(rt).search(query, k=k, name=index)]
+        if not passages:
+            return {"passages": [], "tokens_appended": 0, "tokens": session.length, "usage": usage(request, session)}
+    else:
+        passages = [{"text": d} if isinstance(d, str) else {k: v for k, v in d.items() if v is not None}
+                    for d in documents]
+    body = "\n\n".join(f"[{i + 1}] {d.get('source') or 'document'}\n{d['text'].strip()}" for i, d in enumerate(passages))
+    message = {"role": rt.turns.role(role), "content": "Context passages:\n\n" + body}
+    result = yield from rt.turns.append_message(request, session, message, kind="rag", name=query)
+    return {"passages": passages, **result}
+
+
+# ---- the daemon -----------------------------------------------------------------------------
+
+
+def stats(rt, request):
+    return {
+        "model": str(rt.engine.model_path), "model_type": rt.engine.spec.model_type,
+        **rt.residency.stats(), "generating": len(rt.generations.active),
+        "uptime_s": round(time.time() - rt.started, 1), "counters": dict(rt.counters),
+    }
+
+
+OPS: dict[str, Op] = {
+    "session.open": Op(session_open), "session.append": Op(session_append), "session.fork": Op(session_fork),
+    "session.rewind": Op(session_rewind), "session.snapshot": Op(session_snapshot),
+    "session.resume": Op(session_resume), "session.close": Op(session_close), "session.delete": Op(session_delete),
+    "session.info": Op(session_info), "session.list": Op(session_list), "session.export": Op(session_export),
+    "session.import": Op(session_import),
+    "session.generate": Op(session_generate), "session.chat": Op(session_chat), "completion": Op(completion),
+    "skill.list": Op(skill_list, aside="read"), "skill.load": Op(skill_load),
+    "rag.index": Op(rag_index, aside="write"), "rag.list": Op(rag_list, aside="read"),
+    "rag.remove": Op(rag_remove, aside="write"), "rag.inject": Op(rag_inject),
+    "stats": Op(stats),
+}

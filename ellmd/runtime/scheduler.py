@@ -1,0 +1,60 @@
+"""The scheduling policy: what the engine loop runs next, apart from the loop itself.
+
+The loop alternates one prefill chunk and one batched decode step. The policy decides:
+  - the chunk budget: with nobody decoding, a prefill runs whole chunks of the plan (its fastest
+    pace); while sessions decode, a chunk is cut to what prefills in about `gap_ratio` decode
+    steps (both measured as the loop runs), so a decoding session's gap between two tokens
+    grows to about (1 + gap_ratio) times its gap alone, whatever the length of the prefill;
+  - which prefill runs next: the one with the fewest tokens left (a user turn is not queued
+    behind a 4k-token document), in arrival order among equals;
+  - admission: a request that needs a slot while every slot is busy waits, and is retried once
+    a slot is free or held by an idle session;
+  - eviction: the least recently used idle session leaves its slot.
+"""
+
+from __future__ import annotations
+
+EMA = 0.3  # weight of the newest measurement in the running estimates
+
+
+class Policy:
+    """The engine loop's decisions (tested against a fake engine: tests/test_scheduler.py)."""
+
+    def __init__(self, chunk_size: int, gap_ratio: float | None = 1.0, min_chunk: int = 8):
+        self.chunk_size = chunk_size  # the plan's: the most tokens one prefill forward takes
+        self.gap_ratio = gap_ratio  # None: every chunk whole (decoding sessions wait for it)
+        self.min_chunk = min(min_chunk, chunk_size)  # below it a forward's fixed cost dominates
+        self.decode_s: float | None = None  # a decode step's seconds (running estimate)
+        self.token_s: float | None = None  # prefill seconds per token, at the chunk sizes run
+
+    # ---- measurements ----------------------------------------------------------------------
+
+    def observe_decode(self, seconds: float) -> None:
+        self.decode_s = seconds if self.decode_s is None else (1 - EMA) * self.decode_s + EMA * seconds
+
+    def observe_prefill(self, tokens: int, seconds: float) -> None:
+        per_token = seconds / max(tokens, 1)
+        self.token_s = per_token if self.token_s is None else (1 - EMA) * self.token_s + EMA * per_token
+
+    # ---- decisions -------------------------------------------------------------------------
+
+    def budget(self, decoding: int) -> int:
+        """Tokens the next prefill chunk may take while `decoding` sessions generate."""
+        if not decoding or self.gap_ratio is None:
+            return self.chunk_size
+        if self.decode_s is None or self.token_s is None:
+            return self.min_chunk  # not measured yet: the cautious size, measured from then on
+        tokens = int(self.gap_ratio * self.decode_s / self.token_s)
+        return max(self.min_chunk, min(self.chunk_size, tokens))
+
+    def next_prefill(self, jobs: list):
+        """The prefill job to run a chunk of next (jobs in arrival order), or None."""
+        return min(jobs, key=lambda job: job.left, default=None)
+
+    def admit(self, slots: list) -> bool:
+        """May requests waiting for a slot be retried? (a slot is free, or its session idle)"""
+        return any(s is None or not s.busy for s in slots)
+
+    def victim(self, idle: list):
+        """The idle session to evict for another (least recently used), or None if there is none."""
+        return min(idle, key=lambda s: s.last_used, default=None)

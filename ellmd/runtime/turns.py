@@ -1,0 +1,158 @@
+"""Turns: appending to a session (rendering a fragment, prefilling it, logging the turn) and
+putting a session back as it was when an op fails.
+
+A prefill is not run here: `prefill` is a generator that yields a `Prefill` job to the engine
+loop and gets the logits back when the job is done (or its error thrown in), so the loop decides
+when its chunks run (between decode steps). Ops that prefill are generators too (`yield from`).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from ellmd.errors import CapacityError
+from ellmd.runtime.errors import RuntimeError_, SlotsBusy, busy
+from ellmd.runtime.session import Session
+
+
+@dataclass
+class Prefill:
+    """Tokens to run through the model into a session's slot, chunk by chunk.
+
+    The session's `tokens` grow only once the whole job is done: until then the KV beyond them
+    is scratch, which a cancelled or failed job leaves behind by rewinding the slot.
+    """
+
+    request: object
+    session: Session
+    tokens: list[int]
+    need_logits: bool
+    done: int = 0  # tokens prefilled so far
+    handler: object = None  # the op's generator that yielded the job, resumed when it ends
+
+    @property
+    def left(self) -> int:
+        return len(self.tokens) - self.done
+
+    def run(self, engine, budget: int):
+        """Prefill the next chunk (at most `budget` tokens); returns the logits once the job is
+        done (None if they were not asked for), else None."""
+        piece = self.tokens[self.done:self.done + max(1, budget)]
+        last = self.done + len(piece) == len(self.tokens)
+        logits = engine.prefill(self.session.slot, piece, logits="last" if last and self.need_logits else "none")
+        self.done += len(piece)
+        return logits
+
+
+class Turns:
+    """Appends and their bookkeeping, over the runtime's engine and residency."""
+
+    def __init__(self, engine, residency, counters: dict, context_role: str, after_turn):
+        self.engine = engine
+        self.residency = residency
+        self.counters = counters
+        self.after_turn = after_turn  # after_turn(session): the snapshot policy
+        self.context_role = context_role  # the role of skill and document messages
+
+    def role(self, role) -> str:
+        return role or self.context_role
+
+    def append_message(self, request, session: Session, message, kind="message", name=None):
+        """Render a message as a fragment of the session's conversation and append it (generator)."""
+        template = self.engine.chat_template
+        if template is None:
+            raise RuntimeError_("bad_request", "this model has no chat template: append text or tokens")
+        text = template.render_fragment(session.messages, [message], tools=session.tools,
+                                        add_generation_prompt=False, allow_rewrite=True)
+        return (yield from self.append(request, session, kind, self.engine.tokenizer.encode(text),
+                                       role=message["role"], name=name, message=message))
+
+    def append(self, request, session: Session, kind: str, tokens: list[int], role=None, name=None, message=None):
+        """Prefill a turn's tokens and log the turn (generator); returns the reply's result."""
+        if session.busy:
+            raise busy(session.session_id)
+        start, messages_before = session.length, len(session.messages)
+        before = snapshot_of(session)
+        try:
+            yield from self.prefill(request, session, tokens, need_logits=False)
+            if message is not None:
+                session.messages.append(message)
+            session.add_turn(kind, start, role=role, name=name, messages=messages_before)
+            self.after_turn(session)
+        except SlotsBusy:
+            raise
+        except BaseException:  # a turn that reports an error has not been appended
+            self.restore(session, before)
+            raise
+        return {"tokens_appended": len(tokens), "tokens": session.length, "usage": usage(request, session)}
+
+    def prefill(self, request, session: Session, new_tokens: list[int], need_logits: bool):
+        """Append tokens (after the session's pending ones) to its KV (generator); returns the
+        last position's logits when asked, else None."""
+        sequence_length = self.engine.kv.sequence_length
+        if session.length + len(new_tokens) > sequence_length:  # before it takes a slot
+            raise CapacityError(
+                f"session {session.session_id} holds {session.length} tokens; adding {len(new_tokens)} "
+                f"would exceed the sequence length {sequence_length}"
+            )
+        slot = self.residency.resident(session)
+        if request.reused is None:
+            request.reused = len(session.tokens)
+            self.counters["reused"] += request.reused
+        tokens = session.pending + list(new_tokens)
+        if not tokens:
+            if not need_logits:
+                return None
+            if not session.tokens:
+                raise RuntimeError_("bad_request", f"session {session.session_id} is empty: append something first")
+            # Nothing new: recompute the last position's logits by running its token again.
+            tokens = [session.tokens.pop()]
+            self.engine.rewind(slot, len(session.tokens))
+            request.reused = min(request.reused, len(session.tokens))
+        logits = yield Prefill(request, session, tokens, need_logits)
+        session.tokens.extend(tokens)
+        session.pending = []
+        request.prefilled += len(tokens)
+        self.counters["prefilled"] += len(tokens)
+        return logits
+
+    def prefill_prompt(self, request, session: Session, prompt):
+        """Prefill the generation prompt (rendered, or the given tokens) (generator); returns the
+        logits of its last position."""
+        template = self.engine.chat_template
+        if prompt is None and template is not None and session.messages:
+            text = template.render_fragment(session.messages, [], tools=session.tools,
+                                            add_generation_prompt=True, allow_rewrite=True)
+            prompt = self.engine.tokenizer.encode(text)
+        prompt = prompt or []
+        sequence_length = self.engine.kv.sequence_length
+        if session.length + len(prompt) + 1 > sequence_length:
+            raise CapacityError(
+                f"session {session.session_id} holds {session.length} tokens: no room left to generate "
+                f"within the sequence length {sequence_length}"
+            )
+        return (yield from self.prefill(request, session, prompt, need_logits=True))
+
+    def restore(self, session: Session, before: tuple) -> None:
+        """Put a session back as it was before a failed op (`snapshot_of`): a cut, no recompute."""
+        length, messages, updated = before
+        if session.tokens is None:
+            return
+        if length < session.length:
+            session.truncate(length)
+        del session.messages[messages:]
+        session.updated = updated
+        if session.slot is not None:
+            self.engine.rewind(session.slot, min(len(session.tokens), int(self.engine.kv.lengths[session.slot])))
+
+
+def snapshot_of(session: Session) -> tuple:
+    """What Turns.restore needs to put a session back as it is now."""
+    return session.length, len(session.messages), session.updated
+
+
+def usage(request, session: Session) -> dict:
+    """Usage of this request so far: what it prefilled and what it found already computed."""
+    return {"prompt_tokens": session.length, "prefilled_tokens": request.prefilled,
+            "reused_tokens": request.reused, "prefill_ms": round((time.perf_counter() - request.received) * 1000, 2)}

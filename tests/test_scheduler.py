@@ -1,0 +1,352 @@
+"""The scheduler: its policy alone, and the engine loop over a fake engine that records every
+forward, so that what runs between two decode steps is seen exactly."""
+
+from __future__ import annotations
+
+import threading
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from ellmd.engine.kvcache import KVCache
+from ellmd.kernels import formats
+from ellmd.model.spec import ModelSpec
+from ellmd.runtime.ops import Op
+from ellmd.runtime.runtime import Request, Runtime, RuntimeError_
+from ellmd.runtime.scheduler import Policy
+from ellmd.runtime.store import Store
+
+VOCAB, CHUNK = 16, 32
+
+
+class FakeTokenizer:
+    special_ids = frozenset()
+
+    def token_bytes(self, token: int) -> bytes:
+        return b"x"
+
+    def decode(self, ids, skip_special_tokens=False) -> str:
+        return "x" * len(ids)
+
+    def fingerprint(self) -> str:
+        return "fake-tokenizer"
+
+
+class FakeEngine:
+    """The Engine's interface over a real (tiny) KV cache; forwards are recorded, not computed.
+
+    Logits favour token 1; `on_prefill(call_index)` runs before each prefill (to cancel or fail one).
+    """
+
+    def __init__(self, slots: int = 3, sequence_length: int = 1024):
+        self.spec = ModelSpec.from_config({"model_type": "llama", "vocab_size": VOCAB, "hidden_size": 8,
+                                           "intermediate_size": 8, "num_hidden_layers": 1, "num_attention_heads": 2})
+        self.kv = KVCache(1, slots, 2, sequence_length, 4, formats.F32)
+        self.fmt, self.weights_digest, self.model_path = formats.F32, "fake", "fake"
+        self.chunk_size, self.chat_template, self.tokenizer = CHUNK, None, FakeTokenizer()
+        self.log: list[tuple] = []  # ("prefill", slot, tokens) and ("decode", slots)
+        self.on_prefill = None
+        self.logits = np.zeros(VOCAB, np.float32)
+        self.logits[1] = 10.0
+
+    def prefill(self, slot, tokens, logits="last"):
+        if self.on_prefill:
+            self.on_prefill(sum(1 for e in self.log if e[0] == "prefill"))
+        self.kv.check_room(slot, len(tokens))
+        assert len(tokens) <= CHUNK, "a job asked for more than a chunk"
+        self.log.append(("prefill", slot, len(tokens)))
+        self.kv.lengths[slot] += len(tokens)
+        return self.logits.copy() if logits == "last" else None
+
+    def decode(self, slots, tokens):
+        self.log.append(("decode", tuple(slots)))
+        for slot in slots:
+            self.kv.lengths[slot] += 1
+        return np.tile(self.logits, (len(slots), 1))
+
+    def rewind(self, slot, length):
+        self.kv.rewind(slot, length)
+
+    def copy_slot(self, src, dst):
+        self.kv.copy_slot(src, dst)
+
+    def export_kv(self, slot, start, stop):
+        return self.kv.export(slot, start, stop)
+
+    def import_kv(self, slot, start, data):
+        return self.kv.import_(slot, start, data)
+
+
+class Measured(Policy):
+    """The policy with fixed measurements: a decode step of 8 ms, 1 ms per prefill token."""
+
+    def __init__(self, gap_ratio=1.0):
+        super().__init__(CHUNK, gap_ratio=gap_ratio, min_chunk=2)
+        self.decode_s, self.token_s = 0.008, 0.001
+
+    def observe_decode(self, seconds):
+        pass
+
+    def observe_prefill(self, tokens, seconds):
+        pass
+
+
+@pytest.fixture
+def make(tmp_path):
+    made = []
+
+    def make(policy=None, **engine_args):
+        engine = FakeEngine(**engine_args)
+        rt = Runtime(engine, Store(tmp_path / f"store{len(made)}"), policy=policy or Measured())
+        thread = threading.Thread(target=rt.run, daemon=True)
+        thread.start()
+        made.append((rt, thread))
+        return rt, engine
+
+    yield make
+    for rt, thread in made:
+        rt.stop(timeout=30)
+        thread.join(30)
+        rt.store.close()
+
+
+class held:
+    """Hold the engine loop (it runs a request that waits) while requests queue behind it, so
+    that the loop finds them all queued at once."""
+
+    def __init__(self, rt):
+        self.rt, self.release = rt, threading.Event()
+
+    def __enter__(self):
+        def hold(rt, request):
+            self.release.wait(30)
+            return {}
+        self.rt.ops = {**self.rt.ops, "hold": Op(hold)}
+        self.request = Request("hold", {})
+        self.rt.queue.put(self.request)
+
+    def __exit__(self, *exc):
+        self.release.set()
+        self.request.future.result(timeout=30)
+
+
+def call(rt, op, **args):
+    return rt.submit(op, args).future.result(timeout=30)
+
+
+def tokens(n: int, seed: int = 0) -> list[int]:
+    return np.random.default_rng(seed).integers(2, VOCAB, n).tolist()
+
+
+# ---- the policy alone ---------------------------------------------------------------------------
+
+
+def test_budget_is_a_whole_chunk_unless_someone_decodes():
+    policy = Policy(512)
+    assert policy.budget(decoding=0) == 512
+    assert policy.budget(decoding=2) == policy.min_chunk  # not measured yet: cautious
+    policy.observe_decode(0.010)
+    policy.observe_prefill(100, 0.100)  # 1 ms per token
+    assert policy.budget(decoding=1) == 10  # a chunk as long as a decode step (gap_ratio 1)
+    policy.gap_ratio = 3.0
+    assert policy.budget(decoding=1) == 30
+    policy.gap_ratio = None  # whole chunks: the decoding sessions wait
+    assert policy.budget(decoding=1) == 512
+
+
+def test_budget_follows_the_measurements_and_stays_within_bounds():
+    policy = Policy(64, min_chunk=4)
+    policy.observe_decode(0.010)
+    policy.observe_prefill(10, 0.001)  # 0.1 ms per token: 100 tokens fit, the chunk caps it
+    assert policy.budget(decoding=1) == 64
+    for _ in range(30):  # prefill got slow: the running estimate follows
+        policy.observe_prefill(10, 0.100)
+    assert policy.budget(decoding=1) == 4
+
+
+def test_next_prefill_is_the_one_with_fewest_tokens_left_in_arrival_order():
+    jobs = [SimpleNamespace(left=300), SimpleNamespace(left=12), SimpleNamespace(left=12)]
+    assert Policy(32).next_prefill(jobs) is jobs[1]
+    assert Policy(32).next_prefill([]) is None
+
+
+def test_victim_is_the_least_recently_used_idle_session_and_admission_needs_one():
+    a, b = SimpleNamespace(last_used=5.0, busy=False), SimpleNamespace(last_used=2.0, busy=False)
+    policy = Policy(32)
+    assert policy.victim([a, b]) is b and policy.victim([]) is None
+    busy = SimpleNamespace(last_used=1.0, busy=True)
+    assert not policy.admit([busy, busy]) and policy.admit([busy, b]) and policy.admit([busy, None])
+
+
+# ---- the loop over a fake engine ----------------------------------------------------------------
+
+
+def steps_between_decodes(log: list[tuple]) -> list[list[tuple]]:
+    """The forwards run between each two consecutive decode steps."""
+    decodes = [i for i, entry in enumerate(log) if entry[0] == "decode"]
+    return [log[i + 1:j] for i, j in zip(decodes, decodes[1:])]
+
+
+def test_a_long_prefill_runs_in_budgeted_chunks_between_decode_steps(make):
+    rt, engine = make()
+    a = call(rt, "session.open")["session_id"]
+    b = call(rt, "session.open")["session_id"]
+    call(rt, "session.append", session_id=a, tokens=tokens(5))
+    engine.log.clear()
+    with held(rt):
+        generation = rt.submit("session.generate", {"session_id": a, "max_tokens": 60, "ignore_eos": True})
+        appended = rt.submit("session.append", {"session_id": b, "tokens": tokens(100, 1)})
+    assert appended.future.result(timeout=30)["tokens"] == 100
+    assert generation.future.result(timeout=30)["finish_reason"] == "length"
+    b_slot = rt.sessions[b].slot
+    chunks = [n for kind, *rest in engine.log if kind == "prefill" and rest[0] == b_slot for n in rest[1:]]
+    assert sum(chunks) == 100 and max(chunks) == 8  # 8 ms decode x ratio 1 / 1 ms a token
+    for between in steps_between_decodes(engine.log):
+        assert len(between) <= 1  # never more than one chunk between two of A's tokens
+    assert int(engine.kv.lengths[b_slot]) == 100 and len(rt.sessions[b].tokens) == 100
+
+
+def test_with_whole_chunks_decoding_waits_for_the_plan_chunk(make):
+    rt, engine = make(policy=Measured(gap_ratio=None))
+    a = call(rt, "session.open")["session_id"]
+    b = call(rt, "session.open")["session_id"]
+    call(rt, "session.append", session_id=a, tokens=tokens(5))
+    engine.log.clear()
+    with held(rt):
+        generation = rt.submit("session.generate", {"session_id": a, "max_tokens": 40, "ignore_eos": True})
+        appended = rt.submit("session.append", {"session_id": b, "tokens": tokens(100, 1)})
+    appended.future.result(timeout=30)
+    generation.future.result(timeout=30)
+    chunks = [e[2] for e in engine.log if e[0] == "prefill" and e[1] == rt.sessions[b].slot]
+    assert chunks == [CHUNK, CHUNK, CHUNK, 100 - 3 * CHUNK]
+
+
+def test_nobody_decoding_a_prefill_runs_whole_chunks(make):
+    rt, engine = make()
+    b = call(rt, "session.open")["session_id"]
+    engine.log.clear()
+    call(rt, "session.append", session_id=b, tokens=tokens(70))
+    assert [e[2] for e in engine.log] == [CHUNK, CHUNK, 6]
+
+
+def test_a_cancelled_prefill_stops_at_the_next_chunk_and_leaves_the_session_as_it_was(make):
+    rt, engine = make()
+    b = call(rt, "session.open")["session_id"]
+    call(rt, "session.append", session_id=b, tokens=tokens(10))
+    before = call(rt, "session.info", session_id=b)
+    engine.log.clear()
+    holder = {}
+
+    def cancel_after_two(index):
+        if index == 2:
+            holder["request"].cancelled.set()  # arrives while the third chunk runs
+
+    engine.on_prefill = cancel_after_two
+    holder["request"] = rt.submit("session.append", {"session_id": b, "tokens": tokens(200, 2)})
+    with pytest.raises(RuntimeError_, match="cancelled during its prefill") as raised:
+        holder["request"].future.result(timeout=30)
+    assert raised.value.code == "cancelled"
+    assert len(engine.log) == 3  # the chunk running when it was cancelled was the last
+    engine.on_prefill = None
+    after = call(rt, "session.info", session_id=b)
+    assert after["tokens"] == before["tokens"] == 10 and after["turns"] == before["turns"]
+    assert int(engine.kv.lengths[rt.sessions[b].slot]) == 10  # the partial KV was cut off
+    assert call(rt, "session.append", session_id=b, tokens=[3])["tokens"] == 11  # and the session goes on
+
+
+def test_a_failing_chunk_fails_its_request_alone(make):
+    rt, engine = make()
+    a = call(rt, "session.open")["session_id"]
+    b = call(rt, "session.open")["session_id"]
+    call(rt, "session.append", session_id=a, tokens=tokens(5))
+
+    def fail_second(index):
+        if index == 2:  # B's second chunk (A's prompt was the first prefill)
+            raise FloatingPointError("injected")
+
+    engine.on_prefill = fail_second
+    with held(rt):
+        generation = rt.submit("session.generate", {"session_id": a, "max_tokens": 30, "ignore_eos": True})
+        appended = rt.submit("session.append", {"session_id": b, "tokens": tokens(100, 1)})
+    with pytest.raises(RuntimeError_) as raised:
+        appended.future.result(timeout=30)
+    assert raised.value.code == "internal" and "injected" in str(raised.value)
+    assert generation.future.result(timeout=30)["token_ids"] == [1] * 30  # A never noticed
+    engine.on_prefill = None
+    assert call(rt, "session.info", session_id=b)["tokens"] == 0
+    assert int(engine.kv.lengths[rt.sessions[b].slot]) == 0
+
+
+def test_a_session_prefilling_is_busy_to_other_requests_and_shows_its_last_whole_turn(make):
+    rt, engine = make()
+    b = call(rt, "session.open")["session_id"]
+    seen = {}
+
+    def peek(index):
+        if index == 1:  # between two chunks of B's prefill, other requests run
+            seen["info"] = rt.ops["session.info"].handler(rt, request, session_id=b)
+            with pytest.raises(RuntimeError_, match="busy") as raised:
+                next(rt.ops["session.append"].handler(rt, request, session_id=b, tokens=[2]))
+            seen["busy"] = raised.value.code
+
+    request = rt.submit("session.info", {"session_id": b})
+    request.future.result(timeout=30)
+    engine.on_prefill = peek
+    assert call(rt, "session.append", session_id=b, tokens=tokens(70))["tokens"] == 70
+    assert seen == {"info": {**seen["info"], "tokens": 0, "busy": True}, "busy": "busy"}
+
+
+def test_short_prefills_pass_a_long_one(make):
+    rt, engine = make()
+    a, b, c = (call(rt, "session.open")["session_id"] for _ in range(3))
+    call(rt, "session.append", session_id=a, tokens=tokens(5))
+    order = []
+    with held(rt):
+        generation = rt.submit("session.generate", {"session_id": a, "max_tokens": 200, "ignore_eos": True})
+        long = rt.submit("session.append", {"session_id": b, "tokens": tokens(300, 1)})
+        long.future.add_done_callback(lambda f: order.append("long"))
+        short = rt.submit("session.append", {"session_id": c, "tokens": tokens(6, 2)})
+        short.future.add_done_callback(lambda f: order.append("short"))
+    long.future.result(timeout=30)
+    short.future.result(timeout=30)
+    rt.submit("stats", {}).future.result(timeout=30)
+    generation.cancelled.set()
+    generation.future.result(timeout=30)
+    assert order == ["short", "long"]
+
+
+def test_shutdown_cancels_prefills_in_progress(make):
+    rt, engine = make()
+    b = call(rt, "session.open")["session_id"]
+    started = threading.Event()
+    release = threading.Event()
+
+    def hold(index):
+        started.set()
+        release.wait(10)
+
+    engine.on_prefill = hold
+    appended = rt.submit("session.append", {"session_id": b, "tokens": tokens(200)})
+    assert started.wait(10)
+    stopping = threading.Thread(target=rt.stop, kwargs={"timeout": 30})
+    stopping.start()
+    release.set()
+    stopping.join(30)
+    with pytest.raises(RuntimeError_, match="shutting down"):
+        appended.future.result(timeout=30)
+    assert rt.store.get_meta(b)["tokens"] == 0  # snapshotted as it was before the append
+
+
+def test_requests_on_a_prefilling_session_wait_for_it_in_order(make):
+    rt, engine = make()
+    b = call(rt, "session.open")["session_id"]
+    first = rt.submit("session.append", {"session_id": b, "tokens": tokens(70)})
+    second = rt.submit("session.append", {"session_id": b, "tokens": tokens(5, 1)})
+    generation = rt.submit("session.generate", {"session_id": b, "max_tokens": 3, "ignore_eos": True})
+    assert first.future.result(timeout=30)["tokens"] == 70
+    assert second.future.result(timeout=30)["tokens"] == 75
+    assert generation.future.result(timeout=30)["token_ids"] == [1, 1, 1]
+    assert [e[2] for e in engine.log if e[0] == "prefill"] == [CHUNK, CHUNK, 6, 5, 1]
+    info = call(rt, "session.info", session_id=b)
+    assert [t["kind"] for t in info["turns"]] == ["tokens", "tokens", "generation"]
