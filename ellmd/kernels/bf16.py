@@ -35,6 +35,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from ellmd.kernels import cpu
 from ellmd.kernels.formats import BF16, to_f32, to_storage
 
 _LANES = 16  # 32-bit lanes of a zmm register
@@ -246,7 +247,7 @@ def _make_amx_block(row_tiles, accumulate):
                     builder.call(f["store"], [rows, width, builder.gep(c_bytes, [c_at[a][b]]), c_stride, tile])
             return context.get_dummy_value()
 
-        return sig, codegen
+        return sig, cpu.compiled_for("bf16", codegen)
 
     return amx_block
 
@@ -324,7 +325,7 @@ def tile_product(row_tiles, col_tiles, halves, accumulate):
                     builder.call(f["store"], [rows, width, builder.gep(c_bytes, [c_at[i][j]]), c_stride, tile])
             return context.get_dummy_value()
 
-        return sig, codegen
+        return sig, cpu.compiled_for("bf16", codegen)
 
     return product
 

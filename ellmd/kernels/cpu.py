@@ -1,8 +1,9 @@
 """The CPU's dot-product instructions and the kernel paths that use them, chosen once at import.
 
 Paths (each needs its CPU features; without them the portable f32 FMA kernels run):
-  "int16"  vpdpwssd (AVX512-VNNI) for weights in GGUF blocks, activations quantized to int16 per
-           32 values (~1e-5 of a product: the same numbers as f32 to the alignment tolerances)
+  "int16"  vpdpwssd (AVX512-VNNI), or vpmaddwd (AVX2), for weights in GGUF blocks, activations
+           quantized to int16 per 32 values (~1e-5 of a product: the same numbers as f32 to the
+           alignment tolerances)
   "vnni"   vpdpbusd (AVX512-VNNI) for weights in GGUF blocks, activations quantized to int8 per
            32 values as llama.cpp does (~1% of a product: it changes some greedy answers)
   "bf16"   AMX tdpbf16ps for the prefill matmuls of bf16 weights, activations as two bf16 halves
@@ -15,9 +16,12 @@ list of paths (those this CPU lacks are left out). Unset, DEFAULT applies. Kerne
 
 import os
 
-from llvmlite import binding
+from llvmlite import binding, ir
+from numba.core import cgutils
 
-PATHS = {"int16": ("avx512vnni", "avx512bw"), "vnni": ("avx512vnni", "avx512vl"), "bf16": ("amx-bf16", "amx-tile")}
+# path -> the sets of CPU features that each let it run
+PATHS = {"int16": (("avx512vnni", "avx512bw"), ("avx2",)), "vnni": (("avx512vnni", "avx512vl"),),
+         "bf16": (("amx-bf16", "amx-tile"),)}
 INTEGER = frozenset({"int16", "vnni"})  # the paths of block weights; "vnni" wins when both are on
 DEFAULT = "int16,bf16"  # int8 activations ("vnni") move logits too far to be on unless asked for
 
@@ -25,7 +29,21 @@ DEFAULT = "int16,bf16"  # int8 activations ("vnni") move logits too far to be on
 def host_paths() -> frozenset[str]:
     """The paths whose CPU features this machine has."""
     features = binding.get_host_cpu_features()
-    return frozenset(p for p, needs in PATHS.items() if all(features.get(f) for f in needs))
+    return frozenset(p for p, options in PATHS.items() if any(all(features.get(f) for f in needs) for needs in options))
+
+
+def compiled_for(path, codegen):
+    """An intrinsic's codegen that emits path's instructions, where this CPU has them; elsewhere a
+    trap in their place: LLVM aborts the process on instructions the target lacks, even in code
+    that never runs, and kernels call a path only when it is in ENABLED (a subset of the host's)."""
+    if path in host_paths():
+        return codegen
+
+    def trap(context, builder, signature, args):
+        builder.call(cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), []), "llvm.trap"), [])
+        return context.get_dummy_value()
+
+    return trap
 
 
 def choose(request: str | None) -> frozenset[str]:

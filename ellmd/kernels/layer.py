@@ -29,33 +29,10 @@ from numba.extending import overload
 from ellmd.kernels import quant
 from ellmd.kernels.activations import PARALLEL_MIN, silu_mul
 from ellmd.kernels.attention import DECODE_PARALLEL_MIN, _decode_parallel, _decode_part, _merge_splits, _store
-from ellmd.kernels.matmul import ROW_BLOCK, linear_rows
+from ellmd.kernels.matmul import ROW_BLOCK, path_rows
 from ellmd.kernels.moe import _block_fused
 from ellmd.kernels.norm import _rmsnorm_rows, rmsnorm_heads
 from ellmd.kernels.rope import _rope_rows
-
-
-def _part_rows(x, w, out, j0, j1, acc, q8, integer):
-    """out[:, j0:j1] = x @ w[j0:j1].T for one weight matrix, on the kernel path its format takes."""
-    raise NotImplementedError("numba only")
-
-
-@overload(_part_rows, jit_options={"fastmath": True, "nogil": True})
-def _part_rows_overload(x, w, out, j0, j1, acc, q8, integer):
-    if quant.record_name(w.dtype) in quant.VNNI_BLOCKS:
-
-        def impl_integer(x, w, out, j0, j1, acc, q8, integer):
-            if integer:
-                quant.rows_vnni(q8[0], q8[1], q8[2], w, out, j0, j1)
-            else:
-                linear_rows(x, w, out, j0, j1, acc)
-
-        return impl_integer
-
-    def impl(x, w, out, j0, j1, acc, q8, integer):
-        linear_rows(x, w, out, j0, j1, acc)
-
-    return impl
 
 
 def _parts_rows(x, parts, out, j0, j1, acc, q8, integer):
@@ -68,14 +45,14 @@ def _parts_rows_overload(x, parts, out, j0, j1, acc, q8, integer):
     if len(parts) == 1:
 
         def impl_one(x, parts, out, j0, j1, acc, q8, integer):
-            _part_rows(x, parts[0], out, j0, j1, acc, q8, integer)
+            path_rows(x, q8, parts[0], out, j0, j1, acc, integer)
 
         return impl_one
 
     def impl(x, parts, out, j0, j1, acc, q8, integer):
         m0 = parts[0].shape[0]
         if j0 < m0:
-            _part_rows(x, parts[0], out, j0, min(j1, m0), acc, q8, integer)
+            path_rows(x, q8, parts[0], out, j0, min(j1, m0), acc, integer)
         if j1 > m0:
             _parts_rows(x, parts[1:], out[:, m0:], max(j0, m0) - m0, j1 - m0, acc, q8, integer)
 

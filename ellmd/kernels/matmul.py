@@ -103,6 +103,30 @@ def _linear_rows_overload(x, w, out, j0, j1, acc=None):
     return impl_blocks
 
 
+def path_rows(x, q, w, out, j0, j1, acc, integer):
+    """out[:, j0:j1] = x @ w[j0:j1].T: from q = (xq, xd, xs), x quantized, when integer and w is in a
+    block type of the integer paths; else from x on the float kernels (acc: dot_rows' accumulator)."""
+    raise NotImplementedError("numba only")
+
+
+@overload(path_rows, jit_options={"fastmath": True, "nogil": True})
+def _path_rows_overload(x, q, w, out, j0, j1, acc, integer):
+    if quant.record_name(w.dtype) in quant.VNNI_BLOCKS:
+
+        def impl_integer(x, q, w, out, j0, j1, acc, integer):
+            if integer:
+                quant.rows_vnni(q[0], q[1], q[2], w, out, j0, j1)
+            else:
+                linear_rows(x, w, out, j0, j1, acc)
+
+        return impl_integer
+
+    def impl(x, q, w, out, j0, j1, acc, integer):
+        linear_rows(x, w, out, j0, j1, acc)
+
+    return impl
+
+
 @numba.njit(cache=True, nogil=True, fastmath=True, parallel=True)
 def _linear(x, w, out):
     m = w.shape[0]

@@ -34,7 +34,7 @@ from numba.extending import overload
 from ellmd.kernels import cpu, quant
 from ellmd.kernels.activations import exp_f32, silu_mul, silu_mul_ref
 from ellmd.kernels.formats import F32, kernel_view, to_f32
-from ellmd.kernels.matmul import ROW_BLOCK, linear_rows, matmul, matmul_ref, prefill_scratch_size
+from ellmd.kernels.matmul import ROW_BLOCK, linear_rows, matmul, matmul_ref, path_rows, prefill_scratch_size
 
 FUSED_MAX_TOKENS = 16  # up to this many tokens moe_block takes the fused path (decode batches)
 
@@ -200,30 +200,6 @@ def _scatter_add(ys, pairs, weights, out):
             dst[c] += w * src[c]
 
 
-def _rows(x, q, w, out, j0, j1, acc, integer):
-    """out[:, j0:j1] = x @ w[j0:j1].T: from q = (xq, xd, xs), x quantized, when integer and w is in a
-    block type of the integer paths; else from x on the float kernels (acc: dot_rows' accumulator)."""
-    raise NotImplementedError("numba only")
-
-
-@overload(_rows, jit_options={"fastmath": True, "nogil": True})
-def _rows_overload(x, q, w, out, j0, j1, acc, integer):
-    if quant.record_name(w.dtype) in quant.VNNI_BLOCKS:
-
-        def impl_integer(x, q, w, out, j0, j1, acc, integer):
-            if integer:
-                quant.rows_vnni(q[0], q[1], q[2], w, out, j0, j1)
-            else:
-                linear_rows(x, w, out, j0, j1, acc)
-
-        return impl_integer
-
-    def impl(x, q, w, out, j0, j1, acc, integer):
-        linear_rows(x, w, out, j0, j1, acc)
-
-    return impl
-
-
 def _on_integer(w):
     """True (a compile-time constant) when stack w is in a block type of the integer paths."""
     raise NotImplementedError("numba only")
@@ -258,8 +234,8 @@ def _gate_up_block(xs, q, stacks, offsets, active, count, act, gu, c0, c1, acc, 
         e = active[t]
         r0, r1 = offsets[e], offsets[e + 1]
         x_e, q_e, gu_e = xs[r0:r1], (q[0][r0:r1], q[1][r0:r1], q[2][r0:r1]), gu[r0:r1]
-        _rows(x_e, q_e, gate[e], gu_e, c0, c1, acc, integer)
-        _rows(x_e, q_e, up[e], gu_e[:, inter - up0 :], up0 + c0, up0 + c1, acc, integer)
+        path_rows(x_e, q_e, gate[e], gu_e, c0, c1, acc, integer)
+        path_rows(x_e, q_e, up[e], gu_e[:, inter - up0 :], up0 + c0, up0 + c1, acc, integer)
         for r in range(r0, r1):
             for c in range(c0, c1):
                 g = gu[r, c]
@@ -277,7 +253,7 @@ def _down_block(act, q, down, order, offsets, active, count, weights, ys, out, c
     for t in range(count):
         e = active[t]
         r0, r1 = offsets[e], offsets[e + 1]
-        _rows(act[r0:r1], (q[0][r0:r1], q[1][r0:r1], q[2][r0:r1]), down[e], ys[r0:r1], c0, c1, acc, integer)
+        path_rows(act[r0:r1], (q[0][r0:r1], q[1][r0:r1], q[2][r0:r1]), down[e], ys[r0:r1], c0, c1, acc, integer)
         for r in range(r0, r1):
             pair = order[r]
             w = weights[pair // k, pair % k]

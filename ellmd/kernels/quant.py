@@ -34,6 +34,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
+from ellmd.kernels import cpu
 from ellmd.kernels.formats import decode, f16_to_f32
 
 QK = 256  # weights per K-quant super-block
@@ -42,7 +43,7 @@ QK = 256  # weights per K-quant super-block
 # best of 1-8 KiB); scripts/kernel_bench.py
 PREFETCH = 2048
 
-binding.initialize_native_asmparser()  # numba's object emitter then takes inline assembly (_vpdpwssd)
+binding.initialize_native_asmparser()  # numba's object emitter then takes inline assembly (_dot_words)
 
 BLOCK_DTYPES = {
     "Q8_0": np.dtype([("d", "<u2"), ("qs", "i1", (32,))]),
@@ -658,7 +659,7 @@ def _dot_rows_overload(x, w, out, j0, j1, acc=None):
     return impl
 
 
-# ---- numba: the integer paths (AVX512-VNNI vpdpbusd, vpdpwssd) -------------------------------
+# ---- numba: the integer paths (vpdpbusd, vpdpwssd or AVX2 vpmaddwd) ----------------------------
 #
 # As llama.cpp's q8 x q8: the activations are quantized per block of 32 values
 # (quantize_activations), to int8 for vpdpbusd (unsigned x signed bytes: 32 products summed by
@@ -888,11 +889,25 @@ def _k_words(name, q, o, g):
     return b.zext(codes, w16), [g] * 32
 
 
-def _vpdpwssd(b, acc, a, x):
-    """acc + the pairwise products of a and x (<16 x i32> each, as 32 int16): the instruction
-    itself, which LLVM would otherwise split into vpmaddwd and vpaddd (two uops)."""
-    return b.asm(ir.FunctionType(acc.type, [acc.type] * 3), "vpdpwssd $3, $2, $0", "=v,0,v,v", [acc, a, x],
-                 side_effect=False, name="dpwssd")
+_WORDS_VNNI = bool(binding.get_host_cpu_features().get("avx512vnni"))  # else the int16 path runs on AVX2
+
+
+def _dot_words(b, acc, a, x):
+    """acc + the pairwise products of a and x (<16 x i32> each, as 32 int16), exact int32 sums.
+    With AVX512-VNNI the instruction vpdpwssd itself (LLVM would otherwise split it into vpmaddwd
+    and vpaddd: two uops); on AVX2, vpmaddwd and vpaddd on each 256-bit half."""
+    if _WORDS_VNNI:
+        return b.asm(ir.FunctionType(acc.type, [acc.type] * 3), "vpdpwssd $3, $2, $0", "=v,0,v,v", [acc, a, x],
+                     side_effect=False, name="dpwssd")
+    i32 = ir.IntType(32)
+    words, pairs = ir.VectorType(ir.IntType(16), 16), ir.VectorType(i32, 8)
+    madd = cgutils.get_or_insert_function(b.module, ir.FunctionType(pairs, [words, words]), "llvm.x86.avx2.pmadd.wd")
+    halves = []
+    for h in (0, 8):
+        pick = ir.Constant(ir.VectorType(i32, 8), list(range(h, h + 8)))
+        a_h, x_h = (b.bitcast(b.shuffle_vector(v, v, pick), words) for v in (a, x))
+        halves.append(b.add(b.shuffle_vector(acc, acc, pick), b.call(madd, [a_h, x_h])))
+    return b.shuffle_vector(halves[0], halves[1], ir.Constant(ir.VectorType(i32, 16), list(range(16))))
 
 
 def _k_scales(name, q, o, dxv, xsv):
@@ -929,7 +944,9 @@ def _make_rows_vnni(name):
             return None
         if not (isinstance(xq, types.Array) and xq.dtype in (types.int8, types.int16)):
             return None
-        return types.void(wb, xq, xd, xs, out, types.intp), _rows_vnni_codegen(name, xq.dtype == types.int16)
+        wide = xq.dtype == types.int16
+        codegen = cpu.compiled_for("int16" if wide else "vnni", _rows_vnni_codegen(name, wide))
+        return types.void(wb, xq, xd, xs, out, types.intp), codegen
 
     return rows_vnni
 
@@ -940,13 +957,14 @@ def _dot_group(q, xq_a, xi, codes, offset, wide):
     b = q.b
     lanes = 16 if wide else 8
     i32v = q.vec(q.i32, lanes)
-    dp = cgutils.get_or_insert_function(b.module, ir.FunctionType(i32v, [i32v] * 3),
-                                        "llvm.x86.avx512.vpdpwssd.512" if wide else "llvm.x86.avx512.vpdpbusd.256")
+    zero = ir.Constant(i32v, [0] * lanes)
     xt = q.vec(ir.IntType(16) if wide else q.i8, 32)
     xv = b.load(b.bitcast(b.gep(xq_a.data, [xi]), xt.as_pointer()), align=1)
     if wide:
         codes = b.sub(b.zext(codes, xt), ir.Constant(xt, [offset] * 32))
-    return b.call(dp, [ir.Constant(i32v, [0] * lanes), b.bitcast(codes, i32v), b.bitcast(xv, i32v)])
+        return _dot_words(b, zero, b.bitcast(codes, i32v), b.bitcast(xv, i32v))
+    dp = cgutils.get_or_insert_function(b.module, ir.FunctionType(i32v, [i32v] * 3), "llvm.x86.avx512.vpdpbusd.256")
+    return b.call(dp, [zero, b.bitcast(codes, i32v), b.bitcast(xv, i32v)])
 
 
 def _bias(q, xs_at, offset, a_lo, a_hi, m, wide):
@@ -1005,13 +1023,19 @@ def _rows_vnni_codegen(name, wide):
             if bias is not None:
                 builder.store(builder.fadd(builder.load(corr), builder.fmul(bias, dx)), corr)
 
-        def super_block(i, blk):
+        def block_inputs(i, blk):
+            """Super-block blk's byte offset (its lines ahead prefetched), and its 8 activation
+            scales and 16 code sums of input row i."""
             o = builder.mul(blk, c(size))
             q.prefetch(o, size)
             at = builder.add(builder.mul(i, builder.udiv(k, c(32))), builder.mul(blk, c(8)))
             dxv = builder.load(builder.bitcast(builder.gep(xd_a.data, [at]), q.vec(q.f32, 8).as_pointer()), align=4)
             xsv = builder.load(builder.bitcast(builder.gep(xs_a.data, [builder.mul(at, c(2))]),
                                                q.vec(q.i32, 16).as_pointer()), align=4)
+            return o, dxv, xsv
+
+        def super_block(i, blk):
+            o, dxv, xsv = block_inputs(i, blk)
             scales, bias = _k_scales(name, q, o, dxv, xsv)  # scales: one per 16 values
             for g in range(groups):
                 codes, offset = _group(name, q, o, g)[:2]
@@ -1029,12 +1053,7 @@ def _rows_vnni_codegen(name, wide):
         def super_block_words(i, blk):
             # int16 activations share one scale per super-block (activation_group): the sub-block
             # scales multiply the codes in int16 and the 8 groups sum in int32 (|sum| < 2^30)
-            o = builder.mul(blk, c(size))
-            q.prefetch(o, size)
-            at = builder.add(builder.mul(i, builder.udiv(k, c(32))), builder.mul(blk, c(8)))
-            dxv = builder.load(builder.bitcast(builder.gep(xd_a.data, [at]), q.vec(q.f32, 8).as_pointer()), align=4)
-            xsv = builder.load(builder.bitcast(builder.gep(xs_a.data, [builder.mul(at, c(2))]),
-                                               q.vec(q.i32, 16).as_pointer()), align=4)
+            o, dxv, xsv = block_inputs(i, blk)
             dx = builder.extract_element(dxv, ir.Constant(q.i32, 0))
             w16, bias = q.vec(ir.IntType(16), 32), None
             if name == "Q6_K":
@@ -1055,7 +1074,7 @@ def _rows_vnni_codegen(name, wide):
                 xi = builder.add(builder.mul(i, k), builder.mul(builder.add(builder.mul(blk, c(8)), c(g)), c(32)))
                 xv = builder.load(builder.bitcast(builder.gep(xq_a.data, [xi]), w16.as_pointer()), align=1)
                 product = builder.bitcast(builder.mul(codes, scale), i32v)
-                sums[g % 2] = _vpdpwssd(builder, sums[g % 2], product, builder.bitcast(xv, i32v))
+                sums[g % 2] = _dot_words(builder, sums[g % 2], product, builder.bitcast(xv, i32v))
             total = builder.fadd(builder.sitofp(sums[0], f32v), builder.sitofp(sums[1], f32v))
             d = q.f16(builder.add(o, c(208 if name == "Q6_K" else 0)))
             acc = accs[0]
@@ -1096,8 +1115,8 @@ _ROWS_VNNI = {name: _make_rows_vnni(name) for name in _INT_BLOCKS}
 def rows_vnni(xq, xd, xs, w, out, j0, j1):
     """out[:, j0:j1] = x @ w[j0:j1].T for w in a VNNI_BLOCKS type, x given quantized
     (quantize_activations): xq [n, k] int8 (vpdpbusd) or int16 (vpdpwssd), xd [n, k/32] float32,
-    xs [n, k/16] int32, all C-contiguous; out: [n, m] float32, any layout. Needs AVX512-VNNI
-    (the "vnni" and "int16" paths of cpu.py)."""
+    xs [n, k/16] int32, all C-contiguous; out: [n, m] float32, any layout. int8 needs
+    AVX512-VNNI (the "vnni" path of cpu.py), int16 AVX512-VNNI or AVX2 (the "int16" path)."""
     raise NotImplementedError("numba only")
 
 
