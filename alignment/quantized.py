@@ -8,8 +8,8 @@ llama-quantize's Q4_K_M mixes them (so q, k and v cannot be fused into one matri
   ffn_down Q4_K, token_embd Q8_0 (Q5_K and Q6_K blocks are checked kernel by kernel in tests).
 For each prompt: prompt and decode logits within the bf16 tolerance of the alignment suite, and
 the greedy continuation token for token, with the default kernels (the int16 path where the CPU
-has AVX512-VNNI: activations quantized to int16, one scale per 256 values where 256 divides the
-width, else per 32) or --kernels portable (f32 FMA).
+has AVX512-VNNI or AVX2: activations quantized to int16, one scale per 256 values where 256
+divides the width, else per 32) or --kernels portable (f32 FMA).
 
 --kernels vnni checks the int8 path instead (activations quantized to int8 per 32 values, as
 llama.cpp's q8 x q8): an approximation by design (~1% of each product), so its bound is VNNI_TOL,

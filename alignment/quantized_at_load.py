@@ -6,8 +6,8 @@ dequantize(quantize_weight(w)): the very blocks the engine holds (it quantizes w
 function, and the check asserts that its fused blocks are these). Widths that 256 does not
 divide take Q5_0 under q4_k, as llama-quantize does. Compared: the logits of a prefill over
 random tokens and of decode steps after it, within the bf16 tolerance of the suite with the
-portable kernels and the int16 path (the default where the CPU has AVX512-VNNI); --kernels vnni
-(int8 activations, see quantized.py) within VNNI_TOL.
+portable kernels and the int16 path (the default where the CPU has AVX512-VNNI or AVX2);
+--kernels vnni (int8 activations, see quantized.py) within VNNI_TOL.
 
 Shapes: logits [n, V].
 """
