@@ -145,6 +145,35 @@ def test_kernel_paths_detection_and_override():
         assert got.stdout.strip() == str(want)
 
 
+def test_a_path_the_cpu_lacks_compiles_to_a_trap(monkeypatch):
+    from llvmlite import ir
+    from numba import types
+    from numba.extending import intrinsic
+
+    monkeypatch.setattr(cpu, "host_paths", lambda: frozenset())  # a CPU with none of the paths
+
+    def avx512_codegen(context, builder, signature, args):  # LLVM aborts on it for a CPU without AVX512-VNNI
+        v8 = ir.VectorType(ir.IntType(32), 8)
+        dp = builder.module.declare_intrinsic("llvm.x86.avx512.vpdpbusd.256", fnty=ir.FunctionType(v8, [v8] * 3))
+        zero = ir.Constant(v8, [0] * 8)
+        builder.call(dp, [zero, zero, zero])
+        return context.get_dummy_value()
+
+    assert cpu.compiled_for("vnni", avx512_codegen) is not avx512_codegen
+
+    @intrinsic
+    def dot(typingctx):
+        return types.void(), cpu.compiled_for("vnni", avx512_codegen)
+
+    @numba.njit
+    def kernel(enabled):
+        if enabled:
+            dot()
+        return 7
+
+    assert kernel(False) == 7  # compiled and run on any CPU; the trap sits in the branch not taken
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_embed_on_blocks(rng, name):
     table = blocks(rng, name, 20)
