@@ -24,3 +24,20 @@ def alignment_dir(tmp_path_factory):
     root = tmp_path_factory.mktemp("alignment-checkpoints")
     ensure_all(root)
     return root
+
+
+@pytest.fixture
+def use_kernels(monkeypatch):
+    """use_kernels("int16"): the kernels take the paths of that ELLM_KERNELS value ("default":
+    cpu.DEFAULT) for this test; skipped when the CPU lacks the instructions of a path it names,
+    which cannot run here."""
+    from ellmd.kernels import cpu
+
+    def use(kernels: str) -> None:
+        missing = sorted({p.strip() for p in kernels.split(",")} & set(cpu.PATHS) - cpu.host_paths())
+        if missing:
+            pytest.skip(f"this CPU lacks the instructions of the {', '.join(missing)} kernel path")
+        monkeypatch.setattr(cpu, "ENABLED", cpu.choose(None if kernels == "default" else kernels))
+
+    return use
+

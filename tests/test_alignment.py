@@ -21,14 +21,6 @@ def run(script: str, argv: list[str]) -> int:
     return importlib.import_module(f"alignment.{script}").main(argv)
 
 
-def needs_path(kernels: str) -> None:
-    """Skip a check of a kernel path whose instructions this CPU lacks (it cannot run here)."""
-    from ellmd.kernels import cpu
-
-    if kernels in cpu.PATHS and kernels not in cpu.host_paths():
-        pytest.skip(f"this CPU lacks the instructions of the {kernels!r} kernel path")
-
-
 @pytest.mark.parametrize("script", KERNEL_CHECKS)
 def test_kernel(script):
     assert run(script, []) == 0
@@ -54,8 +46,8 @@ def test_smollm2_greedy():
 
 
 @pytest.mark.parametrize("kernels", ["default", "portable", "vnni"])
-def test_quantized_at_load(alignment_dir, kernels):
-    needs_path(kernels)
+def test_quantized_at_load(alignment_dir, kernels, use_kernels):
+    use_kernels(kernels)
     assert run("quantized_at_load", ["--dir", str(alignment_dir), "--kernels", kernels]) == 0
 
 
@@ -64,6 +56,6 @@ def test_smollm2_gguf_blocks(kernels):
     assert run("quantized", ["--prompts", "2", "--kernels", kernels]) == 0
 
 
-def test_smollm2_gguf_blocks_int8_activations():
-    needs_path("vnni")
+def test_smollm2_gguf_blocks_int8_activations(use_kernels):
+    use_kernels("vnni")
     assert run("quantized", ["--prompts", "2", "--kernels", "vnni", "--builtin-only"]) == 0

@@ -57,7 +57,7 @@ def test_split_keeps_sixteen_bits(rng):
 
 
 @pytest.mark.parametrize("n,k", [(5, 64), (37, 96)])
-def test_pack_activations_layout(rng, n, k):
+def test_pack_activations_layout(rng, amx, n, k):
     tokens = 64
     x = rng.standard_normal((n + 3, k)).astype(np.float32)
     xh, xl = np.zeros((k // 2, 2 * tokens), np.uint16), np.zeros((k // 2, 2 * tokens), np.uint16)
@@ -188,7 +188,7 @@ def _amx_attention(q, k, v, start, nsplit):
     ],
 )
 @pytest.mark.parametrize("nsplit", [1, 2, 3])
-def test_amx_attention_matches_reference(rng, n, start, kvh, group, hd, nsplit):
+def test_amx_attention_matches_reference(rng, amx, n, start, kvh, group, hd, nsplit):
     q, k, v = _attention_inputs(rng, n, start, kvh, group, hd)
     got = _amx_attention(q, k, v, start, nsplit)
     want = np.empty_like(q)
@@ -200,7 +200,7 @@ def test_amx_attention_matches_reference(rng, n, start, kvh, group, hd, nsplit):
 
 @pytest.mark.parametrize("n,start,hd", [(256, 2000, 64), (50, 4097, 80), (300, 0, 128)])
 @pytest.mark.parametrize("nsplit", [1, 2])
-def test_amx_attention_key_ranges_exact(rng, n, start, hd, nsplit):
+def test_amx_attention_key_ranges_exact(rng, amx, n, start, hd, nsplit):
     """Zero queries: every visible key weighs exactly 1 (exact in bf16), so the output is the
     plain mean of the visible values, and one key too many or too few shows at f32 precision."""
     q, k, v = _attention_inputs(rng, n, start, 2, 3, hd, q_scale=0.0)
@@ -210,7 +210,7 @@ def test_amx_attention_key_ranges_exact(rng, n, start, hd, nsplit):
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
 
 
-def test_amx_attention_constant_values_stay_constant(rng):
+def test_amx_attention_constant_values_stay_constant(rng, amx):
     """The normalizer sums the very bf16 weights the values product uses: a constant column of
     values comes out unchanged, however the weights were rounded."""
     q, k, v = _attention_inputs(rng, 200, 900, 2, 2, 64, q_scale=3.0)
@@ -262,7 +262,7 @@ def _softmax_vectors(s, m, m0, best, total, p, cols):
     bf16.exp_pairs(s, best, total, p, cols)
 
 
-def test_column_max_and_exp_pairs(rng):
+def test_column_max_and_exp_pairs(rng, amx):
     rows, width, cols, m0 = 64, 128, 96, 7
     s = (rng.standard_normal((rows, width)) * 30).astype(np.float32)
     s[:, 3] = -3e30  # a column of hidden scores under a finite running max

@@ -85,8 +85,8 @@ def mixed_formats(engine):
 
 
 @pytest.mark.parametrize("kernels", ["vnni", "int16", "portable"])
-def test_fused_decode_on_fusions_of_formats_and_kernel_paths(alignment_dir, monkeypatch, kernels):
-    monkeypatch.setattr(cpu, "ENABLED", cpu.choose(kernels))
+def test_fused_decode_on_fusions_of_formats_and_kernel_paths(alignment_dir, use_kernels, kernels):
+    use_kernels(kernels)
     engine = make_engine(alignment_dir / "qwen3_moe-dense0-tied-bf16", "f32")
     assert engine.fmt == F32
     mixed_formats(engine)
@@ -162,10 +162,10 @@ def test_decode_allocates_nothing_in_numba(alignment_dir, variant, weight_dtype)
 
 
 @pytest.mark.parametrize("kernels", ["int16", "vnni", "portable"])
-def test_moe_decode_on_blocks_allocates_nothing_in_numba(alignment_dir, monkeypatch, kernels):
+def test_moe_decode_on_blocks_allocates_nothing_in_numba(alignment_dir, use_kernels, kernels):
     """The routed experts take their accumulators and quantized activations from the MoE workspace,
     on every kernel path: as many allocations as on f32 experts (the arguments' unboxing)."""
-    monkeypatch.setattr(cpu, "ENABLED", cpu.choose(kernels))
+    use_kernels(kernels)
     engine = make_engine(alignment_dir / "qwen3_moe", "q4_k")
     assert quant.block_name(engine.model.layers[0]["experts_down"]) in quant.VNNI_BLOCKS
     assert decode_allocations(engine) == decode_allocations(make_engine(alignment_dir / "qwen3_moe", "f32"))

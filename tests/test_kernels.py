@@ -5,6 +5,7 @@ float32 arithmetic.
 """
 
 import math
+import os
 from importlib import import_module
 
 import numba
@@ -397,3 +398,22 @@ def test_moe_experts(rng, fmt, n, experts, top_k, hidden, inter):
     moe.moe_experts(x, chosen, weights, gate_up, down, fmt, got, scratch)
     moe.moe_experts_ref(x, chosen, weights, gate_up, down, fmt, want, scratch)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=2e-5)
+
+
+def test_kernel_cache_folder_follows_every_kernel_source(tmp_path):
+    import shutil
+    from pathlib import Path
+
+    import ellmd.kernels
+
+    package = Path(ellmd.kernels.__file__).parent
+    if not os.environ.get("NUMBA_CACHE_DIR"):
+        assert numba.config.CACHE_DIR == ellmd.kernels.cache_dir(package)
+    for source in package.glob("*.py"):
+        shutil.copy(source, tmp_path)
+    before = ellmd.kernels.cache_dir(tmp_path)
+    assert before == ellmd.kernels.cache_dir(package)  # the sources' contents, not their place
+    quant = tmp_path / "quant.py"
+    quant.write_text(quant.read_text() + "\n")  # an edit of a file other kernels inline
+    assert ellmd.kernels.cache_dir(tmp_path) != before
+

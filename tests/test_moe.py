@@ -173,11 +173,11 @@ INTEGER = {"int16": (np.int16, 3e-4, 3e-4), "vnni": (np.int8, 1e-3, 0.02)}
 @pytest.mark.parametrize("n", [1, 3, 16, 20])
 @pytest.mark.parametrize("kernels", ["int16", "vnni"])
 @pytest.mark.parametrize("gate_type,up_type,down_type,hidden,inter", BLOCK_CASES)
-def test_moe_block_on_integer_paths_matches_quantized_reference(rng, monkeypatch, kernels, n, gate_type, up_type,
+def test_moe_block_on_integer_paths_matches_quantized_reference(rng, use_kernels, kernels, n, gate_type, up_type,
                                                                 down_type, hidden, inter):
     """The fused path (n <= 16) and the grouped one (n = 20) run the experts' blocks on the integer
     kernels: the activations quantized once per token for gate and up, once per pair for down."""
-    monkeypatch.setattr(cpu, "ENABLED", cpu.choose(kernels))
+    use_kernels(kernels)
     dtype, tolerance, float_tolerance = INTEGER[kernels]
     (got, want_float), (x, chosen, weights, gate_up, down) = run_blocks(rng, n, gate_type, up_type, down_type,
                                                                         hidden, inter)

@@ -84,8 +84,8 @@ ACTIVATION_ERROR = {np.int16: 2e-4, np.int8: 0.06}
 @pytest.mark.parametrize("kernels", ["vnni", "int16", "portable"])
 @pytest.mark.parametrize("name", NAMES)
 @pytest.mark.parametrize("n", [1, 3, 6, 70])
-def test_matmul_on_blocks(rng, monkeypatch, kernels, name, n):
-    monkeypatch.setattr(cpu, "ENABLED", cpu.choose(kernels))
+def test_matmul_on_blocks(rng, use_kernels, kernels, name, n):
+    use_kernels(kernels)
     w = blocks(rng, name, 37)  # odd row count: the last row pair is a single row
     x = rng.standard_normal((n, K)).astype(np.float32)
     x[:, 7] *= 30.0  # an outlier channel, as in real activations
@@ -201,8 +201,8 @@ def test_linear_rows_inside_numba_on_an_expert_stack(rng, name):
 
 
 @pytest.mark.parametrize("kernels", ["portable", "int16"])
-def test_tuple_of_formats_fills_consecutive_columns(rng, monkeypatch, kernels):
-    monkeypatch.setattr(cpu, "ENABLED", cpu.choose(kernels))
+def test_tuple_of_formats_fills_consecutive_columns(rng, use_kernels, kernels):
+    use_kernels(kernels)
     check = assert_f32_close if kernels == "portable" else assert_int16_close
     q, k = blocks(rng, "Q6_K", 8), blocks(rng, "Q4_K", 6)
     v = rng.standard_normal((4, K)).astype(np.float32).view(np.uint32) >> 16

@@ -1,5 +1,29 @@
 """numba kernels, each beside a numpy reference of the same signature (`<name>_ref`)."""
 
+import hashlib
+import os
+from pathlib import Path
+
+import numba
+
+
+def cache_dir(sources: Path) -> str:
+    """Where the compiled kernels are cached: one folder per state of this package's sources.
+    numba checks a cached function against its own file only, not the files whose functions it
+    inlines, so an edit of quant.py left layer.py's cached decode running the old code (once a
+    trap: SIGILL). NUMBA_CACHE_DIR, when set, wins."""
+    digest = hashlib.sha1(numba.__version__.encode())
+    for source in sorted(sources.glob("*.py")):
+        digest.update(source.name.encode() + source.read_bytes())
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "ellm" / "numba"
+    return str(base / digest.hexdigest()[:16])
+
+
+if not os.environ.get("NUMBA_CACHE_DIR"):
+    numba.config.CACHE_DIR = cache_dir(Path(__file__).parent)
+
+# the kernels' cache=True decorators read numba.config.CACHE_DIR: imported after it is set
+
 from ellmd.kernels.activations import silu_mul
 from ellmd.kernels.attention import attention_decode, attention_prefill, decode_scratch_shapes, store_kv
 from ellmd.kernels.matmul import embed, linear_rows, matmul, prefill_scratch_size

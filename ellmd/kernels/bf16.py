@@ -138,7 +138,7 @@ def pack_activations(typingctx, x, i0, nb, nbp, xh, xl):
                         builder.store(col, builder.bitcast(builder.gep(dst, [at]), _I32X16.as_pointer()), align=4)
         return context.get_dummy_value()
 
-    return sig, codegen
+    return sig, cpu.compiled_for("bf16", codegen)
 
 
 class _Tile(ir.Type):
@@ -439,7 +439,7 @@ def exp_pairs(typingctx, s, m, total, p, cols):
             builder.store(builder.load(acc), _vec_at(builder, t_p, col), align=4)
         return context.get_dummy_value()
 
-    return sig, codegen
+    return sig, cpu.compiled_for("bf16", codegen)
 
 
 _amx_2 = _make_amx_block(2, False)
