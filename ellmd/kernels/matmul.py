@@ -28,13 +28,18 @@ from ellmd.kernels import bf16, cpu, quant
 from ellmd.kernels.activations import PARALLEL_MIN
 from ellmd.kernels.formats import BF16, decode, kernel_view, to_f32
 from ellmd.kernels.quant import decode_row
-from ellmd.kernels.tile import MR, NR, micro_kernel
+from ellmd.kernels.tile import make_micro_kernel
 
 ROW_BLOCK = 16  # weight rows per parallel task of linear
 PREFILL_MIN_ROWS = 64  # from this many input rows linear_prefill wins (packing amortized)
+# The prefill micro-kernel's block: 6 input rows x 16 weight rows, 12 accumulators + 2 panel
+# vectors + 1 broadcast = 15 of AVX2's 16 ymm registers (the attention kernels' 4 x 16 leaves
+# FMA latency uncovered here: ~15% slower on Qwen3-1.7B shapes)
+MR, NR = 6, 16
+_micro_kernel = make_micro_kernel(MR, NR)
 PANEL = 32  # weight rows packed by a linear_prefill task (a multiple of NR)
-INPUT_BLOCK = 128  # input rows multiplied per packed panel pass (stay in L2)
-DEPTH_BLOCK = 256  # depth of one micro-kernel call (its operands stay in L1)
+INPUT_BLOCK = 120  # input rows multiplied per packed panel pass (stay in L2; a multiple of MR)
+DEPTH_BLOCK = 128  # depth of one micro-kernel call: its panel slice (16 KiB) and rows of x stay in L1
 
 
 @numba.njit(cache=True, nogil=True, fastmath=True, inline="always")
@@ -240,7 +245,7 @@ def _panel_product(x, w, out, j0, panel, block, xpad):
             depth = min(DEPTH_BLOCK, k - kb)
             for r in range(0, nbp, MR):
                 for c in range(0, PANEL, NR):
-                    micro_kernel(xa, r * k + kb, k, 1, panel, kb * PANEL + c, block, r * PANEL + c, depth, kb > 0)
+                    _micro_kernel(xa, r * k + kb, k, 1, panel, kb * PANEL + c, block, r * PANEL + c, depth, kb > 0)
         for r in range(nb):
             dst = out[i0 + r]
             src = block[r]
