@@ -9,8 +9,9 @@ LLVM does not register-block a numba loop nest (it vectorizes only the innermost
 accumulators go through memory or need horizontal sums), which caps such a product near half
 of peak. A micro-kernel keeps an mr x nr block of c in 8-wide registers across the whole depth
 loop, loading one row of bt and broadcasting one value of a per row, as BLAS kernels do; it runs
-near the FMA peak of a core. make_micro_kernel builds one per block shape: attention tiles use
-MR x NR (8 accumulators), the prefill matmuls a taller block (matmul.py). bt may be storage (bf16 as uint16, f16 viewed
+near the FMA peak of a core. make_micro_kernel builds one per block shape: MR x NR (8
+accumulators) for decode's small groups of query rows, TALL_MR x NR for the prefill products
+(matmuls and attention). bt may be storage (bf16 as uint16, f16 viewed
 as int16, see formats.py): its rows are converted in registers, so a stored tile of values
 needs no float32 copy.
 """
@@ -120,6 +121,11 @@ def make_micro_kernel(mr, nr):
 
 
 micro_kernel = make_micro_kernel(MR, NR)
+# The taller block of the prefill products: 12 accumulators + 2 rows of bt + 1 broadcast = 15 of
+# AVX2's 16 ymm registers; 4 x 16's 8 accumulators leave the FMA latency exposed there
+# (~15% slower prefill matmuls on Qwen3-1.7B shapes, Zen 3).
+TALL_MR = 6
+tall_kernel = make_micro_kernel(TALL_MR, NR)
 
 
 @numba.njit(cache=True, nogil=True, fastmath=True)
@@ -136,6 +142,17 @@ def gemm_tile(a, transpose_a, bt, c, rows, cols, depth, accumulate):
     for r in range(0, rows, MR):
         for j in range(0, cols, NR):
             micro_kernel(a, r * a_row, a_row, a_depth, bt, j, c, r * ldc + j, depth, accumulate)
+
+
+@numba.njit(cache=True, nogil=True, fastmath=True)
+def gemm_tile_tall(a, transpose_a, bt, c, rows, cols, depth, accumulate):
+    """gemm_tile on TALL_MR x NR blocks: rows % TALL_MR == 0."""
+    ld = a.shape[1]
+    a_row, a_depth = (1, ld) if transpose_a else (ld, 1)
+    ldc = c.shape[1]
+    for r in range(0, rows, TALL_MR):
+        for j in range(0, cols, NR):
+            tall_kernel(a, r * a_row, a_row, a_depth, bt, j, c, r * ldc + j, depth, accumulate)
 
 
 def gemm_tile_ref(a, transpose_a, bt, c, rows, cols, depth, accumulate):
