@@ -313,6 +313,8 @@ def test_store_kv(rng, fmt):
         (F16, 131, 37, 2, 4, 128),
         (BF16, 200, 5, 1, 4, 64),
         (F16, 3, 300, 2, 1, 64),  # a short chunk after a long history
+        (F32, 50, 20, 2, 2, 72),  # head_dim padded to the kernel's columns
+        (BF16, 40, 700, 1, 8, 64),  # many key tiles, query rows past one tall block
     ],
 )
 def test_attention_prefill(rng, monkeypatch, fmt, n, start, kvh, group, hd):

@@ -166,13 +166,15 @@ class Engine:
         if "vnni" in cpu.ENABLED:
             blocks = "GGUF blocks: int8 vpdpbusd, activations quantized to int8 per 32"
         elif "int16" in cpu.ENABLED:
-            blocks = "GGUF blocks: int16 vpdpwssd, activations quantized to int16 per 32"
+            madd = "vpdpwssd" if quant.WORDS_VNNI else "vpmaddwd (AVX2)"
+            blocks = f"GGUF blocks: int16 {madd}, activations quantized to int16 per 256 (or 32) values"
         else:
             blocks = "GGUF blocks: f32 FMA"
         amx = "bf16" in cpu.ENABLED and bf16.AMX
         prefill = "AMX tdpbf16ps (activations as two bf16 halves)" if amx else "f32 FMA"
         attention = "; prefill attention over bf16 KV: AMX tdpbf16ps" if amx else ""
-        return f"{blocks}; bf16/f16/f32 weights: f32 FMA in decode, {prefill} for bf16 in prefill{attention}" + more
+        return (f"{blocks} (in prefill: decoded to f32 panels, f32 FMA); bf16/f16/f32 weights: f32 FMA in decode, "
+                f"{prefill} for bf16 in prefill{attention}" + more)
 
     def memory_budget(self) -> dict[str, int]:
         """Bytes of weights (in all, and by format: "weights:Q4_K", ...), KV cache and workspace."""

@@ -39,10 +39,10 @@ from numba import prange
 from ellmd.kernels import bf16, cpu
 from ellmd.kernels.activations import exp_f32
 from ellmd.kernels.formats import BF16, _bitcast_f32, _bitcast_u32, decode, encode, kernel_view, to_f32, to_storage
-from ellmd.kernels.tile import MR, NR, gemm_tile
+from ellmd.kernels.tile import MR, NR, TALL_MR, gemm_tile, gemm_tile_tall
 
 TILE_KEYS = 64  # KB, a multiple of NR
-TASK_ROWS = 128  # R target of a prefill task: query block = TASK_ROWS // g queries
+TASK_ROWS = 144  # R target of a prefill task: query block = TASK_ROWS // g queries (Rp: a multiple of 48)
 # Below this many (key, kv head) pairs a decode step runs on the calling thread: launching the
 # parallel region (~10 us with this many arrays) costs more than it saves.
 DECODE_PARALLEL_MIN = 2048
@@ -120,13 +120,14 @@ def _prefill_tile(qt, kt, vt, rows, nk, limit, g, st, m, l, acc, m_new, alpha, t
 
     Works on transposed scores so that every softmax loop runs along the rows, elementwise,
     with no reductions. Key j of the tile is seen by rows r with r // g >= j - limit.
-    qt: [hd, Rp] pre-scaled queries transposed, zero past `rows`; kt, vt: [KB, hdp] keys and
-    values; st: [KB, Rp] scores transposed; m, l: [Rp] running max and sum; acc: [hdp, Rp]
-    output accumulator transposed; m_new, alpha, total: [Rp] scratch.
+    qt: [hd, Rp] pre-scaled queries transposed, zero past `rows`; kt: [KBp, hdp] keys (KBp = KB
+    rounded up to TALL_MR, finite past nk); vt: [KB, hdp] values; st: [KBp, Rp] scores
+    transposed; m, l: [Rp] running max and sum; acc: [Rp, hdp] output accumulator;
+    m_new, alpha, total: [Rp] scratch.
     """
     hd, rows_p = qt.shape
-    hdp = acc.shape[0]
-    gemm_tile(kt, False, qt, st, _round_up(nk, MR), rows_p, hd, False)
+    hdp = acc.shape[1]
+    gemm_tile_tall(kt, False, qt, st, _round_up(nk, TALL_MR), rows_p, hd, False)
     # new running max, ping-ponging between alpha and m_new so that it ends in m_new
     src = m
     for j in range(nk):
@@ -148,12 +149,12 @@ def _prefill_tile(qt, kt, vt, rows, nk, limit, g, st, m, l, acc, m_new, alpha, t
     for r in range(rows):
         m[r] = m_new[r]
         l[r] = l[r] * alpha[r] + total[r]
-    for d in range(hd):
-        a = acc[d]
-        for r in range(rows):
-            a[r] *= alpha[r]
-    # acc[d, r] += sum_j v[j, d] * st[j, r]: vt read transposed in place
-    gemm_tile(vt, True, st, acc, hdp, rows_p, nk, True)
+    for r in range(rows):
+        a = acc[r]
+        for d in range(hd):
+            a[d] *= alpha[r]
+    # acc[r, d] += sum_j st[j, r] * v[j, d]: st read transposed in place
+    gemm_tile_tall(st, True, vt, acc, rows_p, hdp, nk, True)
 
 
 @numba.njit(cache=True, nogil=True, fastmath=True)
@@ -163,12 +164,13 @@ def _prefill_task(q, k_slot, v_slot, start, scale, out, h, q0, nq):
     g = heads // k_slot.shape[0]
     hdp = _round_up(hd, NR)
     rows = nq * g
-    rows_p = _round_up(rows, NR)
+    rows_p = _round_up(rows, TALL_MR * NR // 2)  # rows of the tall blocks (6) and columns (16)
+    keys_p = _round_up(TILE_KEYS, TALL_MR)
     qt = np.zeros((hd, rows_p), np.float32)  # [hd, Rp]
-    kt = np.empty((TILE_KEYS, hdp), np.float32)  # [KB, hdp]
+    kt = np.zeros((keys_p, hdp), np.float32)  # [KBp, hdp]
     vt = np.zeros((TILE_KEYS, hdp), np.float32)  # [KB, hdp]; zeros past hd, never stray denormals
-    st = np.empty((TILE_KEYS, rows_p), np.float32)  # [KB, Rp]
-    acc = np.zeros((hdp, rows_p), np.float32)  # [hdp, Rp]
+    st = np.empty((keys_p, rows_p), np.float32)  # [KBp, Rp]
+    acc = np.zeros((rows_p, hdp), np.float32)  # [Rp, hdp]
     m = np.full(rows_p, _NO_MAX, np.float32)  # [Rp]
     l = np.zeros(rows_p, np.float32)  # [Rp]
     m_new = np.empty(rows_p, np.float32)  # [Rp]
@@ -190,7 +192,7 @@ def _prefill_task(q, k_slot, v_slot, start, scale, out, h, q0, nq):
             r = qi * g + gi
             inv = np.float32(1.0) / l[r]
             for d in range(hd):
-                out[q0 + qi, h * g + gi, d] = acc[d, r] * inv
+                out[q0 + qi, h * g + gi, d] = acc[r, d] * inv
 
 
 @numba.njit(cache=True, nogil=True, fastmath=True, parallel=True)

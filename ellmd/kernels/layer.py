@@ -159,7 +159,7 @@ def decode_dense(layers, ws, mlp_ws, n, slots, positions, shape, eps, scale, nsp
     types; attention weights: (layer index, input norm [h], qkv parts, qkv bias [(H+2G)*d] or
     [0], q_norm [d] or [0], k_norm [d] or [0], o parts, post-attention norm [h]); ws: the
     workspace buffers (plan.py); shape: (H, G, d); paths: (integer path on, workers, (xq, xd, xs)):
-    xq's dtype picks the integer path, int8 (vpdpbusd) or int16 (vpdpwssd).
+    xq's dtype picks the integer path, int8 (vpdpbusd) or int16 (vpdpwssd, or vpmaddwd on AVX2).
     """
     for i in range(len(layers)):
         attention_weights, mlp_weights = layers[i]

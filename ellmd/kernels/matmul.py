@@ -28,13 +28,13 @@ from ellmd.kernels import bf16, cpu, quant
 from ellmd.kernels.activations import PARALLEL_MIN
 from ellmd.kernels.formats import BF16, decode, kernel_view, to_f32
 from ellmd.kernels.quant import decode_row
-from ellmd.kernels.tile import MR, NR, micro_kernel
+from ellmd.kernels.tile import NR, TALL_MR, tall_kernel
 
 ROW_BLOCK = 16  # weight rows per parallel task of linear
 PREFILL_MIN_ROWS = 64  # from this many input rows linear_prefill wins (packing amortized)
 PANEL = 32  # weight rows packed by a linear_prefill task (a multiple of NR)
-INPUT_BLOCK = 128  # input rows multiplied per packed panel pass (stay in L2)
-DEPTH_BLOCK = 256  # depth of one micro-kernel call (its operands stay in L1)
+INPUT_BLOCK = 120  # input rows multiplied per packed panel pass (stay in L2; a multiple of TALL_MR)
+DEPTH_BLOCK = 128  # depth of one micro-kernel call: its panel slice (16 KiB) and rows of x stay in L1
 
 
 @numba.njit(cache=True, nogil=True, fastmath=True, inline="always")
@@ -222,14 +222,14 @@ def _panel_product(x, w, out, j0, panel, block, xpad):
     """out[:, j0:j0+PANEL] = x @ w[j0:j0+PANEL].T, INPUT_BLOCK rows of x at a time.
 
     panel: [k, PANEL]; block: [INPUT_BLOCK, PANEL]; xpad: [INPUT_BLOCK, k] (a last partial
-    block of x, padded to MR rows).
+    block of x, padded to TALL_MR rows).
     """
     n, k = x.shape
     rows = min(PANEL, w.shape[0] - j0)
     _pack(w, j0, rows, panel, xpad[0])  # xpad is free until the products below
     for i0 in range(0, n, INPUT_BLOCK):
         nb = min(INPUT_BLOCK, n - i0)
-        nbp = (nb + MR - 1) // MR * MR
+        nbp = (nb + TALL_MR - 1) // TALL_MR * TALL_MR
         xa = x[i0 : i0 + nb]
         if nbp != nb:
             for r in range(nbp):
@@ -238,9 +238,9 @@ def _panel_product(x, w, out, j0, panel, block, xpad):
             xa = xpad[:nbp]
         for kb in range(0, k, DEPTH_BLOCK):
             depth = min(DEPTH_BLOCK, k - kb)
-            for r in range(0, nbp, MR):
+            for r in range(0, nbp, TALL_MR):
                 for c in range(0, PANEL, NR):
-                    micro_kernel(xa, r * k + kb, k, 1, panel, kb * PANEL + c, block, r * PANEL + c, depth, kb > 0)
+                    tall_kernel(xa, r * k + kb, k, 1, panel, kb * PANEL + c, block, r * PANEL + c, depth, kb > 0)
         for r in range(nb):
             dst = out[i0 + r]
             src = block[r]

@@ -19,11 +19,11 @@ Kernels read the block bytes through as_bytes (a uint8 view, no copy).
 
 Kernel paths (cpu.py): the portable kernels (exact to float32 rounding) convert blocks to float32
 in vector registers (dot_rows), with LLVM's generic vectors (AVX2, AVX-512 or SSE). Where the CPU
-has AVX512-VNNI, rows_vnni multiplies the codes of every block type in integers by quantized
-activations: to int16 with vpdpwssd on the "int16" path (the default; one scale per 256 values,
-~1e-4 of a product, SmolLM2's logits within 2.5e-4 of the reference and its greedy text
-unchanged), or, one scale per 32 values, to
-int8 with vpdpbusd on the "vnni" path (as llama.cpp's q8 x q8; ~1% of a product, which moves
+has AVX512-VNNI (or, for int16, AVX2), rows_vnni multiplies the codes of every block type in
+integers by quantized activations: to int16 with vpdpwssd (AVX2: vpmaddwd + vpaddd) on the
+"int16" path (the default; one scale per 256 values, ~1e-4 of a product, SmolLM2's logits within
+2.5e-4 of the reference and its greedy text unchanged), or, one scale per 32 values, to int8
+with vpdpbusd on the "vnni" path (as llama.cpp's q8 x q8; ~1% of a product, which moves
 SmolLM2's logits by a few percent and changes some greedy answers, so it is asked for).
 """
 
@@ -889,14 +889,14 @@ def _k_words(name, q, o, g):
     return b.zext(codes, w16), [g] * 32
 
 
-_WORDS_VNNI = bool(binding.get_host_cpu_features().get("avx512vnni"))  # else the int16 path runs on AVX2
+WORDS_VNNI = bool(binding.get_host_cpu_features().get("avx512vnni"))  # else the int16 path runs on AVX2
 
 
 def _dot_words(b, acc, a, x):
     """acc + the pairwise products of a and x (<16 x i32> each, as 32 int16), exact int32 sums.
     With AVX512-VNNI the instruction vpdpwssd itself (LLVM would otherwise split it into vpmaddwd
     and vpaddd: two uops); on AVX2, vpmaddwd and vpaddd on each 256-bit half."""
-    if _WORDS_VNNI:
+    if WORDS_VNNI:
         return b.asm(ir.FunctionType(acc.type, [acc.type] * 3), "vpdpwssd $3, $2, $0", "=v,0,v,v", [acc, a, x],
                      side_effect=False, name="dpwssd")
     i32 = ir.IntType(32)

@@ -7,9 +7,11 @@ Shape legend:
 
 LLVM does not register-block a numba loop nest (it vectorizes only the innermost loop, so the
 accumulators go through memory or need horizontal sums), which caps such a product near half
-of peak. This micro-kernel keeps an MR x NR block of c in eight 8-wide registers across the
-whole depth loop, loading one row of bt and broadcasting one value of a per row, as BLAS
-kernels do; it runs near the FMA peak of a core. bt may be storage (bf16 as uint16, f16 viewed
+of peak. A micro-kernel keeps an mr x nr block of c in 8-wide registers across the whole depth
+loop, loading one row of bt and broadcasting one value of a per row, as BLAS kernels do; it runs
+near the FMA peak of a core. make_micro_kernel builds one per block shape: MR x NR (8
+accumulators) for decode's small groups of query rows, TALL_MR x NR for the prefill products
+(matmuls and attention). bt may be storage (bf16 as uint16, f16 viewed
 as int16, see formats.py): its rows are converted in registers, so a stored tile of values
 needs no float32 copy.
 """
@@ -44,72 +46,86 @@ def _load_vec(builder, ptr, dtype):
     return builder.bitcast(wide, f32x8)
 
 
-@intrinsic
-def micro_kernel(typingctx, a, a_off, a_row, a_depth, bt, b_off, c, c_off, depth, accumulate):
-    """c[MR, NR] block (+)= a[MR, depth] @ bt[depth, NR] on C-contiguous matrices.
+def make_micro_kernel(mr, nr):
+    """The micro-kernel of an mr x nr block of c (nr a multiple of 8): mr * nr / 8 accumulators,
+    nr / 8 rows of bt and one broadcast in ymm registers (AVX2 has 16)."""
 
-    Element (i, d) of a (float32) is a.flat[a_off + i * a_row + d * a_depth]; the block of bt
-    (float32 or storage) starts at bt.flat[b_off] and that of c (float32) at c.flat[c_off],
-    their rows one matrix row apart.
-    """
-    f32 = (types.float32,)
-    if not (_is_matrix(a, f32) and _is_matrix(c, f32)):
-        return None
-    if not _is_matrix(bt, (types.float32, types.uint16, types.int16)):
-        return None
-    sig = types.void(
-        a, types.intp, types.intp, types.intp, bt, types.intp, c, types.intp, types.intp, types.boolean
-    )
+    @intrinsic
+    def kernel(typingctx, a, a_off, a_row, a_depth, bt, b_off, c, c_off, depth, accumulate):
+        """c[mr, nr] block (+)= a[mr, depth] @ bt[depth, nr] on C-contiguous matrices.
 
-    def codegen(context, builder, signature, args):
-        a_val, a_off, a_row, a_depth, bt_val, b_off, c_val, c_off, depth, acc_flag = args
-        i64 = ir.IntType(64)
-        vec = ir.VectorType(ir.FloatType(), _VEC)
-        fma = cgutils.get_or_insert_function(
-            builder.module, ir.FunctionType(vec, [vec, vec, vec]), "llvm.fma.v8f32"
+        Element (i, d) of a (float32) is a.flat[a_off + i * a_row + d * a_depth]; the block of bt
+        (float32 or storage) starts at bt.flat[b_off] and that of c (float32) at c.flat[c_off],
+        their rows one matrix row apart.
+        """
+        f32 = (types.float32,)
+        if not (_is_matrix(a, f32) and _is_matrix(c, f32)):
+            return None
+        if not _is_matrix(bt, (types.float32, types.uint16, types.int16)):
+            return None
+        sig = types.void(
+            a, types.intp, types.intp, types.intp, bt, types.intp, c, types.intp, types.intp, types.boolean
         )
 
-        def base_and_ld(ty, val, off):
-            ary = context.make_array(ty)(context, builder, val)
-            return builder.gep(ary.data, [off]), cgutils.unpack_tuple(builder, ary.shape)[1]
+        def codegen(context, builder, signature, args):
+            a_val, a_off, a_row, a_depth, bt_val, b_off, c_val, c_off, depth, acc_flag = args
+            i64 = ir.IntType(64)
+            vec = ir.VectorType(ir.FloatType(), _VEC)
+            fma = cgutils.get_or_insert_function(
+                builder.module, ir.FunctionType(vec, [vec, vec, vec]), "llvm.fma.v8f32"
+            )
 
-        a_ptr, _ = base_and_ld(signature.args[0], a_val, a_off)
-        b_ptr, ldb = base_and_ld(signature.args[4], bt_val, b_off)
-        c_ptr, ldc = base_and_ld(signature.args[6], c_val, c_off)
-        b_dtype = signature.args[4].dtype
+            def base_and_ld(ty, val, off):
+                ary = context.make_array(ty)(context, builder, val)
+                return builder.gep(ary.data, [off]), cgutils.unpack_tuple(builder, ary.shape)[1]
 
-        def at(ptr, i):
-            return builder.gep(ptr, [ir.Constant(i64, i)])
+            a_ptr, _ = base_and_ld(signature.args[0], a_val, a_off)
+            b_ptr, ldb = base_and_ld(signature.args[4], bt_val, b_off)
+            c_ptr, ldc = base_and_ld(signature.args[6], c_val, c_off)
+            b_dtype = signature.args[4].dtype
 
-        nv = NR // _VEC
-        # allocas become registers after mem2reg
-        accs = [cgutils.alloca_once_value(builder, ir.Constant(vec, [0.0] * _VEC)) for _ in range(MR * nv)]
-        splat = ir.Constant(ir.VectorType(ir.IntType(32), _VEC), [0] * _VEC)
-        with cgutils.for_range(builder, depth) as loop:
-            d = loop.index
-            b_row = builder.gep(b_ptr, [builder.mul(d, ldb)])
-            b_vecs = [_load_vec(builder, at(b_row, _VEC * v), b_dtype) for v in range(nv)]
-            a_col = builder.gep(a_ptr, [builder.mul(d, a_depth)])
-            for i in range(MR):
-                a_elt = builder.load(builder.gep(a_col, [builder.mul(ir.Constant(i64, i), a_row)]))
-                a_vec = builder.insert_element(ir.Constant(vec, ir.Undefined), a_elt, ir.Constant(ir.IntType(32), 0))
-                a_vec = builder.shuffle_vector(a_vec, ir.Constant(vec, ir.Undefined), splat)
+            def at(ptr, i):
+                return builder.gep(ptr, [ir.Constant(i64, i)])
+
+            nv = nr // _VEC
+            # allocas become registers after mem2reg
+            accs = [cgutils.alloca_once_value(builder, ir.Constant(vec, [0.0] * _VEC)) for _ in range(mr * nv)]
+            splat = ir.Constant(ir.VectorType(ir.IntType(32), _VEC), [0] * _VEC)
+            with cgutils.for_range(builder, depth) as loop:
+                d = loop.index
+                b_row = builder.gep(b_ptr, [builder.mul(d, ldb)])
+                b_vecs = [_load_vec(builder, at(b_row, _VEC * v), b_dtype) for v in range(nv)]
+                a_col = builder.gep(a_ptr, [builder.mul(d, a_depth)])
+                for i in range(mr):
+                    a_elt = builder.load(builder.gep(a_col, [builder.mul(ir.Constant(i64, i), a_row)]))
+                    a_vec = builder.insert_element(ir.Constant(vec, ir.Undefined), a_elt, ir.Constant(ir.IntType(32), 0))
+                    a_vec = builder.shuffle_vector(a_vec, ir.Constant(vec, ir.Undefined), splat)
+                    for v in range(nv):
+                        slot = accs[i * nv + v]
+                        builder.store(builder.call(fma, [a_vec, b_vecs[v], builder.load(slot)]), slot)
+            for i in range(mr):
+                c_row = builder.gep(c_ptr, [builder.mul(ir.Constant(i64, i), ldc)])
                 for v in range(nv):
-                    slot = accs[i * nv + v]
-                    builder.store(builder.call(fma, [a_vec, b_vecs[v], builder.load(slot)]), slot)
-        for i in range(MR):
-            c_row = builder.gep(c_ptr, [builder.mul(ir.Constant(i64, i), ldc)])
-            for v in range(nv):
-                ptr = builder.bitcast(at(c_row, _VEC * v), vec.as_pointer())
-                total = builder.load(accs[i * nv + v])
-                with builder.if_else(acc_flag) as (then, otherwise):
-                    with then:
-                        builder.store(builder.fadd(total, builder.load(ptr, align=4)), ptr, align=4)
-                    with otherwise:
-                        builder.store(total, ptr, align=4)
-        return context.get_dummy_value()
+                    ptr = builder.bitcast(at(c_row, _VEC * v), vec.as_pointer())
+                    total = builder.load(accs[i * nv + v])
+                    with builder.if_else(acc_flag) as (then, otherwise):
+                        with then:
+                            builder.store(builder.fadd(total, builder.load(ptr, align=4)), ptr, align=4)
+                        with otherwise:
+                            builder.store(total, ptr, align=4)
+            return context.get_dummy_value()
 
-    return sig, codegen
+        return sig, codegen
+
+    return kernel
+
+
+micro_kernel = make_micro_kernel(MR, NR)
+# The taller block of the prefill products: 12 accumulators + 2 rows of bt + 1 broadcast = 15 of
+# AVX2's 16 ymm registers; 4 x 16's 8 accumulators leave the FMA latency exposed there
+# (~15% slower prefill matmuls on Qwen3-1.7B shapes, Zen 3).
+TALL_MR = 6
+tall_kernel = make_micro_kernel(TALL_MR, NR)
 
 
 @numba.njit(cache=True, nogil=True, fastmath=True)
@@ -126,6 +142,17 @@ def gemm_tile(a, transpose_a, bt, c, rows, cols, depth, accumulate):
     for r in range(0, rows, MR):
         for j in range(0, cols, NR):
             micro_kernel(a, r * a_row, a_row, a_depth, bt, j, c, r * ldc + j, depth, accumulate)
+
+
+@numba.njit(cache=True, nogil=True, fastmath=True)
+def gemm_tile_tall(a, transpose_a, bt, c, rows, cols, depth, accumulate):
+    """gemm_tile on TALL_MR x NR blocks: rows % TALL_MR == 0."""
+    ld = a.shape[1]
+    a_row, a_depth = (1, ld) if transpose_a else (ld, 1)
+    ldc = c.shape[1]
+    for r in range(0, rows, TALL_MR):
+        for j in range(0, cols, NR):
+            tall_kernel(a, r * a_row, a_row, a_depth, bt, j, c, r * ldc + j, depth, accumulate)
 
 
 def gemm_tile_ref(a, transpose_a, bt, c, rows, cols, depth, accumulate):
