@@ -76,12 +76,18 @@ class Residency:
         engine = self.engine
         engine.rewind(slot, 0)
         if session.tokens is None or session.stored_tokens:
-            meta, tokens = self.store.load(session.session_id, lambda start, data: engine.import_kv(slot, start, data),
-                                           bytes_per_token=engine.kv.bytes_per_token)
-            if int(engine.kv.lengths[slot]) != len(tokens):
+            began = time.perf_counter()
+            try:
+                meta, tokens = self.store.load(session.session_id,
+                                               lambda start, data: engine.import_kv(slot, start, data),
+                                               bytes_per_token=engine.kv.bytes_per_token)
+                if int(engine.kv.lengths[slot]) != len(tokens):
+                    raise StoreError(f"session {session.session_id} is damaged: its KV covers "
+                                     f"{int(engine.kv.lengths[slot])} of its {len(tokens)} tokens")
+            except BaseException:  # what a damaged session loaded before failing is scratch
                 engine.rewind(slot, 0)
-                raise StoreError(f"session {session.session_id} is damaged: its KV covers "
-                                 f"{int(engine.kv.lengths[slot])} of its {len(tokens)} tokens")
+                raise
+            self.policy.observe_swap("read", len(tokens), time.perf_counter() - began)
             session.tokens = tokens
             session.stored_tokens = len(tokens)
         self.bind(session, slot)
@@ -137,7 +143,10 @@ class Residency:
                 raise CapacityError(f"session {session.session_id} is not resident")
             return self.engine.export_kv(slot, start, stop)
 
+        began = time.perf_counter()
         result = self.store.snapshot(meta, tokens, export, session.stored_tokens, self.engine.kv.bytes_per_token)
+        self.policy.observe_swap("write", result["bytes_written"] // self.engine.kv.bytes_per_token,
+                                 time.perf_counter() - began)
         session.stored_tokens = result["stored_tokens"]
         session.dirty = upto is not None  # the busy turn is still to be written
         return result
