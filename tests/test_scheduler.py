@@ -68,8 +68,8 @@ class FakeEngine:
     def rewind(self, slot, length):
         self.kv.rewind(slot, length)
 
-    def copy_slot(self, src, dst):
-        self.kv.copy_slot(src, dst)
+    def copy_slot(self, src, dst, length=None):
+        self.kv.copy_slot(src, dst, length)
 
     def export_kv(self, slot, start, stop):
         return self.kv.export(slot, start, stop)
