@@ -141,7 +141,9 @@ def test_session_binding_by_field_and_header(smol, client):
     first = client.chat.completions.create(model="smol", messages=QUESTION, max_tokens=8, temperature=0,
                                            extra_body={"session_id": "http-bound"})
     assert first.session_id == "http-bound"
-    assert first.usage.prompt_tokens_details.cached_tokens == 0  # a new session: nothing to reuse
+    # A new session: what it reuses is a prefix another session holds (the same question was
+    # asked before, or the template's default system prompt), never more than its prompt but one.
+    assert first.usage.prompt_tokens_details.cached_tokens < first.usage.prompt_tokens
     messages = [*QUESTION, {"role": "assistant", "content": first.choices[0].message.content},
                 {"role": "user", "content": "Why?"}]
     raw = client.chat.completions.with_raw_response.create(
@@ -205,6 +207,26 @@ def test_chat_logprobs(client):
     assert len(content) == reply.usage.completion_tokens
     for entry in content:  # greedy: the chosen token is the most likely one
         assert [t.token for t in entry.top_logprobs][0] == entry.token and len(entry.top_logprobs) == 3
+
+
+def test_a_new_conversation_copies_the_system_prompt_another_one_holds(smol, client):
+    system = {"role": "system", "content": "You are a terse assistant for a weather station. " * 12}
+    before = scrape(smol[1])
+    first = client.chat.completions.create(model="smol", messages=[system, *QUESTION], max_tokens=6, temperature=0,
+                                           extra_body={"session_id": "station-1"})
+    second = client.chat.completions.create(model="smol", messages=[system, *QUESTION], max_tokens=6, temperature=0,
+                                            extra_body={"session_id": "station-2"})
+    other = client.chat.completions.create(model="smol", max_tokens=6, temperature=0,
+                                           messages=[system, {"role": "user", "content": "Is it raining?"}])
+    after = scrape(smol[1])
+    # station-2 asks what station-1 asked: all of its prompt but the last token is copied, and the
+    # copy computes what station-1's prefill did
+    assert second.usage.prompt_tokens_details.cached_tokens == second.usage.prompt_tokens - 1
+    assert second.choices[0].message.content == first.choices[0].message.content
+    # another question after the same system prompt: at least the system prompt is copied
+    assert 120 < other.usage.prompt_tokens_details.cached_tokens < other.usage.prompt_tokens
+    shared = after["ellm_prompt_tokens_shared_total"] - before["ellm_prompt_tokens_shared_total"]
+    assert shared >= second.usage.prompt_tokens_details.cached_tokens + other.usage.prompt_tokens_details.cached_tokens
 
 
 def test_metrics_move(smol, client):

@@ -68,8 +68,8 @@ class FakeEngine:
     def rewind(self, slot, length):
         self.kv.rewind(slot, length)
 
-    def copy_slot(self, src, dst):
-        self.kv.copy_slot(src, dst)
+    def copy_slot(self, src, dst, length=None):
+        self.kv.copy_slot(src, dst, length)
 
     def export_kv(self, slot, start, stop):
         return self.kv.export(slot, start, stop)
@@ -171,12 +171,31 @@ def test_next_prefill_is_the_one_with_fewest_tokens_left_in_arrival_order():
     assert Policy(32).next_prefill([]) is None
 
 
+def idle_session(last_used, tokens=0, stored=0, busy=False):
+    return SimpleNamespace(last_used=last_used, tokens=[0] * tokens, stored_tokens=stored, busy=busy)
+
+
 def test_victim_is_the_least_recently_used_idle_session_and_admission_needs_one():
-    a, b = SimpleNamespace(last_used=5.0, busy=False), SimpleNamespace(last_used=2.0, busy=False)
+    a, b = idle_session(5.0), idle_session(2.0)
     policy = Policy(32)
     assert policy.victim([a, b]) is b and policy.victim([]) is None
-    busy = SimpleNamespace(last_used=1.0, busy=True)
+    busy = idle_session(1.0, busy=True)
     assert not policy.admit([busy, busy]) and policy.admit([busy, b]) and policy.admit([busy, None])
+
+
+def test_victim_weighs_the_seconds_a_swap_costs_against_recency():
+    policy = Policy(32)
+    policy.observe_swap("write", 1000, 1.0)  # 1 ms per token written, 0.1 ms read back
+    policy.observe_swap("read", 1000, 0.1)
+    policy.observe_swap("read", 0, 5.0)  # a metadata-only resume says nothing of the rate
+    assert policy.swap_s == {"write": 0.001, "read": 0.0001}
+    stored = idle_session(10.0, tokens=8000, stored=8000)  # costs 0.8 s to swap
+    unsaved = idle_session(9.0, tokens=8000, stored=0)  # used 1 s before, but 8 s to write first
+    assert policy.swap_cost(stored) == 0.8 and policy.swap_cost(unsaved) == 8.8
+    assert policy.victim([stored, unsaved]) is stored
+    small = idle_session(10.5, tokens=100, stored=100)  # more recent, but nearly free to swap
+    assert policy.victim([stored, unsaved, small]) is small
+    assert policy.victim([idle_session(1.0, 8000), stored]).last_used == 1.0  # long idle goes first
 
 
 # ---- the loop over a fake engine ----------------------------------------------------------------

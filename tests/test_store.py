@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import stat
 
@@ -65,6 +66,33 @@ def test_a_damaged_chunk_is_reported_and_the_rest_kept(tmp_path):
     with pytest.raises(StoreError, match="chunk 1 fails its checksum"):
         load(store, "s1")
     assert load(store, "s2")[1] == tokens
+
+
+def test_chunks_written_with_the_older_blake2b_checksum_still_load_and_still_catch_damage(tmp_path):
+    store = Store(tmp_path / "store")
+    tokens = list(range(CHUNK_TOKENS + 4))
+    store.snapshot(meta(), tokens, fake_kv(tokens), stored_tokens=0)
+    data = fake_kv(tokens)(CHUNK_TOKENS, len(tokens))
+    with store.env.begin(write=True) as txn:
+        txn.put(_chunk_key("s1", 1), hashlib.blake2b(data, digest_size=CHECKSUM_BYTES).digest() + data, db=store.kv)
+    assert load(store, "s1")[2] == fake_kv(tokens)(0, len(tokens))
+    with store.env.begin(write=True) as txn:
+        damaged = bytearray(data)
+        damaged[5] ^= 0x01
+        txn.put(_chunk_key("s1", 1), hashlib.blake2b(data, digest_size=CHECKSUM_BYTES).digest() + damaged,
+                db=store.kv)
+    with pytest.raises(StoreError, match="chunk 1 fails its checksum"):
+        load(store, "s1")
+
+
+def test_a_load_can_stop_at_a_prefix(tmp_path):
+    store = Store(tmp_path / "store")
+    tokens = list(range(CHUNK_TOKENS * 3))
+    store.snapshot(meta(), tokens, fake_kv(tokens), stored_tokens=0)
+    starts = []
+    m, loaded = store.load("s1", lambda start, data: starts.append((start, len(data))), BYTES_PER_TOKEN,
+                           stop=CHUNK_TOKENS + 1)
+    assert loaded == tokens and starts == [(0, CHUNK_TOKENS * BYTES_PER_TOKEN), (CHUNK_TOKENS, CHUNK_TOKENS * BYTES_PER_TOKEN)]
 
 
 def test_a_full_store_loses_nothing_committed(tmp_path):

@@ -258,15 +258,15 @@ class Engine:
         """Truncate a slot to its first `length` tokens, in O(1)."""
         self.kv.rewind(slot, length)
 
-    def copy_slot(self, src: int, dst: int) -> None:
-        """Make dst hold the same tokens as src (fork)."""
-        self.kv.copy_slot(src, dst)
+    def copy_slot(self, src: int, dst: int, length: int | None = None) -> None:
+        """Make dst hold src's first `length` tokens (all by default): a fork, or a shared prefix."""
+        self.kv.copy_slot(src, dst, length)
 
-    def export_kv(self, slot: int, start: int, stop: int) -> bytes:
-        """KV bytes of tokens [start, stop) of a slot (for the store)."""
+    def export_kv(self, slot: int, start: int, stop: int) -> np.ndarray:
+        """KV bytes of tokens [start, stop) of a slot (for the store), as a flat uint8 array."""
         return self.kv.export(slot, start, stop)
 
-    def import_kv(self, slot: int, start: int, data: bytes) -> int:
+    def import_kv(self, slot: int, start: int, data) -> int:
         """Write exported KV bytes at `start`; returns the slot's new length. No forward pass."""
         return self.kv.import_(slot, start, data)
 

@@ -71,22 +71,30 @@ class KVCache:
             raise CapacityError(f"cannot rewind slot {slot} to {length} tokens: it holds {self.lengths[slot]}")
         self.lengths[slot] = length
 
-    def copy_slot(self, src: int, dst: int) -> None:
-        n = int(self.lengths[src])
+    def copy_slot(self, src: int, dst: int, length: int | None = None) -> None:
+        """Make dst hold src's first `length` tokens (all of them by default)."""
+        n = int(self.lengths[src]) if length is None else length
+        if not 0 <= n <= self.lengths[src]:
+            raise CapacityError(f"cannot copy {n} tokens of slot {src}: it holds {self.lengths[src]}")
         self.k[:, dst, :, :n] = self.k[:, src, :, :n]
         self.v[:, dst, :, :n] = self.v[:, src, :, :n]
         self.lengths[dst] = n
 
-    def export(self, slot: int, start: int, stop: int) -> bytes:
-        """K then V of tokens [start, stop) as bytes, laid out [layers, kv_heads, tokens, head_dim]."""
+    def export(self, slot: int, start: int, stop: int) -> np.ndarray:
+        """K then V of tokens [start, stop) as bytes (a flat uint8 array, gathered in one copy),
+        laid out [layers, kv_heads, tokens, head_dim]."""
         if not 0 <= start <= stop <= self.lengths[slot]:
             raise CapacityError(f"range [{start}, {stop}) is outside slot {slot}'s {self.lengths[slot]} tokens")
-        k = np.ascontiguousarray(self.k[:, slot, :, start:stop])
-        v = np.ascontiguousarray(self.v[:, slot, :, start:stop])
-        return k.tobytes() + v.tobytes()
+        layers, _, kv_heads, _, head_dim = self.shape
+        out = np.empty((stop - start) * self.bytes_per_token, np.uint8)
+        halves = out.view(self.k.dtype).reshape(2, layers, kv_heads, stop - start, head_dim)
+        halves[0] = self.k[:, slot, :, start:stop]
+        halves[1] = self.v[:, slot, :, start:stop]
+        return out
 
-    def import_(self, slot: int, start: int, data: bytes) -> int:
-        """Write exported bytes at `start` (which must not leave a gap); returns the new length."""
+    def import_(self, slot: int, start: int, data) -> int:
+        """Write exported bytes (any buffer: read in place) at `start` (which must not leave a gap);
+        returns the new length."""
         layers, _, kv_heads, _, head_dim = self.shape
         per_token = self.bytes_per_token
         if len(data) % per_token:

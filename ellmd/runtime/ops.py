@@ -16,11 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-import numpy as np
-
 from ellmd.errors import CapacityError
 from ellmd.runtime.errors import RuntimeError_, SlotsBusy, busy
-from ellmd.runtime.session import Session
+from ellmd.runtime.session import Session, common_prefix
 from ellmd.runtime.turns import snapshot_of, usage
 
 ANONYMOUS = "anonymous"  # the tag of sessions made by completion requests that named none
@@ -237,24 +235,10 @@ def anonymous_session(rt, tokens: list[int], owner: str | None) -> Session:
         return best  # the prompt extends that conversation
     if shared and free is None and 2 * shared >= len(best.tokens):
         return best  # most of it is shared (a retry, an edited turn) and no slot to fork into: drop its tail
-    shared = shared if free is not None else 0  # else a new session, in the slot of an evicted idle one
+    # A new session: its first prefill copies the shared prefix (Residency.share_prefix).
     session = Session.new(rt.fingerprint, title="anonymous", tags=[ANONYMOUS], owner=owner)
     session.tokens = []
-    if shared:  # fork the shared part into the free slot: a memory copy, no recomputation
-        rt.engine.copy_slot(best.slot, free)
-        rt.engine.rewind(free, shared)
-        session.tokens = best.tokens[:shared]
-        residency.bind(session, free)
     return session
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    """The length of the longest common prefix of two token lists."""
-    n = min(len(a), len(b))
-    if a[:n] == b[:n]:
-        return n
-    diff = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
-    return int(diff[0])
 
 
 # ---- skills and retrieval -------------------------------------------------------------------

@@ -15,7 +15,7 @@ import time
 
 from ellmd.errors import CapacityError
 from ellmd.runtime.errors import RuntimeError_, SlotsBusy, not_found
-from ellmd.runtime.session import Session
+from ellmd.runtime.session import Session, common_prefix
 from ellmd.runtime.store import Store, StoreError
 
 log = logging.getLogger("ellmd.runtime")
@@ -76,16 +76,60 @@ class Residency:
         engine = self.engine
         engine.rewind(slot, 0)
         if session.tokens is None or session.stored_tokens:
-            meta, tokens = self.store.load(session.session_id, lambda start, data: engine.import_kv(slot, start, data),
-                                           bytes_per_token=engine.kv.bytes_per_token)
-            if int(engine.kv.lengths[slot]) != len(tokens):
+            began = time.perf_counter()
+            try:
+                meta, tokens = self.store.load(session.session_id,
+                                               lambda start, data: engine.import_kv(slot, start, data),
+                                               bytes_per_token=engine.kv.bytes_per_token)
+                if int(engine.kv.lengths[slot]) != len(tokens):
+                    raise StoreError(f"session {session.session_id} is damaged: its KV covers "
+                                     f"{int(engine.kv.lengths[slot])} of its {len(tokens)} tokens")
+            except BaseException:  # what a damaged session loaded before failing is scratch
                 engine.rewind(slot, 0)
-                raise StoreError(f"session {session.session_id} is damaged: its KV covers "
-                                 f"{int(engine.kv.lengths[slot])} of its {len(tokens)} tokens")
+                raise
+            self.policy.observe_swap("read", len(tokens), time.perf_counter() - began)
             session.tokens = tokens
             session.stored_tokens = len(tokens)
         self.bind(session, slot)
         return slot
+
+    def share_prefix(self, session: Session, tokens: list[int], limit: int) -> int:
+        """Fill an empty resident session's slot with the KV of the longest prefix of `tokens`
+        (at most `limit`) that another session of the same owner holds, copied instead of
+        prefilled; returns its length (0: nothing shared).
+
+        Donors: the resident sessions (a copy between slots), else the sessions this daemon
+        evicted, whose KV is on disk (read back from the store up to the prefix: a session
+        evicted to make room for this one is among them). The KV of a prefix depends only on its
+        tokens, so the copy is what a prefill would have computed.
+        """
+        slot = session.slot
+        best, shared = None, 0
+        for other in {id(s): s for s in [*self.resident_sessions(), *self.sessions.values()]}.values():
+            if other is session or not other.tokens or other.owner != session.owner or other.tokens[0] != tokens[0]:
+                continue
+            held = other.tokens if other.slot is not None else other.tokens[:other.stored_tokens]
+            length = min(common_prefix(held, tokens), limit)
+            # at equal length, a resident donor (a copy between slots) beats a read from the store
+            if length > shared or (length == shared and shared and best.slot is None and other.slot is not None):
+                best, shared = other, length
+        if not shared:
+            return 0
+        if best.slot is not None:
+            self.engine.copy_slot(best.slot, slot, shared)
+            return shared
+        try:
+            _, stored = self.store.load(best.session_id, lambda start, data: self.engine.import_kv(slot, start, data),
+                                        bytes_per_token=self.engine.kv.bytes_per_token, stop=shared)
+        except StoreError as e:  # the donor's snapshot is damaged: prefill instead, the error logged
+            log.error("prefix sharing: %s", e)
+            self.engine.rewind(slot, 0)
+            return 0
+        if int(self.engine.kv.lengths[slot]) < shared or common_prefix(stored, tokens) < shared:
+            self.engine.rewind(slot, 0)  # the store holds another version of it: prefill instead
+            return 0
+        self.engine.rewind(slot, shared)
+        return shared
 
     def bind(self, session: Session, slot: int) -> None:
         session.slot = slot
@@ -137,7 +181,10 @@ class Residency:
                 raise CapacityError(f"session {session.session_id} is not resident")
             return self.engine.export_kv(slot, start, stop)
 
+        began = time.perf_counter()
         result = self.store.snapshot(meta, tokens, export, session.stored_tokens, self.engine.kv.bytes_per_token)
+        self.policy.observe_swap("write", result["bytes_written"] // self.engine.kv.bytes_per_token,
+                                 time.perf_counter() - began)
         session.stored_tokens = result["stored_tokens"]
         session.dirty = upto is not None  # the busy turn is still to be written
         return result

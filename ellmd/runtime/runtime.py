@@ -64,6 +64,7 @@ class Request:
     owner: str | None = None  # set by the HTTP layer: sessions stored with another owner are not found
     prefilled: int = 0  # tokens this request ran through the model
     reused: int | None = None  # tokens already computed when it first touched the session
+    shared: int = 0  # of those, tokens whose KV was copied from another session (a shared prefix)
 
 
 class Runtime:
@@ -77,7 +78,7 @@ class Runtime:
         self.rag_k = rag_k  # passages per query by default
         self.snapshot_every_turn = snapshot_every_turn
         self.policy = policy or Policy(engine.chunk_size)
-        self.counters = {"prefilled": 0, "reused": 0, "generated": 0}
+        self.counters = {"prefilled": 0, "reused": 0, "shared": 0, "generated": 0}
         self.residency = Residency(engine, store, self.policy)
         self.turns = Turns(engine, self.residency, self.counters, context_role, self.after_turn)
         self.generations = Generations(engine, self.turns, self.counters, self.after_turn, reply)

@@ -9,7 +9,12 @@ The loop alternates one prefill chunk and one batched decode step. The policy de
     behind a 4k-token document), in arrival order among equals;
   - admission: a request that needs a slot while every slot is busy waits, and is retried once
     a slot is free or held by an idle session;
-  - eviction: the least recently used idle session leaves its slot.
+  - eviction: the idle session whose swap costs least, against how recently it was used: its
+    last use plus the seconds it would take to write its KV not yet on disk and to read all of it
+    back (GreedyDual-style: a session that is cheap to swap goes before one used as long ago that
+    is expensive). Rates are measured as the store runs. Recomputing is never the cheaper way
+    back: a prefill costs ~100x a resume per token (scripts/bench_resume.py), so an evicted
+    session always comes back from the store.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ class Policy:
         self.min_chunk = min(min_chunk, chunk_size)  # below it a forward's fixed cost dominates
         self.decode_s: float | None = None  # a decode step's seconds (running estimate)
         self.token_s: float | None = None  # prefill seconds per token, at the chunk sizes run
+        self.swap_s = {"write": None, "read": None}  # store seconds per token of KV, each way
 
     # ---- measurements ----------------------------------------------------------------------
 
@@ -35,6 +41,18 @@ class Policy:
     def observe_prefill(self, tokens: int, seconds: float) -> None:
         per_token = seconds / max(tokens, 1)
         self.token_s = per_token if self.token_s is None else (1 - EMA) * self.token_s + EMA * per_token
+
+    def observe_swap(self, way: str, tokens: int, seconds: float) -> None:
+        """A snapshot ("write") or resume ("read") moved `tokens` tokens' KV in `seconds`."""
+        if tokens:
+            per_token, old = seconds / tokens, self.swap_s[way]
+            self.swap_s[way] = per_token if old is None else (1 - EMA) * old + EMA * per_token
+
+    def swap_cost(self, session) -> float:
+        """Seconds to evict a session (write its unsaved KV) and to resume it later (read it all)."""
+        tokens = len(session.tokens or ())
+        unsaved = max(tokens - session.stored_tokens, 0)
+        return unsaved * (self.swap_s["write"] or 0.0) + tokens * (self.swap_s["read"] or 0.0)
 
     # ---- decisions -------------------------------------------------------------------------
 
@@ -56,5 +74,5 @@ class Policy:
         return any(s is None or not s.busy for s in slots)
 
     def victim(self, idle: list):
-        """The idle session to evict for another (least recently used), or None if there is none."""
-        return min(idle, key=lambda s: s.last_used, default=None)
+        """The idle session to evict for another (see the module's notes), or None if there is none."""
+        return min(idle, key=lambda s: s.last_used + self.swap_cost(s), default=None)

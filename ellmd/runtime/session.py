@@ -15,6 +15,8 @@ import dataclasses
 import time
 import uuid
 
+import numpy as np
+
 
 @dataclasses.dataclass
 class Session:
@@ -101,3 +103,12 @@ class Session:
             info["turns"] = [{k: t[k] for k in ("index", "kind", "role", "name", "start", "end", "time")}
                              for t in self.turns]
         return info
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """The length of the longest common prefix of two token lists."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    diff = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
+    return int(diff[0])

@@ -101,6 +101,16 @@ class Turns:
             request.reused = len(session.tokens)
             self.counters["reused"] += request.reused
         tokens = session.pending + list(new_tokens)
+        if not session.tokens and tokens:  # a new session: its first tokens may be another's prefix
+            shared = self.residency.share_prefix(session, tokens, limit=len(tokens) - need_logits)
+            if shared:
+                session.tokens, session.pending, tokens = tokens[:shared], [], tokens[shared:]
+                request.reused += shared
+                request.shared += shared
+                self.counters["reused"] += shared
+                self.counters["shared"] += shared
+                if not tokens:
+                    return None
         if not tokens:
             if not need_logits:
                 return None
@@ -155,4 +165,5 @@ def snapshot_of(session: Session) -> tuple:
 def usage(request, session: Session) -> dict:
     """Usage of this request so far: what it prefilled and what it found already computed."""
     return {"prompt_tokens": session.length, "prefilled_tokens": request.prefilled,
-            "reused_tokens": request.reused, "prefill_ms": round((time.perf_counter() - request.received) * 1000, 2)}
+            "reused_tokens": request.reused, "shared_tokens": request.shared,
+            "prefill_ms": round((time.perf_counter() - request.received) * 1000, 2)}

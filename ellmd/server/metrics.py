@@ -6,6 +6,7 @@ CollectorRegistry (not prometheus_client's global one).
 Counters, since the daemon started:
   ellm_prompt_tokens_prefilled_total   prompt tokens run through the model
   ellm_prompt_tokens_reused_total      prompt tokens whose KV was already computed (resident or resumed)
+  ellm_prompt_tokens_shared_total      of those, tokens copied from another session's prefix
   ellm_generated_tokens_total          tokens generated
 Histograms, one observation per generation:
   ellm_time_to_first_token_seconds     request received to first token (prefill included)
@@ -69,6 +70,7 @@ class Metrics:
         for name, key, help_text in (
             ("ellm_prompt_tokens_prefilled", "prefilled", "Prompt tokens run through the model."),
             ("ellm_prompt_tokens_reused", "reused", "Prompt tokens whose KV was already computed."),
+            ("ellm_prompt_tokens_shared", "shared", "Prompt tokens whose KV was copied from another session."),
             ("ellm_generated_tokens", "generated", "Tokens generated."),
         ):
             yield CounterMetricFamily(name, help_text, value=counters[key])
