@@ -58,7 +58,7 @@ def main(argv=None) -> int:
             length = engine.import_kv(0, length, pieces[1])
             report.check(f"{tag}: length after import", length == PROMPT and engine.lengths[0] == PROMPT, str(length))
             report.check(
-                f"{tag}: re-exported bytes", engine.export_kv(0, 0, PROMPT) == engine.export_kv(1, 0, PROMPT), "identical"
+                f"{tag}: re-exported bytes", np.array_equal(engine.export_kv(0, 0, PROMPT), engine.export_kv(1, 0, PROMPT)), "identical"
             )
             engine.copy_slot(1, 2)
             resumed, never, forked = [], [], []

@@ -164,7 +164,7 @@ class Store:
         return value
 
     @staticmethod
-    def _export(session_id, export, start: int, stop: int, bytes_per_token) -> bytes:
+    def _export(session_id, export, start: int, stop: int, bytes_per_token):
         try:
             data = export(start, stop)
         except EllmError as e:
