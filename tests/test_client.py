@@ -208,7 +208,7 @@ class FakeDaemon:
     def usage(info: dict, prefilled: int, generated: int | None = None) -> dict:
         """The usage of an append (generated None) or of a generation."""
         usage = {"prompt_tokens": info["tokens"], "prefilled_tokens": prefilled,
-                 "reused_tokens": info["tokens"] - prefilled, "prefill_ms": 1.0}
+                 "reused_tokens": info["tokens"] - prefilled, "shared_tokens": 0, "prefill_ms": 1.0}
         if generated is not None:
             usage.update(generated_tokens=generated, ttft_ms=2.0, decode_tok_s=50.0)
         return usage
@@ -342,7 +342,7 @@ class FakeDaemon:
         return {"model": "fake-model", "model_type": "llama", "slots": 4, "sequence_length": 8192,
                 "sessions_resident": resident, "sessions_stored": len(self.sessions), "generating": 0,
                 "kv_bytes": 1234, "kv_bytes_used": 234, "kv_bytes_free": 1000, "kv_bytes_per_token": 2,
-                "counters": {"prefilled": 10, "reused": 5, "generated": 3},
+                "counters": {"prefilled": 10, "reused": 5, "shared": 0, "generated": 3},
                 "store": {"path": "/fake/store", "bytes_used": 4096, "map_size": 1 << 30}, "uptime_s": 12.5}
 
     async def op_shutdown(self, conn, rid, args):
