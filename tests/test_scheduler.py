@@ -207,15 +207,21 @@ def steps_between_decodes(log: list[tuple]) -> list[list[tuple]]:
     return [log[i + 1:j] for i, j in zip(decodes, decodes[1:])]
 
 
-def test_a_long_prefill_runs_in_budgeted_chunks_between_decode_steps(make):
-    rt, engine = make()
+def decode_beside_prefill(rt, engine, max_tokens):
+    """Session A decodes max_tokens while session B appends 100 tokens: (a, b, generation, append)."""
     a = call(rt, "session.open")["session_id"]
     b = call(rt, "session.open")["session_id"]
     call(rt, "session.append", session_id=a, tokens=tokens(5))
     engine.log.clear()
     with held(rt):
-        generation = rt.submit("session.generate", {"session_id": a, "max_tokens": 60, "ignore_eos": True})
+        generation = rt.submit("session.generate", {"session_id": a, "max_tokens": max_tokens, "ignore_eos": True})
         appended = rt.submit("session.append", {"session_id": b, "tokens": tokens(100, 1)})
+    return a, b, generation, appended
+
+
+def test_a_long_prefill_runs_in_budgeted_chunks_between_decode_steps(make):
+    rt, engine = make()
+    a, b, generation, appended = decode_beside_prefill(rt, engine, 60)
     assert appended.future.result(timeout=30)["tokens"] == 100
     assert generation.future.result(timeout=30)["finish_reason"] == "length"
     b_slot = rt.sessions[b].slot
@@ -228,13 +234,7 @@ def test_a_long_prefill_runs_in_budgeted_chunks_between_decode_steps(make):
 
 def test_with_whole_chunks_decoding_waits_for_the_plan_chunk(make):
     rt, engine = make(policy=Measured(gap_ratio=None))
-    a = call(rt, "session.open")["session_id"]
-    b = call(rt, "session.open")["session_id"]
-    call(rt, "session.append", session_id=a, tokens=tokens(5))
-    engine.log.clear()
-    with held(rt):
-        generation = rt.submit("session.generate", {"session_id": a, "max_tokens": 40, "ignore_eos": True})
-        appended = rt.submit("session.append", {"session_id": b, "tokens": tokens(100, 1)})
+    a, b, generation, appended = decode_beside_prefill(rt, engine, 40)
     appended.future.result(timeout=30)
     generation.future.result(timeout=30)
     chunks = [e[2] for e in engine.log if e[0] == "prefill" and e[1] == rt.sessions[b].slot]
