@@ -274,17 +274,18 @@ def test_embed(rng, fmt):
 # --- attention ---------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("tall", [False, True])
 @pytest.mark.parametrize("transpose_a", [False, True])
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_gemm_tile(rng, fmt, transpose_a):
-    rows, cols, depth = 8, 32, 37
+def test_gemm_tile(rng, fmt, transpose_a, tall):
+    rows, cols, depth = (12 if tall else 8), 32, 37
     a = randn(rng, depth + 1, rows + 4) if transpose_a else randn(rng, rows + 4, depth + 1)
     bt = formats.to_storage(randn(rng, depth + 2, cols + 16), fmt)
     bt_kernel = bt.view(np.int16) if fmt == F16 else bt  # kernels see f16 as int16
     for accumulate in (False, True):
         c = randn(rng, rows + 4, cols + 16)
         want = c.copy()
-        tile.gemm_tile(a, transpose_a, bt_kernel, c, rows, cols, depth, accumulate)
+        tile.gemm_tile(a, transpose_a, bt_kernel, c, rows, cols, depth, accumulate, tall)
         tile.gemm_tile_ref(a, transpose_a, formats.to_f32(bt, fmt), want, rows, cols, depth, accumulate)
         np.testing.assert_allclose(c, want, rtol=1e-5, atol=1e-4)
 

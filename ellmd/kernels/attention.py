@@ -39,7 +39,7 @@ from numba import prange
 from ellmd.kernels import bf16, cpu
 from ellmd.kernels.activations import exp_f32
 from ellmd.kernels.formats import BF16, _bitcast_f32, _bitcast_u32, decode, encode, kernel_view, to_f32, to_storage
-from ellmd.kernels.tile import MR, NR, TALL_MR, gemm_tile, gemm_tile_tall
+from ellmd.kernels.tile import MR, NR, TALL_MR, gemm_tile
 
 TILE_KEYS = 64  # KB, a multiple of NR
 TASK_ROWS = 144  # R target of a prefill task: query block = TASK_ROWS // g queries (Rp: a multiple of 48)
@@ -127,7 +127,7 @@ def _prefill_tile(qt, kt, vt, rows, nk, limit, g, st, m, l, acc, m_new, alpha, t
     """
     hd, rows_p = qt.shape
     hdp = acc.shape[1]
-    gemm_tile_tall(kt, False, qt, st, _round_up(nk, TALL_MR), rows_p, hd, False)
+    gemm_tile(kt, False, qt, st, _round_up(nk, TALL_MR), rows_p, hd, False, True)
     # new running max, ping-ponging between alpha and m_new so that it ends in m_new
     src = m
     for j in range(nk):
@@ -154,7 +154,7 @@ def _prefill_tile(qt, kt, vt, rows, nk, limit, g, st, m, l, acc, m_new, alpha, t
         for d in range(hd):
             a[d] *= alpha[r]
     # acc[r, d] += sum_j st[j, r] * v[j, d]: st read transposed in place
-    gemm_tile_tall(st, True, vt, acc, rows_p, hdp, nk, True)
+    gemm_tile(st, True, vt, acc, rows_p, hdp, nk, True, True)
 
 
 @numba.njit(cache=True, nogil=True, fastmath=True)
@@ -659,11 +659,11 @@ def _decode_split(q, k_head, v_head, b, h, k0, k1, scale, m, l, acc_out, tile):
             if g <= 2:
                 _values_rows(scores, vt[:nk], g, acc)
             else:
-                gemm_tile(scores, False, vt, acc, rows_p, hdp, nk, True)
+                gemm_tile(scores, False, vt, acc, rows_p, hdp, nk, True, False)
         elif g <= 2:
             _values_rows(scores, v_head[t0 : t0 + nk], g, acc)
         else:
-            gemm_tile(scores, False, v_head[t0 : t0 + nk], acc, rows_p, hd, nk, True)
+            gemm_tile(scores, False, v_head[t0 : t0 + nk], acc, rows_p, hd, nk, True, False)
     for gi in range(g):
         for d in range(hd):
             acc_out[gi, d] = acc[gi, d]

@@ -129,30 +129,23 @@ tall_kernel = make_micro_kernel(TALL_MR, NR)
 
 
 @numba.njit(cache=True, nogil=True, fastmath=True)
-def gemm_tile(a, transpose_a, bt, c, rows, cols, depth, accumulate):
+def gemm_tile(a, transpose_a, bt, c, rows, cols, depth, accumulate, tall):
     """c[:rows, :cols] (+)= A[:rows, :depth] @ bt[:depth, :cols].
 
     A is a, or a.T when transpose_a (a is then [depth, rows]); a, c: float32, bt: float32 or
-    storage (uint16 bf16, int16 f16); all C-contiguous. rows % MR == 0 and cols % NR == 0
-    (callers pad their scratch); accumulate adds to c instead of overwriting it.
+    storage (uint16 bf16, int16 f16); all C-contiguous. Blocks of TALL_MR x NR when tall, else
+    MR x NR: rows is a multiple of that height and cols of NR (callers pad their scratch);
+    accumulate adds to c instead of overwriting it.
     """
     ld = a.shape[1]
     a_row, a_depth = (1, ld) if transpose_a else (ld, 1)
     ldc = c.shape[1]
-    for r in range(0, rows, MR):
+    for r in range(0, rows, TALL_MR if tall else MR):
         for j in range(0, cols, NR):
-            micro_kernel(a, r * a_row, a_row, a_depth, bt, j, c, r * ldc + j, depth, accumulate)
-
-
-@numba.njit(cache=True, nogil=True, fastmath=True)
-def gemm_tile_tall(a, transpose_a, bt, c, rows, cols, depth, accumulate):
-    """gemm_tile on TALL_MR x NR blocks: rows % TALL_MR == 0."""
-    ld = a.shape[1]
-    a_row, a_depth = (1, ld) if transpose_a else (ld, 1)
-    ldc = c.shape[1]
-    for r in range(0, rows, TALL_MR):
-        for j in range(0, cols, NR):
-            tall_kernel(a, r * a_row, a_row, a_depth, bt, j, c, r * ldc + j, depth, accumulate)
+            if tall:
+                tall_kernel(a, r * a_row, a_row, a_depth, bt, j, c, r * ldc + j, depth, accumulate)
+            else:
+                micro_kernel(a, r * a_row, a_row, a_depth, bt, j, c, r * ldc + j, depth, accumulate)
 
 
 def gemm_tile_ref(a, transpose_a, bt, c, rows, cols, depth, accumulate):
