@@ -420,3 +420,18 @@ def test_kernel_cache_folder_follows_every_kernel_source(tmp_path):
     quant.write_text(quant.read_text() + "\n")  # an edit of a file other kernels inline
     assert ellmd.kernels.cache_dir(tmp_path) != before
 
+
+
+def test_kernel_cache_entries_do_not_depend_on_the_checkout_path(tmp_path):
+    """A fresh clone of the same sources loads the kernels another clone compiled (CI clones
+    afresh; numba's own locator hashed the absolute path, so every clone compiled ~2 min)."""
+    import ellmd.kernels
+    from ellmd.kernels import norm
+
+    locator = ellmd.kernels.CheckoutLocator.from_function(norm.rmsnorm.py_func, norm.__file__)
+    assert locator.get_cache_path() == os.path.join(numba.config.CACHE_DIR, "kernels")
+    elsewhere = tmp_path / "norm.py"  # a module outside the kernels is left to numba's locators
+    elsewhere.write_text("def f():\n    return 1\n")
+    assert ellmd.kernels.CheckoutLocator.from_function(norm.rmsnorm.py_func, str(elsewhere)) is None
+    if not os.environ.get("NUMBA_CACHE_DIR"):
+        assert isinstance(norm.rmsnorm._cache._impl.locator, ellmd.kernels.CheckoutLocator)

@@ -5,6 +5,7 @@ import os
 from pathlib import Path
 
 import numba
+import numba.core.caching
 
 
 def cache_dir(sources: Path) -> str:
@@ -19,8 +20,25 @@ def cache_dir(sources: Path) -> str:
     return str(base / digest.hexdigest()[:16])
 
 
-if not os.environ.get("NUMBA_CACHE_DIR"):
+class CheckoutLocator(numba.core.caching.UserProvidedCacheLocator):
+    """Keeps the kernels' cache entries in CACHE_DIR/kernels wherever this checkout lives: the
+    folder already names the sources' digest, so a fresh clone or venv of the same sources loads
+    them. numba's own locator adds a hash of the absolute path, and every clone compiled anew."""
+
+    @classmethod
+    def get_suitable_cache_subpath(cls, py_file):
+        return "kernels"
+
+    @classmethod
+    def from_function(cls, py_func, py_file):
+        if Path(py_file).resolve().parent != Path(__file__).resolve().parent:
+            return None  # not a kernel: numba's locators place it
+        return super().from_function(py_func, py_file)
+
+
+if not os.environ.get("NUMBA_CACHE_DIR"):  # a folder of the user's own is theirs to lay out
     numba.config.CACHE_DIR = cache_dir(Path(__file__).parent)
+    numba.core.caching.CacheImpl._locator_classes.insert(0, CheckoutLocator)
 
 # the kernels' cache=True decorators read numba.config.CACHE_DIR: imported after it is set
 
