@@ -53,7 +53,8 @@ def run(settings: Settings, progress=None) -> int:
         skills = SkillLibrary(settings.skills_dir)
         rag = RagLibrary(settings.rag_path, default_retriever=settings.rag_retriever)
         runtime = Runtime(engine, store, skills=skills, rag=rag, rag_k=settings.rag_k,
-                          snapshot_every_turn=settings.snapshot_every_turn, context_role=settings.context_role)
+                          snapshot_every_turn=settings.snapshot_every_turn, context_role=settings.context_role,
+                          snapshot_ack=settings.snapshot_ack)
         servers = Servers(runtime, settings, http_address, limits, api_keys)
         servers.start()
         # The engine loop runs here, on the main thread, which loaded the model and warmed its
