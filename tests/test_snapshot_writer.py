@@ -15,6 +15,7 @@ import pytest
 
 from ellmd.engine import Engine
 from ellmd.engine.engine import builtin_model_path
+from ellmd.errors import EllmError
 from ellmd.runtime.runtime import Runtime, RuntimeError_
 from ellmd.runtime.store import CHUNK_TOKENS, Store, StoreError
 
@@ -154,13 +155,13 @@ def test_fork_and_delete_come_after_the_pending_write(start, monkeypatch):
 
 def test_queued_acks_eviction_waits_and_a_restart_resumes_bit_for_bit(start, monkeypatch):
     rt = start("queued")
-    prompt = [(7 * i) % 40000 + 100 for i in range(300)]  # a partial second chunk
+    prompt = [(7 * i) % 40000 + 100 for i in range(260)]  # a partial second chunk
     expected = computed(rt, prompt)  # from scratch: nobody holds these tokens yet
     a = call(rt, "session.open")["session_id"]
     b = call(rt, "session.open")["session_id"]
     call(rt, "session.append", session_id=b, tokens=list(range(2000, 2050)))
     gate = hold(rt, monkeypatch, a)
-    assert call(rt, "session.append", session_id=a, tokens=prompt)["tokens"] == 300  # acknowledged, queued
+    assert call(rt, "session.append", session_id=a, tokens=prompt)["tokens"] == 260  # acknowledged, queued
     assert gate.entered.wait(60) and rt.store.get_meta(a)["tokens"] == 0
     call(rt, "session.append", session_id=b, tokens=[7, 8, 9])  # a is now the least recently used
     # A third session needs a slot: a is evicted, after its pending write (the engine waits for it).
@@ -169,7 +170,7 @@ def test_queued_acks_eviction_waits_and_a_restart_resumes_bit_for_bit(start, mon
     assert not third.future.done()
     gate.release.set()
     third.future.result(timeout=60)
-    assert rt.sessions[a].slot is None and rt.store.get_meta(a)["tokens"] == 300
+    assert rt.sessions[a].slot is None and rt.store.get_meta(a)["tokens"] == 260
 
     # A write that fails is logged, and the next snapshot writes what it left unsaved.
     real = rt.store.snapshot
@@ -182,7 +183,7 @@ def test_queued_acks_eviction_waits_and_a_restart_resumes_bit_for_bit(start, mon
 
     failed = threading.Event()
     monkeypatch.setattr(rt.store, "snapshot", failing_once)
-    call(rt, "session.append", session_id=b, tokens=list(range(3000, 3300)))  # acknowledged; its write fails
+    call(rt, "session.append", session_id=b, tokens=list(range(3000, 3210)))  # acknowledged; its write fails
     assert failed.wait(60)
     tokens_b = call(rt, "session.append", session_id=b, tokens=[11, 12])["tokens"]
     slot = rt.sessions[b].slot  # the engine is idle: read b's KV as the store lays it out, chunk by chunk
@@ -193,3 +194,10 @@ def test_queued_acks_eviction_waits_and_a_restart_resumes_bit_for_bit(start, mon
     rt = start("queued")
     assert rt.store.get_meta(b)["tokens"] == tokens_b and stored_kv(rt.store, b) == kv_b
     assert call(rt, "session.generate", session_id=a, **NEXT)["logprobs"] == expected
+
+
+def test_an_unknown_acknowledgement_point_is_refused(engine, tmp_path):
+    store = Store(tmp_path / "store")
+    with pytest.raises(EllmError, match="snapshot_ack must be one of written, queued, not 'sometimes'"):
+        Runtime(engine, store, snapshot_ack="sometimes")
+    store.close()

@@ -219,7 +219,7 @@ class Residency:
             return chunks[start]
 
         write = StoreWrite("snapshot", session_id, lambda store: store.snapshot(meta, tokens, export, stored, per_token),
-                           stored_tokens=stored, tokens=len(tokens))
+                           stored_tokens=stored)
         session.stored_tokens = len(tokens)
         session.dirty = upto is not None  # the busy turn is still to be written
         return self.writer.submit(write)

@@ -30,9 +30,8 @@ class StoreWrite:
 
     kind: str  # "snapshot", "copy" (a fork) or "delete"
     session_id: str
-    run: Callable[[Store], dict | None]  # the store call, on the writer thread
+    run: Callable[[Store], dict | None] | None  # the store call, on the writer thread (dropped once run)
     stored_tokens: int = 0  # a snapshot: tokens whose KV on disk was valid before it
-    tokens: int = 0  # a snapshot: the session's tokens it stores
     result: dict | None = None
     error: Exception | None = None
     seconds: float = 0.0  # the store call's time
@@ -102,6 +101,7 @@ class StoreWriter:
                 log.exception("the %s of session %s failed", write.kind, write.session_id)
                 write.error = StoreError(f"{write.kind} of {write.session_id} failed: {type(e).__name__}: {e}")
             write.seconds = time.perf_counter() - began
+            write.run = None  # and the KV copy it holds with it
             with self._lock:
                 writes = self.pending.get(write.session_id, [])
                 if write in writes:
