@@ -158,9 +158,9 @@ def main() -> None:
         gaps = [g for r in runs for g in r["gaps"]]
         cpu = [s for m, s in snapshot_cpu if m == mode]
         report[mode] = {
-            "gap_p50_ms": round(statistics.median(gaps), 2), "gap_max_ms": round(max(gaps), 2),
-            "max_over_alone": round(max(gaps) / alone, 1),
-            "worst_run_max_over_alone": [round(max(r["gaps"]) / alone, 1) for r in runs],
+            "gap_p50_ms": round(float(statistics.median(gaps)), 2), "gap_max_ms": round(float(max(gaps)), 2),
+            "max_over_alone": round(float(max(gaps)) / alone, 1),
+            "worst_run_max_over_alone": [round(float(max(r["gaps"])) / alone, 1) for r in runs],
             "snapshot_s": round(statistics.median(r["snapshot_s"] for r in runs), 3),
             "engine_cpu_in_snapshot_ms": round(statistics.median(cpu) * 1000, 1),
             "write_cpu_ms": round(statistics.median(s for m, s in write_cpu if m == mode) * 1000, 1),
