@@ -244,6 +244,9 @@ def start(
     threads: Optional[int] = Threads,
     socket: Optional[str] = SocketPath,
     store: Optional[str] = typer.Option(None, help="Session store directory (LMDB) [default: $XDG_DATA_HOME/ellm/store]"),
+    snapshot_ack: Optional[str] = typer.Option(
+        None, help="When a turn is acknowledged: 'written' (its snapshot is on disk) or 'queued' "
+                   "(handed to the store's writer; a crash may lose the last turns) [default: written]"),
     http: Optional[str] = typer.Option(
         None, help="Also serve the OpenAI-compatible HTTP API on HOST:PORT (or :PORT, PORT: host 127.0.0.1)"),
     skills_dir: Optional[list[str]] = typer.Option(
@@ -285,7 +288,7 @@ def start(
 
     flags = dict(model_path=model_path, chunk_size=chunk_size, sequence_length=sequence_length,
                  batch_size=batch_size, kv_dtype=kv_dtype, weight_dtype=weight_dtype, threads=threads,
-                 socket=socket, store=store, http=http, skills_dir=skills_dir or None, rag_dir=rag_dir,
+                 socket=socket, store=store, snapshot_ack=snapshot_ack, http=http, skills_dir=skills_dir or None, rag_dir=rag_dir,
                  api_key=api_key, api_key_file=api_key_file, max_connections=max_connections,
                  max_in_flight=max_in_flight, max_queue=max_queue, max_upload_mb=max_upload_mb,
                  hello_timeout_s=hello_timeout_s, frame_timeout_s=frame_timeout_s,

@@ -70,16 +70,18 @@ def main() -> None:
                 engine.rewind(slot, 0)
                 engine.import_kv(slot, 0, kv)
                 session.tokens, session.dirty = list(tokens), True
-                evict_new.append(timed(lambda: (residency.snapshot(session), residency.release(session))))
+                evict_new.append(timed(lambda: (residency.evict(session), residency.release(session))))
                 session = residency.session(session.session_id)
                 resume.append(timed(lambda: residency.resident(session), resume_cpu))
                 session.dirty = True  # a turn's metadata changed, its KV is on disk already
-                evict_clean.append(timed(lambda: (residency.snapshot(session), residency.release(session))))
+                evict_clean.append(timed(lambda: (residency.evict(session), residency.release(session))))
                 session.stored_tokens = 0  # the next run writes the whole KV again
             residency.delete(session)
+            residency.wait_for_writes(session.session_id)
             rows.append((size, size * per_token, statistics.median(evict_new[1:]),
                          statistics.median(evict_clean[1:]), statistics.median(resume[1:]),
                          statistics.median(resume_cpu[1:]), resume[0]))
+        residency.close()
         store.close()
 
     table = Table(title=f"{engine.model_path.name}: session swap, KV {args.kv_dtype} ({per_token} bytes/token), "

@@ -18,7 +18,6 @@ from ellmd.engine.sampling import Sampler, SamplingParams
 from ellmd.errors import EllmError
 from ellmd.runtime.errors import RuntimeError_
 from ellmd.runtime.session import Session
-from ellmd.runtime.store import StoreError
 from ellmd.text import IncrementalDetokenizer, StopMatcher, detect_format, parse_tool_calls
 
 log = logging.getLogger("ellmd.runtime")
@@ -49,12 +48,12 @@ class Generation:
 class Generations:
     """Every generating session; `step` runs one batched decode step over all of them."""
 
-    def __init__(self, engine, turns, counters: dict, after_turn, reply):
+    def __init__(self, engine, turns, counters: dict, snapshot_turn, reply):
         self.engine = engine
         self.turns = turns  # Turns.restore puts a failed generation's session back
         self.counters = counters
-        self.after_turn = after_turn  # the snapshot policy
-        self.reply = reply  # reply(request, result=None, error=None)
+        self.snapshot_turn = snapshot_turn  # the snapshot policy: snapshot_turn(session) -> StoreWrite | None
+        self.reply = reply  # reply(request, result=None, error=None, write=None): after `write`, per the ack policy
         self.active: list[Generation] = []
         self.observers: list = []  # callables given the final usage of every generation
         template = engine.chat_template
@@ -135,9 +134,10 @@ class Generations:
         session.add_turn("generation", gen.start, role="assistant", messages=messages_before)
         session.busy = False
         usage = self.final_usage(gen)
+        write = None
         try:
-            self.after_turn(session)
-        except StoreError as e:  # the generation itself succeeded; the next snapshot retries
+            write = self.snapshot_turn(session)  # a failed write is logged as it settles; the next snapshot retries
+        except EllmError as e:  # the generation itself succeeded
             log.error("snapshot after generation failed: %s", e)
         for observe in self.observers:
             try:
@@ -149,7 +149,7 @@ class Generations:
             "finish_reason": reason, "tool_calls": tool_calls, "usage": usage,
             **({"content": session.messages[-1]["content"]} if tool_calls else {}),
             **({"logprobs": gen.token_logprobs} if gen.logprobs else {}),
-        })
+        }, write=write)
 
     def close_turn(self, gen: Generation, text: str) -> list[dict]:
         """End the assistant turn as the template would and log its message; returns its tool calls.
@@ -189,7 +189,7 @@ class Generations:
         session.busy = False
         try:
             self.turns.restore(session, gen.restore)
-            self.after_turn(session)
+            self.snapshot_turn(session)
         except Exception:
             log.exception("session %s: restoring after a failed generation failed", session.session_id)
         self.reply(request, error=error)

@@ -2,7 +2,8 @@
 
 A handler is `handler(rt, request, **args)` with the arguments its schema (schemas.py) let
 through. It returns the reply's result, or None when a generation answers later. A handler that
-prefills is a generator: it yields turns.Prefill jobs to the engine loop (see Runtime._resume).
+prefills, or waits for a write to the store, is a generator: it yields turns.Prefill jobs and
+writer.StoreWrite writes to the engine loop (see Runtime._resume).
 Handlers of ops marked `aside` never touch the engine or the sessions and run beside the engine
 thread, on a "write" or a "read" thread (SkillLibrary and RagLibrary are thread-safe), so that
 indexing a folder never delays a decode step, nor a listing waits for an index run.
@@ -55,7 +56,7 @@ def session_open(rt, request, title=None, tags=None, system=None, tools=None):
         if system is not None:  # may wait for a slot (SlotsBusy): register the session only after
             yield from rt.turns.append_message(request, session, {"role": "system", "content": system})
         else:
-            rt.after_turn(session)
+            yield from rt.after_turn(session)
     except BaseException:  # no ghost: a session that failed to open holds no slot
         rt.residency.release(session)
         raise
@@ -75,12 +76,14 @@ def session_append(rt, request, session_id, message=None, text=None, tokens=None
 def session_fork(rt, request, session_id, title=None):
     source = idle(rt.residency.session(session_id, request.owner))
     if source.slot is not None:
-        rt.snapshot(source)
+        yield from rt.stored(source)  # the copy takes the source as stored
     fork = Session.new(rt.fingerprint, title or f"fork of {source.title or source.session_id}",
                        source.tags, source.tools, owner=source.owner)
     for name in ("pending", "turns", "messages", "skills"):
         setattr(fork, name, copy.deepcopy(getattr(source, name)))
-    rt.residency.fork(source, fork)
+    write = rt.residency.fork(source, fork)
+    if rt.snapshot_ack == "written":
+        yield write
     return fork.info(resident=False)
 
 
@@ -97,7 +100,7 @@ def session_rewind(rt, request, session_id, turn=None, tokens=None):
     slot = rt.residency.resident(session)
     session.truncate(length)
     rt.engine.rewind(slot, len(session.tokens))
-    rt.after_turn(session)
+    yield from rt.after_turn(session)
     return session.info(resident=True)
 
 
@@ -105,7 +108,7 @@ def session_snapshot(rt, request, session_id):
     session = rt.residency.session(session_id, request.owner)
     began = time.perf_counter()
     session.dirty = True  # an explicit snapshot always rewrites the metadata
-    return {**rt.snapshot(session), "ms": timed(began)}
+    return {**(yield from rt.stored(session)), "ms": timed(began)}  # on disk, whatever the ack policy
 
 
 def session_resume(rt, request, session_id):
@@ -119,13 +122,15 @@ def session_close(rt, request, session_id):
     session = idle(rt.residency.session(session_id, request.owner))
     snapshotted = session.slot is not None
     if snapshotted:
-        rt.snapshot(session)
+        yield from rt.stored(session)  # before its slot goes, as for an eviction
     rt.residency.forget(session)
     return {"session_id": session_id, "snapshotted": snapshotted}
 
 
 def session_delete(rt, request, session_id):
-    rt.residency.delete(idle(rt.residency.session(session_id, request.owner)))
+    write = rt.residency.delete(idle(rt.residency.session(session_id, request.owner)))
+    if rt.snapshot_ack == "written":
+        yield write
     return {"session_id": session_id}
 
 
@@ -141,7 +146,7 @@ def session_list(rt, request):
 def session_export(rt, request, session_id):
     session = rt.residency.session(session_id, request.owner)
     if session.slot is not None:
-        rt.snapshot(session)
+        yield from rt.stored(session)
     stored = rt.residency.stored_meta(session_id)  # a busy session is exported as of its last turn
     return {"session_id": session_id, "tokens": stored["tokens"] + len(stored["pending"]),
             "blob": rt.residency.export(session_id)}

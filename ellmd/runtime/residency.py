@@ -4,10 +4,16 @@ At most `slots` sessions are resident. A session that is needed and not resident
 slot, or the slot of the idle session the scheduler policy picks (snapshotted first); with every
 slot busy, SlotsBusy: the request waits. Sessions known to this daemon but not resident keep
 `tokens = None` until their KV loads back from the store.
+
+Writes run on the store's writer thread (writer.py): a snapshot copies the KV it needs here, on
+the engine thread, and returns its StoreWrite at once. What reads the store about a session (a
+resume, a lookup by id, a prefix read back) first waits for that session's pending writes, and an
+eviction waits for the victim's, so nobody sees a session as it was before a write it queued.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import hashlib
 import logging
@@ -16,7 +22,8 @@ import time
 from ellmd.errors import CapacityError
 from ellmd.runtime.errors import RuntimeError_, SlotsBusy, not_found
 from ellmd.runtime.session import Session, common_prefix
-from ellmd.runtime.store import Store, StoreError
+from ellmd.runtime.store import CHUNK_TOKENS, Store, StoreError
+from ellmd.runtime.writer import StoreWrite, StoreWriter
 
 log = logging.getLogger("ellmd.runtime")
 
@@ -24,9 +31,10 @@ log = logging.getLogger("ellmd.runtime")
 class Residency:
     """Sessions by id, the slot each resident one holds, and their snapshots in the store."""
 
-    def __init__(self, engine, store: Store, policy):
+    def __init__(self, engine, store: Store, policy, on_written=lambda write: None):
         self.engine = engine
         self.store = store
+        self.writer = StoreWriter(store, on_written)  # on_written(write): on the writer thread, once it has run
         self.policy = policy  # picks the idle session to evict (scheduler.Policy.victim)
         self.fingerprint = model_fingerprint(engine)
         self.sessions: dict[str, Session] = {}
@@ -39,6 +47,7 @@ class Residency:
         session stored with an owner is found only by that owner's requests, or by requests without one."""
         session = self.sessions.get(session_id)
         if session is None:
+            self.wait_for_writes(session_id)  # a session closed or deleted a moment ago
             meta = self.store.get_meta(session_id)
             if meta is None or not visible(meta.get("owner"), owner):
                 raise not_found(session_id)
@@ -53,7 +62,10 @@ class Residency:
 
     def known(self, session_id: str) -> bool:
         """Is there a session of that id, in memory or in the store?"""
-        return session_id in self.sessions or self.store.get_meta(session_id) is not None
+        if session_id in self.sessions:
+            return True
+        self.wait_for_writes(session_id)
+        return self.store.get_meta(session_id) is not None
 
     def check_fingerprint(self, meta: dict) -> None:
         check_fingerprint(self.fingerprint, meta)
@@ -76,6 +88,7 @@ class Residency:
         engine = self.engine
         engine.rewind(slot, 0)
         if session.tokens is None or session.stored_tokens:
+            self.wait_for_writes(session.session_id)  # a fork's copy, say
             began = time.perf_counter()
             try:
                 meta, tokens = self.store.load(session.session_id,
@@ -118,6 +131,7 @@ class Residency:
         if best.slot is not None:
             self.engine.copy_slot(best.slot, slot, shared)
             return shared
+        self.wait_for_writes(best.session_id)
         try:
             _, stored = self.store.load(best.session_id, lambda start, data: self.engine.import_kv(slot, start, data),
                                         bytes_per_token=self.engine.kv.bytes_per_token, stop=shared)
@@ -143,11 +157,22 @@ class Residency:
         victim = self.policy.victim([s for s in self.slots if not s.busy])
         if victim is None:
             raise SlotsBusy()
-        self.snapshot(victim)
+        self.evict(victim)
         slot = victim.slot
         self.release(victim)
         log.info("evicted session %s from slot %d", victim.session_id, slot)
         return slot
+
+    def evict(self, victim: Session) -> None:
+        """Have the victim whole on disk before its slot goes to another: wait for its pending writes
+        (these only), then write what they left unsaved and wait for that. A failure raises
+        StoreError and the victim keeps its slot."""
+        self.wait_for_writes(victim.session_id)  # a failed one leaves its part unsaved: written below
+        write = self.snapshot(victim)
+        if write is not None:
+            self.wait_for_writes(victim.session_id)
+            if write.error is not None:
+                raise write.error
 
     def free_slot_index(self) -> int | None:
         """A free slot without evicting anyone, or None."""
@@ -165,44 +190,96 @@ class Residency:
 
     # ---- the store -----------------------------------------------------------------------
 
-    def snapshot(self, session: Session, upto: int | None = None) -> dict:
-        """Write a session's changed chunks and metadata. upto: while the session is busy, the
-        length of its last whole turn (what a generation adds joins the next snapshot)."""
+    def snapshot(self, session: Session, upto: int | None = None) -> StoreWrite | None:
+        """Queue a write of a session's changed chunks and metadata; returns it (None: nothing to
+        write). upto: while the session is busy, the length of its last whole turn (what a
+        generation adds joins the next snapshot).
+
+        The KV of each chunk from the first that may have changed is copied here, so the writer never
+        reads the slot (which may be another session's by the time it runs). Once queued, the
+        session counts as stored: a write that fails puts that back (settle).
+        """
         tokens = session.tokens if upto is None or session.tokens is None else session.tokens[:upto]
         if tokens is None or (not session.dirty and session.stored_tokens == len(tokens) and upto is None):
-            return {"chunks_written": 0, "bytes_written": 0, "stored_tokens": session.stored_tokens}
-        meta = session.stored_meta()
+            return None
+        meta = copy.deepcopy(session.stored_meta())  # the session goes on changing meanwhile
         if upto is not None:  # during a generation, pending tokens are in the KV already
             meta["pending"] = []
-        slot = session.slot
+        tokens, stored, per_token = list(tokens), min(session.stored_tokens, len(tokens)), self.engine.kv.bytes_per_token
+        chunks = {}  # start -> KV of the chunk's tokens (each chunk laid out on its own, as the store keeps it)
+        if session.slot is not None:
+            for start in range(stored // CHUNK_TOKENS * CHUNK_TOKENS, len(tokens), CHUNK_TOKENS):
+                chunks[start] = self.engine.export_kv(session.slot, start, min(start + CHUNK_TOKENS, len(tokens)))
+        session_id, resident = session.session_id, session.slot is not None
 
-        def export(start, stop):
-            if slot is None:
-                raise CapacityError(f"session {session.session_id} is not resident")
-            return self.engine.export_kv(slot, start, stop)
+        def export(start, stop):  # on the writer thread
+            if start not in chunks:
+                raise CapacityError(f"session {session_id}'s KV for tokens [{start}, {stop}) was not copied for "
+                                    f"this snapshot" if resident else f"session {session_id} is not resident")
+            return chunks[start]
 
-        began = time.perf_counter()
-        result = self.store.snapshot(meta, tokens, export, session.stored_tokens, self.engine.kv.bytes_per_token)
-        self.policy.observe_swap("write", result["bytes_written"] // self.engine.kv.bytes_per_token,
-                                 time.perf_counter() - began)
-        session.stored_tokens = result["stored_tokens"]
+        write = StoreWrite("snapshot", session_id, lambda store: store.snapshot(meta, tokens, export, stored, per_token),
+                           stored_tokens=stored)
+        session.stored_tokens = len(tokens)
         session.dirty = upto is not None  # the busy turn is still to be written
-        return result
+        return self.writer.submit(write)
 
-    def delete(self, session: Session) -> None:
+    def settle(self, write: StoreWrite) -> None:
+        """Account for a write that has run, on the engine thread, once. A failed one is logged (and
+        reported to whoever waits for it), and its session counts as stored only as far as it did
+        before: its next snapshot writes the rest again."""
+        if write.settled:
+            return
+        write.settled = True
+        if write.error is None:
+            if write.kind == "snapshot":
+                self.policy.observe_swap("write", write.result["bytes_written"] // self.engine.kv.bytes_per_token,
+                                         write.seconds)
+            return
+        log.error("%s of session %s failed: %s", write.kind, write.session_id, write.error)
+        session = self.sessions.get(write.session_id)
+        if session is None:
+            return
+        if write.kind == "snapshot":
+            session.stored_tokens = min(session.stored_tokens, write.stored_tokens)
+            session.dirty = True
+        elif write.kind == "copy" and session.tokens is None:
+            self.forget(session)  # a fork whose copy failed does not exist
+
+    def wait_for_writes(self, session_id: str) -> list[StoreWrite]:
+        """Block until the writes queued for that session have run (settled here); returns them."""
+        writes = self.writer.wait(session_id)
+        for write in writes:
+            self.settle(write)
+        return writes
+
+    def pending_writes(self, session_id: str) -> list[StoreWrite]:
+        return self.writer.pending_of(session_id)
+
+    def delete(self, session: Session) -> StoreWrite:
+        """Forget a session and queue its removal from the store."""
         self.forget(session)
-        self.store.delete(session.session_id)
+        session_id = session.session_id
+        return self.writer.submit(StoreWrite("delete", session_id, lambda store: store.delete(session_id)))
 
-    def fork(self, source: Session, fork: Session) -> None:
-        """Store a copy of source (snapshotted before) under fork's id; fork loads it on use."""
-        self.store.copy(source.session_id, fork.session_id, fork.stored_meta())
+    def fork(self, source: Session, fork: Session) -> StoreWrite:
+        """Queue a copy of source as stored (snapshotted before) under fork's id; fork loads it on use."""
+        meta = copy.deepcopy(fork.stored_meta())
+        write = StoreWrite("copy", fork.session_id, lambda store: store.copy(source.session_id, fork.session_id, meta))
         fork.tokens, fork.stored_tokens, fork.dirty = None, source.stored_tokens, False
         self.sessions[fork.session_id] = fork
+        return self.writer.submit(write)
+
+    def close(self) -> None:
+        """Run every write queued, then end the writer thread (the engine thread settles them)."""
+        self.writer.close()
 
     def stored_meta(self, session_id: str) -> dict | None:
+        self.wait_for_writes(session_id)
         return self.store.get_meta(session_id)
 
     def export(self, session_id: str) -> bytes:
+        self.wait_for_writes(session_id)
         return self.store.export_blob(session_id)
 
     def import_blob(self, data: bytes, owner: str | None) -> dict:
@@ -212,6 +289,9 @@ class Residency:
 
     def list(self, owner: str | None) -> list[dict]:
         """Every session visible to `owner`: stored ones, then the newer state of those in memory."""
+        for session_id in self.writer.pending_ids():  # closed or deleted: read the store as they left it
+            if session_id not in self.sessions:
+                self.wait_for_writes(session_id)
         listed = {}
         for meta in self.store.list_meta():
             if visible(meta.get("owner"), owner):

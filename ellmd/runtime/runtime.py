@@ -8,6 +8,7 @@ touch arrays: they submit a request and wait on its future. The parts:
 
   ops.py          the op -> handler table (and which ops run aside of the loop), shared guards
   residency.py    sessions in slots, eviction, snapshots: the only code that talks to the store
+  writer.py       the store's writer thread: snapshots are written beside the engine thread
   turns.py        appends (fragments, prefill jobs) and putting a session back after a failure
   generations.py  the generation state machine, turn closing, tool calls
   scheduler.py    the policy: chunk budget, which prefill runs next, which idle session to evict
@@ -17,6 +18,13 @@ Arguments are validated at `submit` (schemas.py) before a request is queued, so 
 well-typed values. A request that fails is answered with its error and leaves its session as it
 found it; a generation that fails ends alone; the loop itself failing snapshots every session
 first (`run`).
+
+Snapshots: a turn's snapshot is copied out of the KV on this thread and written by the writer
+(writer.py), so no decode step waits on LMDB. When the writer is done, it puts the StoreWrite
+on the queue and the loop settles it. `snapshot_ack` is when a turn is acknowledged: "written"
+(the default) replies once its snapshot is on disk, the handler waiting as for a prefill (the
+loop goes on with the others; a failed write is the request's error, as it was); "queued" replies
+at once, a failed write then only logged and written again at the session's next snapshot.
 """
 
 from __future__ import annotations
@@ -36,8 +44,11 @@ from ellmd.runtime.generations import Generations, brief
 from ellmd.runtime.ops import OPS
 from ellmd.runtime.residency import Residency
 from ellmd.runtime.scheduler import Policy
-from ellmd.runtime.store import Store
+from ellmd.runtime.store import Store, StoreError
 from ellmd.runtime.turns import Prefill, Turns
+from ellmd.runtime.writer import StoreWrite
+
+SNAPSHOT_ACKS = ("written", "queued")
 
 log = logging.getLogger("ellmd.runtime")
 
@@ -71,25 +82,31 @@ class Runtime:
     """Sessions over an Engine and a Store, served by one engine thread."""
 
     def __init__(self, engine, store: Store, skills=None, rag=None, rag_k: int = 4,
-                 snapshot_every_turn: bool = True, context_role: str = "user", policy: Policy | None = None):
+                 snapshot_every_turn: bool = True, context_role: str = "user", policy: Policy | None = None,
+                 snapshot_ack: str = "written"):
+        if snapshot_ack not in SNAPSHOT_ACKS:
+            raise EllmError(f"snapshot_ack must be one of {', '.join(SNAPSHOT_ACKS)}, not {snapshot_ack!r}")
         self.engine = engine
         self.skills = skills  # SkillLibrary
         self.rag = rag  # RagLibrary
         self.rag_k = rag_k  # passages per query by default
         self.snapshot_every_turn = snapshot_every_turn
+        self.snapshot_ack = snapshot_ack
         self.policy = policy or Policy(engine.chunk_size)
         self.counters = {"prefilled": 0, "reused": 0, "shared": 0, "generated": 0}
-        self.residency = Residency(engine, store, self.policy)
+        self.queue: queue.Queue[Request | StoreWrite | None] = queue.Queue()  # StoreWrite: the writer is done with it
+        self.residency = Residency(engine, store, self.policy, on_written=self.queue.put)
         self.turns = Turns(engine, self.residency, self.counters, context_role, self.after_turn)
-        self.generations = Generations(engine, self.turns, self.counters, self.after_turn, reply)
+        self.generations = Generations(engine, self.turns, self.counters, self.snapshot_turn, self.reply_after)
         self.ops = dict(OPS)
         self.fingerprint = self.residency.fingerprint
         self.tool_format = self.generations.tool_format
         self.observers = self.generations.observers  # callables given the final usage of every generation
-        self.queue: queue.Queue[Request | None] = queue.Queue()
         self.waiting: list[Request] = []  # requests that need a slot while every slot is busy
         self.prefills: list[Prefill] = []  # prefills in progress, in arrival order (their sessions busy)
-        self.deferred: dict[str, list[Request]] = {}  # session id -> requests queued behind its prefill
+        self.deferred: dict[str, list[Request]] = {}  # session id -> requests queued behind its prefill or write
+        self.awaiting: dict[StoreWrite, list[tuple]] = {}  # write -> (request, handler, session marked busy) waiting for it
+        self.replies_after: dict[StoreWrite, list[tuple]] = {}  # write -> (request, result): generations' replies
         self.started = time.time()
         self._thread = threading.Thread(target=self.run, name="engine", daemon=True)
         self._aside = {kind: concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"aside-{kind}")
@@ -192,6 +209,9 @@ class Runtime:
                 request = False
             if request is None:
                 break
+            if isinstance(request, StoreWrite):
+                self._written(request)
+                continue
             if request:
                 self._handle(request)
                 continue  # drain the queue before the next step
@@ -216,11 +236,12 @@ class Runtime:
     def _handle(self, request: Request) -> None:
         """Run one validated request; any failure becomes its error reply, never the loop's.
 
-        A request naming a session that is prefilling waits for that prefill to end, so that
-        requests on one session run in their order (an append pipelined behind another is not busy).
+        A request naming a session that is prefilling, or whose op waits for one of its writes,
+        waits for that to end, so that requests on one session run in their order (an append
+        pipelined behind another is not busy).
         """
         session_id = request.args.get("session_id")
-        if session_id is not None and any(job.session.session_id == session_id for job in self.prefills):
+        if session_id is not None and self._blocked(session_id):
             self.deferred.setdefault(session_id, []).append(request)
             return
         try:
@@ -232,8 +253,13 @@ class Runtime:
         elif result is not None:  # generations resolve later
             reply(request, result)
 
+    def _blocked(self, session_id: str) -> bool:
+        return any(job.session.session_id == session_id for job in self.prefills) or \
+            any(write.session_id == session_id for write in self.awaiting)
+
     def _resume(self, request: Request, handler, step, value) -> None:
-        """Run a prefilling handler on to its next Prefill job (queued) or its end (replied)."""
+        """Run a handler on to its next job, a Prefill (queued) or a StoreWrite (waited for),
+        or its end (replied)."""
         try:
             job = step(value)
         except StopIteration as stop:
@@ -242,6 +268,8 @@ class Runtime:
             return
         except Exception as e:
             return self._failed(request, e)
+        if isinstance(job, StoreWrite):
+            return self._await(request, handler, job)
         job.handler = handler
         job.session.busy = True  # no other request changes it, nor evicts it, until the job ends
         self.prefills.append(job)
@@ -280,35 +308,111 @@ class Runtime:
             for request in self.deferred.pop(job.session.session_id, []):
                 self._handle(request)  # in order; each may wait again behind a new prefill
 
+    def _await(self, request: Request, handler, write: StoreWrite) -> None:
+        """Park a handler until the writer is done with `write` (_written resumes it). Its session
+        is busy meanwhile (not evicted; requests naming it wait), unless it was already."""
+        residency = self.residency
+        session = residency.sessions.get(write.session_id) or next(  # a session being opened is not listed yet
+            (s for s in residency.resident_sessions() if s.session_id == write.session_id), None)
+        marked = session if session is not None and not session.busy else None
+        if marked is not None:
+            marked.busy = True
+        self.awaiting.setdefault(write, []).append((request, handler, marked))
+
+    def _written(self, write: StoreWrite) -> None:
+        """The writer is done with a write: settle it, send the replies that waited for it, resume
+        the handlers that did (its error thrown in), then the requests deferred behind them."""
+        self.residency.settle(write)
+        for request, result in self.replies_after.pop(write, ()):
+            reply(request, result)
+        for request, handler, marked in self.awaiting.pop(write, ()):
+            if marked is not None:
+                marked.busy = False
+            if write.error is None:
+                self._resume(request, handler, handler.send, write.result)
+            else:
+                self._resume(request, handler, handler.throw, write.error)
+        if not self._closed and not self._blocked(write.session_id):
+            for request in self.deferred.pop(write.session_id, []):
+                self._handle(request)
+
+    def _drain(self) -> None:
+        """At shutdown: settle the writes the writer is done with; park queued requests in `waiting`."""
+        while True:
+            try:
+                item = self.queue.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(item, StoreWrite):
+                self._written(item)
+            elif item:
+                self.waiting.append(item)
+
     def _shutdown(self) -> None:
-        """Finish generations, snapshot every resident session (each on its own: one failure does
-        not stop the others) and answer every request still waiting."""
+        """Finish generations and the ops waiting for a write, snapshot every resident session
+        (each on its own: one failure does not stop the others), flush every write and answer
+        every request still waiting."""
         self._closed = True
         for deferred in self.deferred.values():
             self.waiting.extend(deferred)
         self.deferred = {}
-        for job in list(self.prefills):
-            self._end_prefill(job, error=cancelled("the daemon is shutting down"))
-        self.generations.end_all()
+        while True:  # an op resumed after its write may go on to a prefill: cancelled in turn
+            for job in list(self.prefills):
+                self._end_prefill(job, error=cancelled("the daemon is shutting down"))
+            self.generations.end_all()
+            if not self.awaiting:
+                break
+            self.residency.writer.flush()
+            self._drain()
         for session in self.residency.resident_sessions():
             try:
                 self.snapshot(session)
             except Exception:
                 log.exception("shutdown: snapshot of session %s failed", session.session_id)
-        while not self.queue.empty():
-            self.waiting.append(self.queue.get_nowait())
+        self.residency.writer.flush()
+        self._drain()  # a failed write is logged as it settles
+        self.residency.close()
         for request in self.waiting:
-            if request:
-                reply(request, error=cancelled("the daemon is shutting down"))
+            reply(request, error=cancelled("the daemon is shutting down"))
         self.waiting = []
 
     # ---- snapshots ----------------------------------------------------------------------------
 
-    def snapshot(self, session) -> dict:
-        """Write a session's changed chunks; a generating one as of its last whole turn."""
+    def snapshot(self, session) -> StoreWrite | None:
+        """Queue a write of a session's changed chunks; a generating one as of its last whole turn."""
         gen = self.generations.of(session)
         return self.residency.snapshot(session, upto=None if gen is None else gen.start)
 
-    def after_turn(self, session) -> None:
-        if self.snapshot_every_turn:
-            self.snapshot(session)
+    def snapshot_turn(self, session) -> StoreWrite | None:
+        """The snapshot policy: a finished turn's snapshot, queued (None: none is taken)."""
+        return self.snapshot(session) if self.snapshot_every_turn else None
+
+    def after_turn(self, session):
+        """In a handler (generator): snapshot a finished turn; with ack "written", wait until it is
+        on disk (the loop goes on meanwhile; a failed write raises here)."""
+        write = self.snapshot_turn(session)
+        if write is not None and self.snapshot_ack == "written":
+            yield write
+
+    def stored(self, session):
+        """In a handler (generator): wait until the store holds the session as it is now (its
+        pending writes, then a snapshot of what they left unsaved; that one's failure raises);
+        returns the snapshot's result."""
+        for write in self.residency.pending_writes(session.session_id):
+            try:
+                yield write
+            except StoreError:  # settled: what it left unsaved is in the snapshot below
+                pass
+        write = self.snapshot(session)
+        if write is None:
+            return {"chunks_written": 0, "bytes_written": 0, "stored_tokens": session.stored_tokens}
+        return (yield write)
+
+    def reply_after(self, request, result=None, error: Exception | None = None,
+                    write: StoreWrite | None = None) -> None:
+        """Reply now, or with ack "written" once `write` (the turn's snapshot) has run. A failed
+        write does not change the reply (the turn itself succeeded): it is logged as it settles."""
+        if write is not None and error is None and self.snapshot_ack == "written":
+            self.replies_after.setdefault(write, []).append((request, result))
+        else:
+            reply(request, result, error)

@@ -154,12 +154,14 @@ class Store:
         return {"chunks_written": last - first, "bytes_written": written, "stored_tokens": count}
 
     def _value(self, data) -> memoryview:
-        """checksum + data, in a buffer reused from chunk to chunk (LMDB copies it on put)."""
+        """checksum + data, in a buffer reused from chunk to chunk (LMDB copies it on put). The
+        copy is numpy's, which releases the GIL: the writer thread copies while the engine thread
+        runs its decode step's Python."""
         size = CHECKSUM_BYTES + len(data)
         if len(self._scratch) < size:
             self._scratch = bytearray(size)
         value = memoryview(self._scratch)[:size]
-        value[CHECKSUM_BYTES:] = data
+        np.frombuffer(value, np.uint8)[CHECKSUM_BYTES:] = np.frombuffer(data, np.uint8)
         value[:CHECKSUM_BYTES] = _checksum(data)
         return value
 

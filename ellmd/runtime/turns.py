@@ -52,7 +52,7 @@ class Turns:
         self.engine = engine
         self.residency = residency
         self.counters = counters
-        self.after_turn = after_turn  # after_turn(session): the snapshot policy
+        self.after_turn = after_turn  # after_turn(session): the snapshot policy (a generator: it may wait for the write)
         self.context_role = context_role  # the role of skill and document messages
 
     def role(self, role) -> str:
@@ -79,7 +79,7 @@ class Turns:
             if message is not None:
                 session.messages.append(message)
             session.add_turn(kind, start, role=role, name=name, messages=messages_before)
-            self.after_turn(session)
+            yield from self.after_turn(session)
         except SlotsBusy:
             raise
         except BaseException:  # a turn that reports an error has not been appended

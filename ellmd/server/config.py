@@ -46,6 +46,7 @@ class Settings:
     store: str | None = None
     store_map_size_gb: int = 1024
     snapshot_every_turn: bool = True
+    snapshot_ack: str = "written"
     http: str | None = None
     skills_dir: list[str] = dataclasses.field(default_factory=list)
     context_role: str = "user"

@@ -22,13 +22,15 @@ def run(settings: Settings, progress=None) -> int:
     """Load the model, open the store, serve until stopped; returns the exit code."""
     from ellmd.engine import Engine
     from ellmd.runtime.retrieval import RagLibrary
-    from ellmd.runtime.runtime import Runtime
+    from ellmd.runtime.runtime import SNAPSHOT_ACKS, Runtime
     from ellmd.runtime.skills import SkillLibrary
     from ellmd.runtime.store import Store
     from ellmd.server.limits import Limits
     from ellmd.server.unix import prepare_socket_dir, socket_in_use
 
     # Everything that can refuse to start does so before the model loads.
+    if settings.snapshot_ack not in SNAPSHOT_ACKS:
+        raise EllmError(f"snapshot_ack must be one of {', '.join(SNAPSHOT_ACKS)}, not {settings.snapshot_ack!r}")
     http_address, api_keys = None, settings.api_keys()
     if settings.http:
         from ellmd.server.http import check_exposure, listen_address
@@ -53,7 +55,8 @@ def run(settings: Settings, progress=None) -> int:
         skills = SkillLibrary(settings.skills_dir)
         rag = RagLibrary(settings.rag_path, default_retriever=settings.rag_retriever)
         runtime = Runtime(engine, store, skills=skills, rag=rag, rag_k=settings.rag_k,
-                          snapshot_every_turn=settings.snapshot_every_turn, context_role=settings.context_role)
+                          snapshot_every_turn=settings.snapshot_every_turn, context_role=settings.context_role,
+                          snapshot_ack=settings.snapshot_ack)
         servers = Servers(runtime, settings, http_address, limits, api_keys)
         servers.start()
         # The engine loop runs here, on the main thread, which loaded the model and warmed its
