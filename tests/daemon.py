@@ -30,7 +30,7 @@ class Daemon:
         env = {**os.environ, "XDG_CONFIG_HOME": str(self.store.parent / "config")}
         with open(self.log, "ab") as log:
             self.process = subprocess.Popen(self.args, stdout=log, stderr=log, env=env, cwd=ROOT)
-        deadline = time.monotonic() + 300
+        deadline = time.monotonic() + 600  # a cold start compiles the kernels: minutes beside another test worker
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 raise RuntimeError(f"daemon exited: {self.log.read_text()[-2000:]}")
@@ -41,7 +41,7 @@ class Daemon:
                 except Exception:
                     pass
             time.sleep(0.2)
-        raise RuntimeError("daemon did not start")
+        raise RuntimeError(f"daemon did not start in 600 s: {self.log.read_text()[-2000:]}")
 
     def client(self) -> Client:
         return Client(self.socket)
