@@ -1,7 +1,7 @@
 """The MoE block (ellmd.kernels.moe): fused and grouped paths against the numpy reference.
 
-moe_experts takes the fused path up to FUSED_MAX_TOKENS tokens and groups tokens by expert above;
-both read the same stored expert values as the reference, so tolerances are float32 arithmetic's,
+moe_experts takes the fused path up to FUSED_MAX_TOKENS tokens, and for any number of tokens on
+block experts; float experts beyond it are grouped by expert. Both read the same stored expert values as the reference, so tolerances are float32 arithmetic's,
 except on the integer paths (cpu.py), where block weights meet activations quantized per 32 values.
 """
 
@@ -118,12 +118,13 @@ BLOCK_CASES = [("Q4_K", "Q4_K", "Q6_K", 256, 512), ("Q8_0", "Q8_0", "Q8_0", 64, 
 
 
 def run_blocks(rng, n, gate_type, up_type, down_type, hidden, inter):
-    """(moe_block, moe_block_ref) outputs on random block stacks, then the input, routing and stacks."""
-    experts, top_k = 16, 4
+    """(moe_block, moe_block_ref) outputs on random block stacks, then the input, routing and stacks.
+    From 40 tokens (a prefill chunk), 5 experts: each has more rows than a slice of the fused path."""
+    experts, top_k = (16 if n < 40 else 5), 4
     gate_up, down = block_stacks(rng, gate_type, up_type, down_type, experts, hidden, inter)
     x = randn(rng, n, hidden)
     router = randn(rng, experts, hidden, scale=2.0 * hidden**-0.5)
-    scratch = moe.moe_scratch(32, top_k, experts, hidden, inter)
+    scratch = moe.moe_scratch(max(n, 32), top_k, experts, hidden, inter)
     outs = []
     for block in (moe.moe_block, moe.moe_block_ref):
         out = np.full((n, hidden), np.nan, np.float32)
@@ -134,7 +135,7 @@ def run_blocks(rng, n, gate_type, up_type, down_type, hidden, inter):
     return outs, (x, chosen, weights, gate_up, down)
 
 
-@pytest.mark.parametrize("n", [1, 3, 20])
+@pytest.mark.parametrize("n", [1, 3, 20, 40])
 @pytest.mark.parametrize("gate_type,up_type,down_type,hidden,inter", BLOCK_CASES)
 def test_moe_block_on_blocks_matches_dequantized_reference(rng, monkeypatch, n, gate_type, up_type, down_type, hidden,
                                                            inter):
@@ -154,14 +155,16 @@ def integer_reference(x, experts, weights, gate_up, down, dtype):
     """moe_experts_ref as the integer paths compute it (quant.rows_vnni_ref): each token's input and
     each (token, expert) silu output quantized per 32 values, times the blocks dequantized by gguf."""
     out = np.zeros(x.shape)
-    for i, (chosen, mix) in enumerate(zip(experts, weights)):
-        for e, weight in zip(chosen, mix):
-            parts = (gate_up[0][e], gate_up[1][e]) if isinstance(gate_up, tuple) else (gate_up[e],)
+    for e in np.unique(experts):
+        parts = (gate_up[0][e], gate_up[1][e]) if isinstance(gate_up, tuple) else (gate_up[e],)
+        w_parts = [to_f32(part, BF16).T.astype(np.float64) for part in parts]
+        w_down = quant.dequantize(down[e]).T.astype(np.float64)
+        for i, j in zip(*np.nonzero(experts == e)):
             xi = [quantized(x[i : i + 1], dtype) if quant.is_blocks(part) else x[i : i + 1] for part in parts]
-            gu = np.concatenate([a @ to_f32(part, BF16).T.astype(np.float64) for a, part in zip(xi, parts)], axis=1)
+            gu = np.concatenate([a @ w for a, w in zip(xi, w_parts)], axis=1)
             act = np.empty((1, gu.shape[1] // 2), np.float32)
             silu_mul_ref(gu.astype(np.float32), act)
-            out[i] += weight * (quantized(act, dtype) @ quant.dequantize(down[e]).T.astype(np.float64))[0]
+            out[i] += weights[i, j] * (quantized(act, dtype) @ w_down)[0]
     return out.astype(np.float32)
 
 
@@ -170,13 +173,14 @@ def integer_reference(x, experts, weights, gate_up, down, dtype):
 INTEGER = {"int16": (np.int16, 3e-4, 3e-4), "vnni": (np.int8, 1e-3, 0.02)}
 
 
-@pytest.mark.parametrize("n", [1, 3, 16, 20])
+@pytest.mark.parametrize("n", [1, 3, 16, 20, 40])
 @pytest.mark.parametrize("kernels", ["int16", "vnni"])
 @pytest.mark.parametrize("gate_type,up_type,down_type,hidden,inter", BLOCK_CASES)
 def test_moe_block_on_integer_paths_matches_quantized_reference(rng, use_kernels, kernels, n, gate_type, up_type,
                                                                 down_type, hidden, inter):
-    """The fused path (n <= 16) and the grouped one (n = 20) run the experts' blocks on the integer
-    kernels: the activations quantized once per token for gate and up, once per pair for down."""
+    """The fused path (block experts: any n; beside a bf16 stack: n <= 16) and the grouped one run
+    the experts' blocks on the integer kernels: the activations quantized per pair for gate and up
+    (alike for the pairs of a token), and per pair for down."""
     use_kernels(kernels)
     dtype, tolerance, float_tolerance = INTEGER[kernels]
     (got, want_float), (x, chosen, weights, gate_up, down) = run_blocks(rng, n, gate_type, up_type, down_type,
@@ -188,3 +192,22 @@ def test_moe_block_on_integer_paths_matches_quantized_reference(rng, use_kernels
     assert error < float_tolerance
     if kernels in cpu.ENABLED:  # the codes' rounding shows: the float32 kernels come within ~5e-7
         assert error > 5e-6
+
+
+def test_a_prefill_chunk_on_block_experts_is_one_call(rng, monkeypatch):
+    """Many tokens on block experts take the fused path (each expert's weights read once for all its
+    tokens), never a matmul per expert; float experts beyond FUSED_MAX_TOKENS take the grouped path."""
+    n, experts, top_k, hidden, inter = 40, 5, 4, 64, 96
+    x = randn(rng, n, hidden)
+    router = randn(rng, experts, hidden, scale=2.0 * hidden**-0.5)
+    scratch = moe.moe_scratch(n, top_k, experts, hidden, inter)
+    logits, weights = np.empty((n, experts), np.float32), np.empty((n, top_k), np.float32)
+    chosen, out = np.empty((n, top_k), np.int64), np.empty((n, hidden), np.float32)
+    matmuls = []
+    monkeypatch.setattr(moe, "matmul", lambda *args: matmuls.append(args[1].shape))
+    gate_up, down = block_stacks(rng, "Q8_0", "Q8_0", "Q8_0", experts, hidden, inter)  # types of BLOCK_CASES
+    moe.moe_block(x, router, top_k, True, gate_up, down, BF16, out, logits, weights, chosen, scratch)
+    assert matmuls == []
+    gate_up, down = expert_stacks(rng, BF16, experts, hidden, inter)
+    moe.moe_block(x, router, top_k, True, gate_up, down, BF16, out, logits, weights, chosen, scratch)
+    assert len(matmuls) == 1 + 2 * experts  # the router, then gate_up and down of every expert (each has tokens)

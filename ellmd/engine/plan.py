@@ -16,8 +16,8 @@ I intermediate, V vocab, E experts, k experts per token):
   xd, xs          [B*K/32], [B*K/16]  their scales (per 32) and code sums (per 16)
                                              (K the widest matmul input)
   router_logits   [C, E]; expert_weights, expert_ids [C, k]; moe_out [C, h]
-  moe_scratch     kernels.moe.MoeScratch: the experts' gathered rows, and the fused decode's own
-                  per-worker accumulators and quantized activations (tokens, pairs, silu outputs)
+  moe_scratch     kernels.moe.MoeScratch: the C*k (token, expert) pairs' gathered rows and quantized
+                  activations (inputs, silu outputs), and the fused path's per-worker accumulators
 
 Decode (up to Plan.fused_max_rows rows) runs through kernels.layer: the layers in a few compiled
 calls, one per run of consecutive layers whose weights have the same types (one run for a

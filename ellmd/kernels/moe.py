@@ -10,16 +10,19 @@ Shape legend:
 
 Two paths, both reading each routed expert's weights once per call whatever its number of tokens:
 
-- few tokens (decode, short appends; n <= FUSED_MAX_TOKENS): moe_block runs the router, the top-k,
-  and every routed expert's gate_up, silu, down and weighted sum in one compiled call. Each of W
-  workers owns a run of weight rows across all routed experts (gate_up: a run of intermediate
-  columns, with its silu; down: a run of hidden columns of the output), so workers write disjoint
-  outputs and need no reduction, and a decode step costs one Python-to-numba transition per layer
-  instead of a few per expert. On the integer paths (cpu.py) block weights meet activations
-  quantized once: each token's input once for gate and up, each (token, expert) pair's silu
-  output once for down, as dense layers do (kernels.layer). Every work array is the scratch's.
-- many tokens (prefill): experts run one at a time over the tokens routed to them (gathered into
-  contiguous rows), through the same matmul as dense layers (packed panels for many rows).
+- fused (few tokens, n <= FUSED_MAX_TOKENS; any number of tokens when the experts are in GGUF
+  blocks): moe_block runs the router, the top-k, and every routed expert's gate_up, silu, down and
+  weighted sum in one compiled call. Each of W workers owns a run of weight rows across all
+  routed experts (gate_up: a run of intermediate columns, with its silu; down: a run of hidden
+  columns of the output), so workers write disjoint outputs and need no reduction, and a layer
+  costs one Python-to-numba transition instead of a few per expert. A worker takes ROW_BLOCK
+  weight rows at a time over all of the expert's tokens, FUSED_MAX_TOKENS at a time, so a prefill
+  chunk reads an expert's weights once from memory (a GEMM over its tokens). On the integer paths
+  (cpu.py) block weights meet activations quantized once: each pair's input for gate and up, each
+  pair's silu output for down, as dense layers do (kernels.layer). Every work array is the scratch's.
+- grouped (many tokens on float experts): experts run one at a time over the tokens routed to
+  them (gathered into contiguous rows), through the same matmul as dense layers (packed panels,
+  or AMX on the "bf16" path, for many rows).
 
 (token, slot) pairs are grouped by expert in both, so one expert's inputs are contiguous rows.
 """
@@ -36,7 +39,7 @@ from ellmd.kernels.activations import exp_f32, silu_mul, silu_mul_ref
 from ellmd.kernels.formats import F32, kernel_view, to_f32
 from ellmd.kernels.matmul import ROW_BLOCK, linear_rows, matmul, matmul_ref, path_rows, prefill_scratch_size
 
-FUSED_MAX_TOKENS = 16  # up to this many tokens moe_block takes the fused path (decode batches)
+FUSED_MAX_TOKENS = 16  # up to this many tokens float experts take the fused path (decode batches); its row slice
 
 
 @numba.njit(cache=True, nogil=True, fastmath=True)
@@ -95,40 +98,42 @@ class MoeScratch(NamedTuple):
     order: np.ndarray  # [n*k] int64: (token, slot) pairs grouped by expert, pair = token * k + slot
     offsets: np.ndarray  # [E + 1] int64: expert e owns order[offsets[e]:offsets[e + 1]]
     active: np.ndarray  # [E] int64: experts with tokens, first `count` entries
-    # rows: max(n, k * min(n, FUSED_MAX_TOKENS)); the grouped path uses one expert's rows,
-    # the fused path all pairs at once, in `order`
+    # rows: n*k, every pair (the fused path, in `order`); the grouped path uses one expert's rows
     xs: np.ndarray  # [rows, h] float32: gathered inputs
-    gate_up: np.ndarray  # [rows, 2*I] float32
+    gate_up: np.ndarray  # [n, 2*I] float32: one expert's rows on the grouped path
     act: np.ndarray  # [rows, I] float32
-    ys: np.ndarray  # [rows, h] float32: expert outputs before weighting
+    ys: np.ndarray  # [n, h] float32: the grouped path's expert outputs before weighting
     matmul: np.ndarray  # 1-D float32: matmul's prefill scratch
-    # the fused path's own (T = min(max_tokens, FUSED_MAX_TOKENS) tokens, F = k * T pairs):
-    acc: np.ndarray  # [W, quant.acc_floats(T)] float32: each worker's block-row accumulator
-    # activations quantized for the integer paths, three areas one after the other: the tokens'
-    # inputs [T, h], the same gathered by pair [F, h], the pairs' silu outputs [F, I] (see _area)
-    codes8: np.ndarray  # [T*h + F*h + F*I] int8 codes ("vnni")
-    codes16: np.ndarray  # [T*h + F*h + F*I] int16 codes ("int16")
-    scales: np.ndarray  # [(T*h + F*h + F*I) / 32] float32: one per 32 values
-    sums: np.ndarray  # [(T*h + F*h + F*I) / 16] int32: code sums per 16 values
+    # the fused path's own, per worker (S = min(max_tokens, FUSED_MAX_TOKENS) rows a slice):
+    acc: np.ndarray  # [W, quant.acc_floats(S)] float32: block-row accumulator
+    tiles: np.ndarray  # [W, S, 3*ROW_BLOCK] float32: gate, up and down outputs of a slice and row block
+    # activations quantized for the integer paths, two areas one after the other: the pairs'
+    # inputs [rows, h], their silu outputs [rows, I] (see _area)
+    codes8: np.ndarray  # [rows*(h + I)] int8 codes ("vnni")
+    codes16: np.ndarray  # [rows*(h + I)] int16 codes ("int16")
+    scales: np.ndarray  # [rows*(h + I) / 32] float32: one per 32 values
+    sums: np.ndarray  # [rows*(h + I) / 16] int32: code sums per 16 values
 
 
 def moe_scratch(max_tokens, top_k, num_experts, hidden, inter):
     """Allocate the scratch of moe_experts and moe_block for up to max_tokens tokens."""
-    fused = min(max_tokens, FUSED_MAX_TOKENS)
-    rows = max(max_tokens, top_k * fused)
-    codes = fused * hidden + top_k * fused * (hidden + inter)
+    rows = max_tokens * top_k
+    piece = min(max_tokens, FUSED_MAX_TOKENS)
+    workers = numba.get_num_threads()
+    codes = rows * (hidden + inter)
     return MoeScratch(
-        order=np.zeros(max_tokens * top_k, np.int64),
+        order=np.zeros(rows, np.int64),
         offsets=np.zeros(num_experts + 1, np.int64),
         active=np.zeros(num_experts, np.int64),
         xs=np.zeros((rows, hidden), np.float32),
-        gate_up=np.zeros((rows, 2 * inter), np.float32),
+        gate_up=np.zeros((max_tokens, 2 * inter), np.float32),
         act=np.zeros((rows, inter), np.float32),
-        ys=np.zeros((rows, hidden), np.float32),
+        ys=np.zeros((max_tokens, hidden), np.float32),
         matmul=np.zeros(
             max(prefill_scratch_size(2 * inter, hidden), prefill_scratch_size(hidden, inter)), np.float32
         ),
-        acc=np.zeros((numba.get_num_threads(), quant.acc_floats(fused)), np.float32),
+        acc=np.zeros((workers, quant.acc_floats(piece)), np.float32),
+        tiles=np.zeros((workers, piece, 3 * ROW_BLOCK), np.float32),
         codes8=np.zeros(codes, np.int8),
         codes16=np.zeros(codes, np.int16),
         scales=np.zeros(codes // 32 + 1, np.float32),
@@ -140,12 +145,12 @@ def fused_work(scratch) -> tuple:
     """(work, integer): the scratch arrays the fused kernels take, on the kernel path cpu.ENABLED
     names at this call (int8 codes on "vnni", int16 on "int16"), and whether an integer path is on.
 
-    work: (order, offsets, active, xs, gate_up, act, ys, acc of W workers, codes, scales, sums).
+    work: (order, offsets, active, xs, act, acc and tiles of W workers, codes, scales, sums).
     """
     s = scratch
     codes = s.codes8 if "vnni" in cpu.ENABLED else s.codes16
     workers = max(1, min(numba.get_num_threads(), len(s.acc)))
-    work = (s.order, s.offsets, s.active, s.xs, s.gate_up, s.act, s.ys, s.acc[:workers], codes, s.scales, s.sums)
+    work = (s.order, s.offsets, s.active, s.xs, s.act, s.acc[:workers], s.tiles[:workers], codes, s.scales, s.sums)
     return work, bool(cpu.INTEGER & cpu.ENABLED)
 
 
@@ -222,93 +227,105 @@ def _area(codes, scales, sums, start, rows, k):
 
 
 @numba.njit(cache=True, nogil=True, fastmath=True)
-def _gate_up_block(xs, q, stacks, offsets, active, count, act, gu, c0, c1, acc, integer):
+def _gate_up_block(xs, q, stacks, offsets, active, count, act, c0, c1, acc, tile, integer):
     """act[:, c0:c1] = silu(gate) * up of intermediate columns c0:c1, for every routed expert.
 
-    gate rows c0:c1 and up rows up0 + c0:up0 + c1 of each expert; gu [rows, 2*I] holds them;
-    xs [rows, h] the gathered inputs, q the same quantized (read on the integer path only).
+    gate rows c0:c1 and up rows up0 + c0:up0 + c1 of each expert, ROW_BLOCK rows at a time over
+    all the expert's rows (FUSED_MAX_TOKENS at a time: the rows of tile); xs [rows, h] the gathered
+    inputs, q the same quantized (read on the integer path only).
     """
     gate, up, up0, _ = stacks
-    inter = act.shape[1]
     for t in range(count):
         e = active[t]
-        r0, r1 = offsets[e], offsets[e + 1]
-        x_e, q_e, gu_e = xs[r0:r1], (q[0][r0:r1], q[1][r0:r1], q[2][r0:r1]), gu[r0:r1]
-        path_rows(x_e, q_e, gate[e], gu_e, c0, c1, acc, integer)
-        path_rows(x_e, q_e, up[e], gu_e[:, inter - up0 :], up0 + c0, up0 + c1, acc, integer)
-        for r in range(r0, r1):
-            for c in range(c0, c1):
-                g = gu[r, c]
-                act[r, c] = g / (np.float32(1.0) + exp_f32(-g)) * gu[r, inter + c]
+        gate_e, up_e = gate[e], up[e]
+        for j0 in range(c0, c1, ROW_BLOCK):
+            j1 = min(c1, j0 + ROW_BLOCK)
+            g_rows, u_rows = gate_e[j0:j1], up_e[up0 + j0 : up0 + j1]
+            for r0 in range(offsets[e], offsets[e + 1], tile.shape[0]):
+                r1 = min(offsets[e + 1], r0 + tile.shape[0])
+                x_r, q_r = xs[r0:r1], (q[0][r0:r1], q[1][r0:r1], q[2][r0:r1])
+                g, u = tile[: r1 - r0, :ROW_BLOCK], tile[: r1 - r0, ROW_BLOCK : 2 * ROW_BLOCK]
+                path_rows(x_r, q_r, g_rows, g, 0, j1 - j0, acc, integer)
+                path_rows(x_r, q_r, u_rows, u, 0, j1 - j0, acc, integer)
+                for r in range(r1 - r0):
+                    dst = act[r0 + r]
+                    for c in range(j1 - j0):
+                        dst[j0 + c] = g[r, c] / (np.float32(1.0) + exp_f32(-g[r, c])) * u[r, c]
 
 
 @numba.njit(cache=True, nogil=True, fastmath=True)
-def _down_block(act, q, down, order, offsets, active, count, weights, ys, out, c0, c1, acc, integer):
-    """out[:, c0:c1] = sum over routed experts of weight * down rows c0:c1 (overwrites out's columns);
-    q: act quantized (read on the integer path only)."""
+def _down_block(act, q, down, order, offsets, active, count, weights, out, c0, c1, acc, tile, integer):
+    """out[:, c0:c1] = sum over routed experts of weight * down rows c0:c1 (overwrites out's columns),
+    blocked as _gate_up_block; q: act quantized (read on the integer path only)."""
     k = weights.shape[1]
     for i in range(out.shape[0]):
         for c in range(c0, c1):
             out[i, c] = np.float32(0.0)
     for t in range(count):
         e = active[t]
-        r0, r1 = offsets[e], offsets[e + 1]
-        path_rows(act[r0:r1], (q[0][r0:r1], q[1][r0:r1], q[2][r0:r1]), down[e], ys[r0:r1], c0, c1, acc, integer)
-        for r in range(r0, r1):
-            pair = order[r]
-            w = weights[pair // k, pair % k]
-            dst, src = out[pair // k], ys[r]
-            for c in range(c0, c1):
-                dst[c] += w * src[c]
+        down_e = down[e]
+        for j0 in range(c0, c1, ROW_BLOCK):
+            j1 = min(c1, j0 + ROW_BLOCK)
+            rows = down_e[j0:j1]
+            for r0 in range(offsets[e], offsets[e + 1], tile.shape[0]):
+                r1 = min(offsets[e + 1], r0 + tile.shape[0])
+                y = tile[: r1 - r0, 2 * ROW_BLOCK :]
+                path_rows(act[r0:r1], (q[0][r0:r1], q[1][r0:r1], q[2][r0:r1]), rows, y, 0, j1 - j0, acc, integer)
+                for r in range(r1 - r0):
+                    pair = order[r0 + r]
+                    w = weights[pair // k, pair % k]
+                    dst = out[pair // k]
+                    for c in range(j1 - j0):
+                        dst[j0 + c] += w * y[r, c]
 
 
 @numba.njit(cache=True, nogil=True, fastmath=True)
-def _gather_inputs(x, pairs, k, xs, codes, scales, sums, quantized, floats):
-    """The gate/up inputs of every pair: when quantized, each token quantized once and its codes
-    gathered by pair (the integer path); when floats, xs (the float path). Returns the pairs'
-    quantized area."""
-    n, hidden = x.shape
-    rows = pairs.shape[0]
-    q = _area(codes, scales, sums, n * hidden, rows, hidden)
-    if quantized:
-        tokens = _area(codes, scales, sums, 0, n, hidden)
-        quant.quantize_activations(x, tokens[0], tokens[1], tokens[2])
-        _gather(tokens[0], pairs, k, q[0])
-        _gather(tokens[1], pairs, k, q[1])
-        _gather(tokens[2], pairs, k, q[2])
-    if floats:
-        _gather(x, pairs, k, xs)
-    return q
+def _pair_inputs(x, pairs, k, xs, q, quantized, floats):
+    """The gate/up inputs of a run of pairs: when quantized, each pair's input row quantized into
+    q (the integer path; a row is quantized alike for every pair of its token); when floats, xs."""
+    for r in range(pairs.shape[0]):
+        i = pairs[r] // k
+        if quantized:
+            quant.quantize_activations(x[i : i + 1], q[0][r : r + 1], q[1][r : r + 1], q[2][r : r + 1])
+        if floats:
+            src, dst = x[i], xs[r]
+            for c in range(dst.shape[0]):
+                dst[c] = src[c]
 
 
 @numba.njit(cache=True, nogil=True, fastmath=True, parallel=True)
 def _experts_fused(x, experts, weights, stacks, out, work, integer):
-    """Every routed expert's MLP for all tokens in two parallel loops over W workers; see moe_experts.
+    """Every routed expert's MLP for all tokens in parallel loops over W workers; see moe_experts.
 
     stacks: (gate, up, up0, down), up's rows starting at up0; work and integer: of fused_work.
     """
-    order, offsets, active, xs, gu, act, ys, acc, codes, scales, sums = work
+    order, offsets, active, xs, act, acc, tiles, codes, scales, sums = work
     n, k = experts.shape
     rows, (hidden, inter) = n * k, (x.shape[1], act.shape[1])
-    xs, gu, act, ys = xs[:rows], gu[:rows], act[:rows], ys[:rows]
+    xs, act = xs[:rows], act[:rows]
     gate, up, _, down = stacks
     count = _group(experts, order, offsets, active)
     # gate and up share their inputs: quantized if either takes them so, as floats if either does
     quantized = integer and (_on_integer(gate) or _on_integer(up))
     floats = not (integer and _on_integer(gate) and _on_integer(up))
-    q = _gather_inputs(x, order[:rows], k, xs, codes, scales, sums, quantized, floats)
+    q = _area(codes, scales, sums, 0, rows, hidden)
+    qa = _area(codes, scales, sums, rows * hidden, rows, inter)
     workers = acc.shape[0]
+    for wk in prange(workers):
+        r0, r1 = wk * rows // workers, (wk + 1) * rows // workers
+        _pair_inputs(x, order[r0:r1], k, xs[r0:r1], (q[0][r0:r1], q[1][r0:r1], q[2][r0:r1]), quantized, floats)
     blocks = (inter + ROW_BLOCK - 1) // ROW_BLOCK
     for wk in prange(workers):
         c0, c1 = wk * blocks // workers * ROW_BLOCK, min(inter, (wk + 1) * blocks // workers * ROW_BLOCK)
-        _gate_up_block(xs, q, stacks, offsets, active, count, act, gu, c0, c1, acc[wk], integer)
-    qa = _area(codes, scales, sums, (n + rows) * hidden, rows, inter)
+        _gate_up_block(xs, q, stacks, offsets, active, count, act, c0, c1, acc[wk], tiles[wk], integer)
     if integer and _on_integer(down):
-        quant.quantize_activations(act, qa[0], qa[1], qa[2])
+        for wk in prange(workers):
+            r0, r1 = wk * rows // workers, (wk + 1) * rows // workers
+            quant.quantize_activations(act[r0:r1], qa[0][r0:r1], qa[1][r0:r1], qa[2][r0:r1])
     blocks = (hidden + ROW_BLOCK - 1) // ROW_BLOCK
     for wk in prange(workers):
         c0, c1 = wk * blocks // workers * ROW_BLOCK, min(hidden, (wk + 1) * blocks // workers * ROW_BLOCK)
-        _down_block(act, qa, down, order, offsets, active, count, weights, ys, out, c0, c1, acc[wk], integer)
+        _down_block(act, qa, down, order, offsets, active, count, weights, out, c0, c1, acc[wk], tiles[wk], integer)
 
 
 @numba.njit(cache=True, nogil=True, fastmath=True, parallel=True)
@@ -323,10 +340,12 @@ def _block_fused(x, router, top_k, normalize, stacks, out, logits, weights, expe
 
 def _fused_stacks(gate_up, down, fmt, n, top_k, scratch):
     """(gate, up, up0, down) in kernel views for the fused kernels, or None when n tokens take the
-    grouped path."""
-    if n > min(FUSED_MAX_TOKENS, len(scratch.order) // top_k):  # the scratch's fused capacity
-        return None
+    grouped path: float experts beyond FUSED_MAX_TOKENS tokens (whose many rows an expert's packed
+    GEMM serves better)."""
     gate, up = gate_up if isinstance(gate_up, tuple) else (gate_up, gate_up)
+    capacity = len(scratch.order) // top_k
+    if n > (capacity if all(quant.is_blocks(w) for w in (gate, up, down)) else min(capacity, FUSED_MAX_TOKENS)):
+        return None
     up0 = 0 if isinstance(gate_up, tuple) else scratch.act.shape[1]
     return kernel_view(gate, fmt), kernel_view(up, fmt), up0, kernel_view(down, fmt)
 
@@ -370,7 +389,8 @@ def moe_block(x, router, top_k, normalize, gate_up, down, fmt, out, logits, weig
 
     x: [n, h] float32; router: [E, h] float32; gate_up, down, out, scratch as in moe_experts;
     logits: [n, E], weights: [n, k] float32 and experts: [n, k] int64 receive the routing.
-    Up to FUSED_MAX_TOKENS tokens this is one compiled call; allocates nothing.
+    One compiled call on block experts, and on float experts up to FUSED_MAX_TOKENS tokens;
+    allocates nothing.
     """
     stacks = _fused_stacks(gate_up, down, fmt, x.shape[0], top_k, scratch)
     if stacks is not None:
@@ -389,15 +409,15 @@ def moe_block_ref(x, router, top_k, normalize, gate_up, down, fmt, out, logits, 
 
 
 def moe_experts_ref(x, experts, weights, gate_up, down, fmt, out, scratch):
-    """numpy reference of moe_experts: token by token, expert by expert (blocks dequantized by gguf)."""
+    """numpy reference of moe_experts: expert by expert (blocks dequantized by gguf), token by token."""
     n, k = experts.shape
     out[:] = 0.0
-    for i in range(n):
-        for j in range(k):
-            e = experts[i, j]
-            parts = _expert(gate_up, e) if isinstance(gate_up, tuple) else (gate_up[e],)
-            w_gu = np.concatenate([to_f32(part, fmt) for part in parts])  # [2*I, h]
+    for e in np.unique(experts):
+        parts = _expert(gate_up, e) if isinstance(gate_up, tuple) else (gate_up[e],)
+        w_gu = np.concatenate([to_f32(part, fmt) for part in parts]).astype(np.float64)  # [2*I, h]
+        w_down = to_f32(down[e], fmt).astype(np.float64)  # [h, I]
+        for i, j in zip(*np.nonzero(experts == e)):
             gu = (x[i : i + 1].astype(np.float64) @ w_gu.T).astype(np.float32)
             act = np.empty((1, w_gu.shape[0] // 2), np.float32)
             silu_mul_ref(gu, act)
-            out[i] += weights[i, j] * (act.astype(np.float64) @ to_f32(down[e], fmt).T)[0].astype(np.float32)
+            out[i] += weights[i, j] * (act.astype(np.float64) @ w_down.T)[0].astype(np.float32)
