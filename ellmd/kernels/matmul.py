@@ -9,7 +9,7 @@ Shape legend:
 Decode (small n) is memory-bound: `linear` streams each weight row once for all n inputs,
 converting bf16/f16 in registers, two rows x four inputs per pass so that the vector FMAs are
 not starved by loads; inputs left over from the fours (all of them at n = 1) go through
-_stream_rows, four rows side by side with software prefetches one pass ahead. Prefill (large n) is compute-bound: `linear_prefill` packs panels of
+_stream_rows, four rows side by side with software prefetches a few passes ahead. Prefill (large n) is compute-bound: `linear_prefill` packs panels of
 PANEL weight rows to float32 (transposed) and runs the SIMD micro-kernel of tile.py over
 blocks of inputs; on the "bf16" path (cpu.py), where the CPU has AMX, bf16 weights go to the
 AMX GEMM of bf16.py instead (activations split into two bf16 halves). `matmul` picks one by n.
@@ -79,6 +79,7 @@ def _dot_pair(x, w0, w1, out, j, j2):
 
 STREAM_ROWS = 4  # weight rows one pass of _stream_rows reads side by side
 STREAM_CHUNK = 32  # values of a row per step: 64 bytes of bf16, one cache line
+STREAM_AHEAD = 2  # passes ahead that _stream_rows prefetches (1 and 4 measured 5-15% slower on Zen 3)
 
 
 def _convert(builder, v, dtype):
@@ -116,7 +117,7 @@ def _stream_rows_codegen(context, builder, signature, args):
     xrow = builder.gep(x_a.data, [builder.mul(i, k)])
     wbytes = builder.bitcast(w_a.data, i8p)
     chunks = builder.udiv(k, c(STREAM_CHUNK))
-    ahead = builder.mul(w_stride, c(STREAM_ROWS))  # the same place in the next pass's rows
+    ahead = builder.mul(w_stride, c(STREAM_ROWS * STREAM_AHEAD))  # the same place STREAM_AHEAD passes on
     accs = [[cgutils.alloca_once(builder, f8) for _ in range(2)] for _ in range(STREAM_ROWS)]
     tails = [cgutils.alloca_once(builder, f32) for _ in range(STREAM_ROWS)]
     count = builder.udiv(builder.add(builder.sub(j1, j0), c(STREAM_ROWS - 1)), c(STREAM_ROWS))
@@ -171,7 +172,8 @@ def _stream_rows_codegen(context, builder, signature, args):
 def _stream_rows(typingctx, x, w, out, i, j0, j1):
     """out[i, j0:j1] = x[i] @ w[j0:j1].T for float storage w [m, k] (C-contiguous; float32, uint16
     bf16 or int16 f16) and x [n, k] float32 C-contiguous: STREAM_ROWS rows side by side, in steps of
-    one cache line of each, with eight vector accumulators, each line asked for one pass ahead: on
+    one cache line of each, with eight vector accumulators, each line asked for STREAM_AHEAD passes
+    ahead: on
     Zen 3 the hardware prefetcher alone left 1-row bf16 decode at 5-8 GB/s (k = 576 to 6144) of
     the ~20 a core reads from L2; this reaches 7.5-13 (fixed distances of 1-64 KiB measured no
     better)."""
