@@ -54,6 +54,7 @@ def decode_gaps(runtime, session: str, max_tokens: int, during=None) -> tuple[li
         window["start"] = time.perf_counter()
         window["result"] = during()
         window["stop"] = time.perf_counter()
+        time.sleep(0.05)  # a token or two after it: the gap spanning its end
         request.cancelled.set()
     request.future.result()
     times = np.asarray(stamps)

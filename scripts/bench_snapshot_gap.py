@@ -31,43 +31,8 @@ from pathlib import Path
 import numpy as np
 
 
-def call(runtime, op, **args):
-    return runtime.submit(op, args).future.result()
-
-
-def gaps_ms(stamps, start: float | None = None, stop: float | None = None) -> list[float]:
-    """Gaps between arrivals, in ms; with a window, those of the tokens inside it plus the last
-    before and the first after it (the gaps spanning its edges are the snapshot's too)."""
-    times = np.asarray(stamps)
-    if start is not None:
-        inside = times[(times > start) & (times <= stop)]
-        times = np.concatenate([times[times <= start][-1:], inside, times[times > stop][:1]])
-    return list(np.diff(times) * 1000)
-
-
-def decode(runtime, session: str, max_tokens: int, during=None) -> tuple[list[float], dict]:
-    """Generate in `session`; with `during` (run after the fifth token), the gaps while it runs."""
-    stamps, fifth, window = [], threading.Event(), {}
-
-    def emit(event, data):
-        if event == "token":
-            stamps.append(time.perf_counter())
-            if len(stamps) == 5:
-                fifth.set()
-
-    request = runtime.submit("session.generate", {"session_id": session, "max_tokens": max_tokens,
-                                                  "ignore_eos": True, "temperature": 0}, emit)
-    if during is None:
-        request.future.result()
-        return gaps_ms(stamps)[5:], window  # after the first tokens' warm-up
-    fifth.wait()
-    window["start"] = time.perf_counter()
-    during()
-    window["stop"] = time.perf_counter()
-    time.sleep(0.05)  # a token or two after it
-    request.cancelled.set()
-    request.future.result()
-    return gaps_ms(stamps, window["start"], window["stop"]), window
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_interleave import call, decode_gaps  # noqa: E402  (the same measurement of a decoding session)
 
 
 def main() -> None:
@@ -129,7 +94,8 @@ def main() -> None:
                 call(runtime, "session.append", session_id=a, tokens=tokens[:64])
                 b = call(runtime, "session.open", title="snapshotted")["session_id"]
                 call(runtime, "session.append", session_id=b, tokens=tokens[:1])  # a slot of its own
-                alone, _ = decode(runtime, a, 200)
+                gaps, _ = decode_gaps(runtime, a, 200)
+                alone = [g * 1000 for g in gaps[5:]]  # ms, after the first tokens' warm-up
                 report["alone_p50_ms"] = round(statistics.median(alone), 2)
                 session = runtime.sessions[b]
                 engine.rewind(session.slot, 0)  # the engine is idle: fill B's slot from here
@@ -141,8 +107,9 @@ def main() -> None:
                     session.stored_tokens, session.dirty = 0, True  # every chunk written again
                     print(f"A decodes while B's {args.tokens}-token snapshot is written ({mode})", file=sys.stderr)
                     written = {}
-                    gaps, window = decode(runtime, a, engine.kv.sequence_length - 64 - 1,
-                                          during=lambda: written.update(call(runtime, "session.snapshot", session_id=b)))
+                    gaps, window = decode_gaps(runtime, a, engine.kv.sequence_length - 64 - 1,
+                                               during=lambda: written.update(call(runtime, "session.snapshot", session_id=b)))
+                    gaps = [g * 1000 for g in gaps]  # ms
                     call(runtime, "session.rewind", session_id=a, tokens=64)
                     results[mode].append({"gaps": gaps, "snapshot_s": window["stop"] - window["start"],
                                           "bytes": written["bytes_written"]})
