@@ -12,6 +12,15 @@ if str(ROOT) not in sys.path:  # the alignment/ scripts are imported as a packag
     sys.path.insert(0, str(ROOT))
 
 
+# The files that take longest (20 daemon starts; transformers on SmolLM2; the MoE GGUF), run
+# first: with a file per worker (CI's -n 2 --dist loadfile), one that starts last ends the run alone.
+LONGEST_FIRST = ("test_crash.py", "test_alignment.py", "test_moe_gguf.py")
+
+
+def pytest_collection_modifyitems(items):
+    items.sort(key=lambda item: item.path.name not in LONGEST_FIRST)  # stable: the rest keep their order
+
+
 @pytest.fixture(scope="session")
 def alignment_dir(tmp_path_factory):
     """A directory holding every tiny random checkpoint variant of alignment/checkpoints.py.
