@@ -95,7 +95,7 @@ def main() -> None:
                 b = call(runtime, "session.open", title="snapshotted")["session_id"]
                 call(runtime, "session.append", session_id=b, tokens=tokens[:1])  # a slot of its own
                 gaps, _ = decode_gaps(runtime, a, 200)
-                alone = [g * 1000 for g in gaps[5:]]  # ms, after the first tokens' warm-up
+                alone = [float(g) * 1000 for g in gaps[5:]]  # ms, after the first tokens' warm-up
                 report["alone_p50_ms"] = round(statistics.median(alone), 2)
                 session = runtime.sessions[b]
                 engine.rewind(session.slot, 0)  # the engine is idle: fill B's slot from here
@@ -109,7 +109,7 @@ def main() -> None:
                     written = {}
                     gaps, window = decode_gaps(runtime, a, engine.kv.sequence_length - 64 - 1,
                                                during=lambda: written.update(call(runtime, "session.snapshot", session_id=b)))
-                    gaps = [g * 1000 for g in gaps]  # ms
+                    gaps = [float(g) * 1000 for g in gaps]  # ms
                     call(runtime, "session.rewind", session_id=a, tokens=64)
                     results[mode].append({"gaps": gaps, "snapshot_s": window["stop"] - window["start"],
                                           "bytes": written["bytes_written"]})
