@@ -31,7 +31,7 @@ from ellmd.kernels import bf16, cpu, quant
 from ellmd.kernels.activations import PARALLEL_MIN
 from ellmd.kernels.formats import BF16, decode, kernel_view, to_f32
 from ellmd.kernels.quant import decode_row
-from ellmd.kernels.tile import NR, TALL_MR, tall_kernel
+from ellmd.kernels.tile import NR, TALL_MR, storage_to_f32, tall_kernel
 
 ROW_BLOCK = 16  # weight rows per parallel task of linear
 PREFILL_MIN_ROWS = 64  # from this many input rows linear_prefill wins (packing amortized)
@@ -80,17 +80,6 @@ def _dot_pair(x, w0, w1, out, j, j2):
 STREAM_ROWS = 4  # weight rows one pass of _stream_rows reads side by side
 STREAM_CHUNK = 32  # values of a row per step: 64 bytes of bf16, one cache line
 STREAM_AHEAD = 2  # passes ahead that _stream_rows prefetches (1 and 4 measured 5-15% slower on Zen 3)
-
-
-def _convert(builder, v, dtype):
-    """A vector of storage values -> float32: bf16 bits to the high half, f16 through vcvtph2ps."""
-    count = v.type.count
-    if dtype == types.uint16:
-        wide = builder.shl(builder.zext(v, ir.VectorType(ir.IntType(32), count)), ir.Constant(ir.VectorType(ir.IntType(32), count), [16] * count))
-        return builder.bitcast(wide, ir.VectorType(ir.FloatType(), count))
-    if dtype == types.int16:
-        return builder.fpext(builder.bitcast(v, ir.VectorType(ir.HalfType(), count)), ir.VectorType(ir.FloatType(), count))
-    return v
 
 
 def _stream_rows_codegen(context, builder, signature, args):
@@ -143,7 +132,7 @@ def _stream_rows_codegen(context, builder, signature, args):
                                             ir.Constant(i32, 3), ir.Constant(i32, 1)])
                 for h in range(STREAM_CHUNK // 8):
                     ptr = builder.bitcast(builder.gep(at, [c(8 * h * size)]), ir.VectorType(elem, 8).as_pointer())
-                    wv = _convert(builder, builder.load(ptr, align=size), w_t.dtype)
+                    wv = storage_to_f32(builder, builder.load(ptr, align=size), w_t.dtype)
                     acc = accs[r][h % 2]
                     builder.store(builder.call(fma8, [xv[h], wv, builder.load(acc)]), acc)
         with cgutils.for_range_slice(builder, builder.mul(chunks, c(STREAM_CHUNK)), k, c(1)) as (col, _):
@@ -151,7 +140,7 @@ def _stream_rows_codegen(context, builder, signature, args):
             for r, (_, base) in enumerate(rows):
                 ptr = builder.bitcast(builder.gep(base, [builder.mul(col, c(size))]), elem.as_pointer())
                 one = ir.VectorType(elem, 1)
-                wv = _convert(builder, builder.insert_element(ir.Constant(one, ir.Undefined), builder.load(ptr), ir.Constant(i32, 0)), w_t.dtype)
+                wv = storage_to_f32(builder, builder.insert_element(ir.Constant(one, ir.Undefined), builder.load(ptr), ir.Constant(i32, 0)), w_t.dtype)
                 wv = builder.extract_element(wv, ir.Constant(i32, 0))
                 builder.store(builder.call(fma1, [xs, wv, builder.load(tails[r])]), tails[r])
         for r, (jr, _) in enumerate(rows):

@@ -32,18 +32,26 @@ def _is_matrix(ty, dtypes):
     return isinstance(ty, types.Array) and ty.dtype in dtypes and ty.ndim == 2 and ty.layout == "C"
 
 
+def storage_to_f32(builder, v, dtype):
+    """A vector of storage values (the bits of bt's dtype) -> float32: bf16 bits to the high half
+    of an f32, f16 through vcvtph2ps where the CPU has F16C, float32 as it is."""
+    count = v.type.count
+    if dtype == types.uint16:
+        i32s = ir.VectorType(ir.IntType(32), count)
+        return builder.bitcast(builder.shl(builder.zext(v, i32s), ir.Constant(i32s, [16] * count)),
+                               ir.VectorType(ir.FloatType(), count))
+    if dtype == types.int16:
+        return builder.fpext(builder.bitcast(v, ir.VectorType(ir.HalfType(), count)),
+                             ir.VectorType(ir.FloatType(), count))
+    return v
+
+
 def _load_vec(builder, ptr, dtype):
     """Load 8 values of bt at ptr as <8 x float>, converting storage formats."""
-    i16x8 = ir.VectorType(ir.IntType(16), _VEC)
-    f32x8 = ir.VectorType(ir.FloatType(), _VEC)
     if dtype == types.float32:
-        return builder.load(builder.bitcast(ptr, f32x8.as_pointer()), align=4)
-    bits = builder.load(builder.bitcast(ptr, i16x8.as_pointer()), align=2)
-    if dtype == types.int16:  # f16: vcvtph2ps where the CPU has F16C
-        return builder.fpext(builder.bitcast(bits, ir.VectorType(ir.HalfType(), _VEC)), f32x8)
-    wide = builder.zext(bits, ir.VectorType(ir.IntType(32), _VEC))  # bf16: top half of an f32
-    wide = builder.shl(wide, ir.Constant(ir.VectorType(ir.IntType(32), _VEC), [16] * _VEC))
-    return builder.bitcast(wide, f32x8)
+        return builder.load(builder.bitcast(ptr, ir.VectorType(ir.FloatType(), _VEC).as_pointer()), align=4)
+    bits = builder.load(builder.bitcast(ptr, ir.VectorType(ir.IntType(16), _VEC).as_pointer()), align=2)
+    return storage_to_f32(builder, bits, dtype)
 
 
 def make_micro_kernel(mr, nr):
