@@ -5,7 +5,8 @@ tokens (a RAG result, a big tool output). The gaps between A's tokens are measur
 during B's prefill under two policies, in one process:
 
   whole    every prefill chunk runs at the plan's full chunk size (decoding waits for it)
-  chunked  the scheduler's budget: chunks cut to about gap_ratio decode steps while others decode
+  chunked  the scheduler's budget: B's tokens ride along A's decode steps, as many per step as
+           add about gap_ratio times the step's time alone (Policy.budget)
 
 and printed as p50/p99 (ms) with B's prefill time. The bar: chunked p99 <= 2x the gap alone.
 

@@ -66,6 +66,32 @@ def test_batched_decode_equals_separate_decodes(engine):
     assert list(engine.lengths) == [len(p) + 1 for p in prompts]
 
 
+def test_a_prefill_riding_a_decode_step_matches_both_apart(engine):
+    a, b = [5, 6, 7, 8, 9], list(range(20, 32))
+    engine.rewind(0, 0)
+    engine.prefill(0, a)
+    engine.rewind(1, 0)
+    engine.prefill(1, b[:4])
+    decode_alone = engine.decode([0], [1])[0].copy()
+    extend_alone = engine.prefill(1, b[4:], logits="last")
+    after_alone = engine.decode([1], [2])[0].copy()  # reads the KV the prefill wrote
+    engine.rewind(0, len(a))
+    engine.rewind(1, 4)
+    logits, last = engine.step([0], [1], extend=(1, b[4:]), extend_logits=True)
+    logits = logits[0].copy()  # a view of the workspace, which the next decode overwrites
+    assert list(engine.lengths[:2]) == [len(a) + 1, len(b)]
+    for got, want in ((logits, decode_alone), (last, extend_alone), (engine.decode([1], [2])[0], after_alone)):
+        np.testing.assert_allclose(got, want, atol=1e-4 * np.abs(want).max())
+    lengths = list(engine.lengths)
+    with pytest.raises(CapacityError, match="not decoding"):
+        engine.step([0], [1], extend=(0, [3]))
+    with pytest.raises(CapacityError, match="more tokens"):
+        engine.step([0], [1], extend=(1, [3] * engine.step_rows))
+    with pytest.raises(CapacityError):
+        engine.step([0], [1], extend=(1, [3] * (128 - len(b) + 1)))  # over the sequence length
+    assert list(engine.lengths) == lengths  # a refused step changes nothing
+
+
 def test_rewind_copy_export_import(engine):
     tokens = list(range(3, 40))
     engine.rewind(0, 0)

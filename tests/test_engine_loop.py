@@ -225,3 +225,31 @@ def test_an_append_that_fails_to_store_has_not_appended(runtime, monkeypatch):
     assert call(runtime, "session.info", session_id=sid) == before
     monkeypatch.undo()
     assert call(runtime, "session.chat", session_id=sid, content="Hello?", max_tokens=3)["token_ids"]
+
+
+def test_a_prefill_riding_decode_steps_leaves_both_sessions_as_alone(runtime, engine, monkeypatch):
+    a = call(runtime, "session.open", system="Be brief.")["session_id"]
+    b = call(runtime, "session.open")["session_id"]
+    document = " ".join(f"Item {i} weighs {i * 7 % 13} kilograms." for i in range(40))  # ~400 tokens
+    chat = {"session_id": a, "content": "Count to twenty.", "max_tokens": 40, "ignore_eos": True}
+    held = call(runtime, "session.info", session_id=a)["tokens"]
+    alone_a = call(runtime, "session.chat", **chat)["token_ids"]
+    call(runtime, "session.append", session_id=b, text=document)
+    alone_b = call(runtime, "session.generate", session_id=b, max_tokens=8)["token_ids"]
+    call(runtime, "session.rewind", session_id=a, tokens=held)
+    call(runtime, "session.rewind", session_id=b, tokens=0)
+    rides, real = [], engine.step
+
+    def step(slots, tokens, extend=None, extend_logits=False):
+        if extend is not None:
+            rides.append(len(extend[1]))
+        return real(slots, tokens, extend, extend_logits)
+
+    monkeypatch.setattr(engine, "step", step)
+    started = threading.Event()
+    generation = runtime.submit("session.chat", chat, lambda event, data: started.set())
+    started.wait(120)
+    appended = call(runtime, "session.append", session_id=b, text=document)
+    assert generation.future.result(timeout=120)["token_ids"] == alone_a
+    assert len(rides) > 1 and sum(rides) <= appended["tokens"]  # B's tokens rode A's steps
+    assert call(runtime, "session.generate", session_id=b, max_tokens=8)["token_ids"] == alone_b

@@ -39,25 +39,34 @@ class FakeEngine:
     Logits favour token 1; `on_prefill(call_index)` runs before each prefill (to cancel or fail one).
     """
 
-    def __init__(self, slots: int = 3, sequence_length: int = 1024):
+    def __init__(self, slots: int = 3, sequence_length: int = 1024, step_rows: int = 24):
         self.spec = ModelSpec.from_config({"model_type": "llama", "vocab_size": VOCAB, "hidden_size": 8,
                                            "intermediate_size": 8, "num_hidden_layers": 1, "num_attention_heads": 2})
         self.kv = KVCache(1, slots, 2, sequence_length, 4, formats.F32)
         self.fmt, self.weights_digest, self.model_path = formats.F32, "fake", "fake"
         self.chunk_size, self.chat_template, self.tokenizer = CHUNK, None, FakeTokenizer()
-        self.log: list[tuple] = []  # ("prefill", slot, tokens) and ("decode", slots)
+        self.step_rows = step_rows  # decode rows and riding prefill tokens of a step
+        self.log: list[tuple] = []  # ("prefill" or "ride", slot, tokens) and ("decode", slots)
         self.on_prefill = None
         self.logits = np.zeros(VOCAB, np.float32)
         self.logits[1] = 10.0
 
-    def prefill(self, slot, tokens, logits="last"):
+    def prefill(self, slot, tokens, logits="last", kind="prefill"):
         if self.on_prefill:
-            self.on_prefill(sum(1 for e in self.log if e[0] == "prefill"))
+            self.on_prefill(sum(1 for e in self.log if e[0] in ("prefill", "ride")))
         self.kv.check_room(slot, len(tokens))
         assert len(tokens) <= CHUNK, "a job asked for more than a chunk"
-        self.log.append(("prefill", slot, len(tokens)))
+        self.log.append((kind, slot, len(tokens)))
         self.kv.lengths[slot] += len(tokens)
         return self.logits.copy() if logits == "last" else None
+
+    def step(self, slots, tokens, extend=None, extend_logits=False):
+        last = None
+        if extend is not None:
+            slot, piece = extend
+            assert slot not in slots and len(slots) + len(piece) <= self.step_rows
+            last = self.prefill(slot, piece, "last" if extend_logits else "none", kind="ride")
+        return self.decode(slots, tokens), last
 
     def decode(self, slots, tokens):
         self.log.append(("decode", tuple(slots)))
@@ -79,16 +88,20 @@ class FakeEngine:
 
 
 class Measured(Policy):
-    """The policy with fixed measurements: a decode step of 8 ms, 1 ms per prefill token."""
+    """The policy with fixed measurements: a decode step of 8 ms, 1 ms per prefill token on its
+    own, 0.5 ms per token riding a decode step."""
 
     def __init__(self, gap_ratio=1.0):
         super().__init__(CHUNK, gap_ratio=gap_ratio, min_chunk=2)
-        self.decode_s, self.token_s = 0.008, 0.001
+        self.decode_s, self.token_s, self.ride_s = 0.008, 0.001, 0.0005
 
     def observe_decode(self, seconds):
         pass
 
     def observe_prefill(self, tokens, seconds):
+        pass
+
+    def observe_ride(self, tokens, seconds):
         pass
 
 
@@ -165,6 +178,23 @@ def test_budget_follows_the_measurements_and_stays_within_bounds():
     assert policy.budget(decoding=1) == 4
 
 
+def test_a_riding_budget_adds_gap_ratio_steps_and_fits_the_room():
+    policy = Policy(512)
+    assert policy.budget(decoding=1, room=20) == policy.min_chunk  # not measured yet: cautious
+    policy.observe_ride(8, 0.030)  # no decode step alone measured yet: nothing to learn from it
+    assert policy.ride_s is None
+    policy.observe_decode(0.010)
+    policy.observe_ride(8, 0.018)  # the step took 8 ms more: 1 ms a riding token
+    assert policy.budget(decoding=1, room=20) == 10  # what adds one step's time (gap_ratio 1)
+    assert policy.budget(decoding=1, room=6) == 6  # no more than the step's free rows
+    policy.gap_ratio = 0.5
+    assert policy.budget(decoding=1, room=20) == 5
+    policy.observe_ride(4, 0.009)  # faster than the step alone (noise): free, within the room
+    assert 5 < policy.budget(decoding=1, room=20) <= 20
+    policy.gap_ratio = None  # whole chunks, on their own: more than the room
+    assert policy.budget(decoding=1, room=20) == 512
+
+
 def test_next_prefill_is_the_one_with_fewest_tokens_left_in_arrival_order():
     jobs = [SimpleNamespace(left=300), SimpleNamespace(left=12), SimpleNamespace(left=12)]
     assert Policy(32).next_prefill(jobs) is jobs[1]
@@ -219,8 +249,24 @@ def decode_beside_prefill(rt, engine, max_tokens):
     return a, b, generation, appended
 
 
-def test_a_long_prefill_runs_in_budgeted_chunks_between_decode_steps(make):
+def test_a_long_prefill_rides_the_decode_steps_in_budgeted_chunks(make):
     rt, engine = make()
+    a, b, generation, appended = decode_beside_prefill(rt, engine, 60)
+    assert appended.future.result(timeout=30)["tokens"] == 100
+    assert generation.future.result(timeout=30)["finish_reason"] == "length"
+    b_slot = rt.sessions[b].slot
+    log = engine.log
+    rides = [i for i, e in enumerate(log) if e[0] == "ride"]
+    assert [log[i][1] for i in rides] == [b_slot] * len(rides)
+    assert all(log[i + 1][0] == "decode" for i in rides)  # each in a step of A's
+    chunks = [log[i][2] for i in rides]
+    assert sum(chunks) == 100 and max(chunks) == 16  # 8 ms decode x ratio 1 / 0.5 ms a riding token
+    assert not [e for e in log if e[0] == "prefill" and e[1] == b_slot]
+    assert int(engine.kv.lengths[b_slot]) == 100 and len(rt.sessions[b].tokens) == 100
+
+
+def test_without_room_in_the_step_a_prefill_runs_budgeted_chunks_between_decode_steps(make):
+    rt, engine = make(step_rows=1)  # A's token fills the step
     a, b, generation, appended = decode_beside_prefill(rt, engine, 60)
     assert appended.future.result(timeout=30)["tokens"] == 100
     assert generation.future.result(timeout=30)["finish_reason"] == "length"

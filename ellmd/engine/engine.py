@@ -233,20 +233,52 @@ class Engine:
 
         The returned array is a view of the workspace, valid until the next forward.
         """
+        return self.step(slots, tokens)[0]
+
+    @property
+    def step_rows(self) -> int:
+        """Rows of a decode step's forward: its slots' tokens and the prefill tokens riding along."""
+        return self.plan.fused_max_rows
+
+    def step(self, slots, tokens, extend=None, extend_logits: bool = False):
+        """A decode step (one token for each of several slots) that also appends `extend` = (slot,
+        tokens) to a slot that is not decoding, in the same forward: the prefill tokens share its
+        pass over the weights (they attend as decode rows do, each to its slot's keys up to its own
+        position). Returns (logits [B, V], a view valid until the next forward; the logits [V] of
+        extend's last token when extend_logits, else None).
+        """
         ws, count = self.plan.ws, len(slots)
         if count == 0 or count != len(tokens) or count > len(ws.logits):
             raise CapacityError(f"decode takes 1..{len(ws.logits)} slots with one token each")
         for i in range(count):
-            slot = slots[i]
-            self.kv.check_room(slot, 1)
+            self.kv.check_room(slots[i], 1)
             ws.tokens[i] = tokens[i]
-            ws.slots[i] = slot
-            ws.positions[i] = self.kv.lengths[slot]
-        self._check_tokens(ws.tokens[:count])
-        self.plan.forward(count, decode=True)
+            ws.slots[i] = slots[i]
+            ws.positions[i] = self.kv.lengths[slots[i]]
+        n = count
+        if extend is not None:
+            slot, piece = extend
+            m = len(piece)
+            if slot in slots or m == 0 or count + m > self.step_rows:
+                raise CapacityError(f"a decode step takes 1..{self.step_rows - count} more tokens of a slot "
+                                    "that is not decoding")
+            self.kv.check_room(slot, m)
+            start = int(self.kv.lengths[slot])
+            ws.tokens[count : count + m] = piece
+            ws.slots[count : count + m] = slot
+            np.add(ws.row_ids[:m], start, out=ws.positions[count : count + m])
+            n += m
+        self._check_tokens(ws.tokens[:n])
+        self.plan.forward(n, decode=True)
         for i in range(count):
             self.kv.lengths[slots[i]] += 1
-        return self.plan.decode_logits(count, ws.logits[:count])
+        last = None
+        if extend is not None:
+            self.kv.lengths[slot] = start + m
+            if extend_logits:
+                # row `count` of the logits is free: the slot is not among the decoding ones
+                last = self.plan.logits(ws.row_ids[n - 1 : n], ws.logits[count : count + 1])[0].copy()
+        return self.plan.decode_logits(count, ws.logits[:count]), last
 
     def _check_tokens(self, tokens: np.ndarray) -> None:
         if tokens.min() < 0 or tokens.max() >= self.spec.vocab_size:

@@ -10,10 +10,12 @@ I intermediate, V vocab, E experts, k experts per token):
   attn            [C, H*d]
   gate_up, act    [C, 2*I], [C, I]
   logits          [B, V]          decode logits, one row per slot
+  (D = max(B, PREFILL_MIN_ROWS - 1): the rows of a decode-path forward, its B sessions' tokens
+  and the prefill tokens that ride along, Engine.step)
   cos, sin        [S, d/2]        rope tables for every position of the sequence
-  acc             [W, quant.acc_floats(B)]   each kernel thread's block-row accumulator (decode)
-  xq8, xq16       [B*K] int8, int16   decode activations quantized for the integer paths ("vnni", "int16")
-  xd, xs          [B*K/32], [B*K/16]  their scales (per 32) and code sums (per 16)
+  acc             [W, quant.acc_floats(D)]   each kernel thread's block-row accumulator (decode)
+  xq8, xq16       [D*K] int8, int16   decode activations quantized for the integer paths ("vnni", "int16")
+  xd, xs          [D*K/32], [D*K/16]  their scales (per 32) and code sums (per 16)
                                              (K the widest matmul input)
   router_logits   [C, E]; expert_weights, expert_ids [C, k]; moe_out [C, h]
   moe_scratch     kernels.moe.MoeScratch: the C*k (token, expert) pairs' gathered rows and quantized
@@ -44,7 +46,8 @@ class Workspace:
 
     def __init__(self, spec: ModelSpec, chunk_size: int, batch_size: int, sequence_length: int, weight_shapes):
         C, B = chunk_size, max(batch_size, 1)
-        rows = max(C, B)
+        D = max(B, PREFILL_MIN_ROWS - 1)
+        rows = max(C, D)
         H, G, d, h = spec.num_attention_heads, spec.num_key_value_heads, spec.head_dim, spec.hidden_size
         inter = max(spec.intermediate_size, spec.moe_intermediate_size)
         f32 = np.float32
@@ -64,15 +67,15 @@ class Workspace:
         self.cos, self.sin = kernels.rope_tables(
             d, spec.rope_theta, spec.rope_scaling, spec.max_position_embeddings, sequence_length
         )
-        shapes = kernels.decode_scratch_shapes(B, H, d, numba.get_num_threads())
+        shapes = kernels.decode_scratch_shapes(D, H, d, numba.get_num_threads())
         self.attention_scratch = {name: np.zeros(shape, f32) for name, shape in shapes.items()}
         self.matmul_scratch = np.zeros(max(kernels.prefill_scratch_size(m, k) for m, k in weight_shapes), f32)
         widest = max(k for _, k in weight_shapes)
-        self.acc = np.zeros((numba.get_num_threads(), quant.acc_floats(B)), f32)
-        self.xq8 = np.zeros(B * widest, np.int8)
-        self.xq16 = np.zeros(B * widest, np.int16)
-        self.xd = np.zeros(B * (widest // 32), f32)
-        self.xs = np.zeros(B * (widest // 16), np.int32)
+        self.acc = np.zeros((numba.get_num_threads(), quant.acc_floats(D)), f32)
+        self.xq8 = np.zeros(D * widest, np.int8)
+        self.xq16 = np.zeros(D * widest, np.int16)
+        self.xd = np.zeros(D * (widest // 32), f32)
+        self.xs = np.zeros(D * (widest // 16), np.int32)
         if spec.num_experts:
             E, k = spec.num_experts, spec.num_experts_per_tok
             self.router_logits = np.zeros((rows, E), f32)
@@ -126,7 +129,7 @@ class Plan:
             scratch["tile"], ws.acc,
         )
         self.mlp_ws = (ws.x, ws.h, ws.gate_up, ws.act, ws.acc)
-        self.fused_max_rows = min(len(ws.logits), PREFILL_MIN_ROWS - 1)  # matmul's choice of kernel
+        self.fused_max_rows = PREFILL_MIN_ROWS - 1  # matmul's choice of kernel
         if any(moe for _, _, moe in layers):
             self.fused_max_rows = min(self.fused_max_rows, FUSED_MAX_TOKENS)
 

@@ -80,21 +80,27 @@ class Generations:
         except Exception as e:
             self.fail(gen, e)
 
-    def step(self) -> None:
-        """One forward over every generating session; a failure ends the generations it touched."""
+    def step(self, extend=None, extend_logits: bool = False):
+        """One forward over every generating session (and extend's prefill tokens: Engine.step);
+        returns extend's logits. A failure ends the generations it touched; one of a step that
+        carried a prefill goes up instead, and the loop runs the step again without it."""
         gens = list(self.active)
         try:
-            logits = self.engine.decode([g.session.slot for g in gens], [g.next_token for g in gens])
+            logits, last = self.engine.step([g.session.slot for g in gens], [g.next_token for g in gens],
+                                            extend, extend_logits)
         except Exception as e:
+            if extend is not None:
+                raise
             for gen in gens:
                 self.fail(gen, e)
-            return
+            return None
         for gen, row in zip(gens, logits):
             try:
                 gen.session.tokens.append(gen.next_token)
                 self.accept(gen, gen.sampler(row), row)
             except Exception as e:
                 self.fail(gen, e)
+        return last
 
     def accept(self, gen: Generation, token: int, logits) -> None:
         """Take a sampled token: stream its text, then finish or keep it for the next decode step."""

@@ -216,11 +216,9 @@ class Runtime:
                 self._handle(request)
                 continue  # drain the queue before the next step
             if self.prefills:
-                self._prefill_chunk()
-            if self.generations.active:
-                began = time.perf_counter()
-                self.generations.step()
-                self.policy.observe_decode(time.perf_counter() - began)
+                self._prefill_chunk()  # with the decode step, when sessions decode
+            elif self.generations.active:
+                self._decode_step()
         self._shutdown()
 
     def _retry_waiting(self) -> None:
@@ -282,19 +280,39 @@ class Runtime:
             log.exception("op %s failed (args %s)", request.op, brief(request.args))
         reply(request, error=e)
 
+    def _decode_step(self) -> None:
+        began = time.perf_counter()
+        self.generations.step()
+        self.policy.observe_decode(time.perf_counter() - began)
+
     def _prefill_chunk(self) -> None:
-        """Run one chunk of the prefill the policy picks, within its budget."""
+        """Run one chunk of the prefill the policy picks, within its budget, and the decode step
+        of the generating sessions: the chunk rides along it where the step has room. A chunk
+        that fails ends its job alone: the step runs again without it."""
         job = self.policy.next_prefill(self.prefills)
+        decoding = len(self.generations.active)
+        room = self.engine.step_rows - decoding if decoding else 0
+        rode = False
         if job.request.cancelled.is_set():
-            return self._end_prefill(job, error=cancelled("cancelled during its prefill"))
-        began, done = time.perf_counter(), job.done
-        try:
-            logits = job.run(self.engine, self.policy.budget(len(self.generations.active)))
-        except Exception as e:
-            return self._end_prefill(job, error=e)
-        self.policy.observe_prefill(job.done - done, time.perf_counter() - began)
-        if not job.left:
-            self._end_prefill(job, logits=logits)
+            self._end_prefill(job, error=cancelled("cancelled during its prefill"))
+        else:
+            budget = self.policy.budget(decoding, room)
+            began, done = time.perf_counter(), job.done
+            try:
+                if budget <= room:
+                    logits = job.ride(self.generations, budget)
+                    rode = True
+                    self.policy.observe_ride(job.done - done, time.perf_counter() - began)
+                else:
+                    logits = job.run(self.engine, budget)
+                    self.policy.observe_prefill(job.done - done, time.perf_counter() - began)
+            except Exception as e:
+                self._end_prefill(job, error=e)
+            else:
+                if not job.left:
+                    self._end_prefill(job, logits=logits)
+        if decoding and not rode and self.generations.active:
+            self._decode_step()
 
     def _end_prefill(self, job: Prefill, logits=None, error: Exception | None = None) -> None:
         """Hand a finished job's logits (or its error, which puts the session back) to its handler."""

@@ -2,9 +2,12 @@
 
 The loop alternates one prefill chunk and one batched decode step. The policy decides:
   - the chunk budget: with nobody decoding, a prefill runs whole chunks of the plan (its fastest
-    pace); while sessions decode, a chunk is cut to what prefills in about `gap_ratio` decode
-    steps (both measured as the loop runs), so a decoding session's gap between two tokens
-    grows to about (1 + gap_ratio) times its gap alone, whatever the length of the prefill;
+    pace); while sessions decode, its tokens ride along their decode step (Engine.step: one
+    pass over the weights for both), as many as add about `gap_ratio` times the step's own
+    time (both measured as the loop runs), so a decoding session's gap between two tokens
+    grows to about (1 + gap_ratio) times its gap alone, whatever the length of the prefill.
+    When the step has no room for them (as many decoding sessions as its rows), a chunk runs
+    on its own between two steps, cut to what prefills in about `gap_ratio` decode steps;
   - which prefill runs next: the one with the fewest tokens left (a user turn is not queued
     behind a 4k-token document), in arrival order among equals;
   - admission: a request that needs a slot while every slot is busy waits, and is retried once
@@ -31,6 +34,7 @@ class Policy:
         self.min_chunk = min(min_chunk, chunk_size)  # below it a forward's fixed cost dominates
         self.decode_s: float | None = None  # a decode step's seconds (running estimate)
         self.token_s: float | None = None  # prefill seconds per token, at the chunk sizes run
+        self.ride_s: float | None = None  # seconds a prefill token adds to the decode step it rides
         self.swap_s = {"write": None, "read": None}  # store seconds per token of KV, each way
 
     # ---- measurements ----------------------------------------------------------------------
@@ -41,6 +45,12 @@ class Policy:
     def observe_prefill(self, tokens: int, seconds: float) -> None:
         per_token = seconds / max(tokens, 1)
         self.token_s = per_token if self.token_s is None else (1 - EMA) * self.token_s + EMA * per_token
+
+    def observe_ride(self, tokens: int, seconds: float) -> None:
+        """A decode step carrying `tokens` prefill tokens took `seconds`."""
+        if self.decode_s is not None:  # what the step alone takes: measured on the steps without
+            per_token = max(seconds - self.decode_s, 0.0) / max(tokens, 1)
+            self.ride_s = per_token if self.ride_s is None else (1 - EMA) * self.ride_s + EMA * per_token
 
     def observe_swap(self, way: str, tokens: int, seconds: float) -> None:
         """A snapshot ("write") or resume ("read") moved `tokens` tokens' KV in `seconds`."""
@@ -56,10 +66,16 @@ class Policy:
 
     # ---- decisions -------------------------------------------------------------------------
 
-    def budget(self, decoding: int) -> int:
-        """Tokens the next prefill chunk may take while `decoding` sessions generate."""
+    def budget(self, decoding: int, room: int = 0) -> int:
+        """Tokens the next prefill chunk may take while `decoding` sessions generate; room: the
+        prefill tokens their decode step can carry. A budget within room rides the step, a
+        larger one (gap_ratio None: whole chunks) runs on its own."""
         if not decoding or self.gap_ratio is None:
             return self.chunk_size
+        if room > 0:
+            if self.decode_s is None or self.ride_s is None:
+                return min(room, self.min_chunk)
+            return max(1, min(room, self.chunk_size, int(self.gap_ratio * self.decode_s / max(self.ride_s, 1e-9))))
         if self.decode_s is None or self.token_s is None:
             return self.min_chunk  # not measured yet: the cautious size, measured from then on
         tokens = int(self.gap_ratio * self.decode_s / self.token_s)

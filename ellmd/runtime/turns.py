@@ -35,12 +35,23 @@ class Prefill:
     def left(self) -> int:
         return len(self.tokens) - self.done
 
-    def run(self, engine, budget: int):
-        """Prefill the next chunk (at most `budget` tokens); returns the logits once the job is
-        done (None if they were not asked for), else None."""
+    def piece(self, budget: int) -> tuple[list[int], bool]:
+        """The next chunk (at most `budget` tokens), and whether its last token's logits are wanted."""
         piece = self.tokens[self.done:self.done + max(1, budget)]
-        last = self.done + len(piece) == len(self.tokens)
-        logits = engine.prefill(self.session.slot, piece, logits="last" if last and self.need_logits else "none")
+        return piece, self.need_logits and self.done + len(piece) == len(self.tokens)
+
+    def run(self, engine, budget: int):
+        """Prefill the next chunk on its own; returns the logits once the job is done (None if
+        they were not asked for), else None."""
+        piece, last = self.piece(budget)
+        logits = engine.prefill(self.session.slot, piece, logits="last" if last else "none")
+        self.done += len(piece)
+        return logits
+
+    def ride(self, generations, budget: int):
+        """Prefill the next chunk inside the generations' decode step (Engine.step); returns as run."""
+        piece, last = self.piece(budget)
+        logits = generations.step(extend=(self.session.slot, piece), extend_logits=last)
         self.done += len(piece)
         return logits
 
