@@ -279,9 +279,10 @@ def _prefill(q, k_slot, v_slot, start, scale, out, threads):
             pm[s, u, : m.shape[0]] = m
             pl[s, u, : l.shape[0]] = l
             pacc[s, u, :, : acc.shape[0]] = acc.T
-    for u in prange(units if nsplit > 1 else 0):
-        q0 = u % nqb * qb
-        _merge_key_splits(pm, pl, pacc, u, u // nqb, q0, min(n, q0 + qb) - q0, g, out)
+    if nsplit > 1:
+        for u in prange(units):
+            q0 = u % nqb * qb
+            _merge_key_splits(pm, pl, pacc, u, u // nqb, q0, min(n, q0 + qb) - q0, g, out)
 
 
 # ---- prefill on AMX (tdpbf16ps), bf16 KV -------------------------------------------------
