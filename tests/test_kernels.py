@@ -332,6 +332,19 @@ def test_attention_prefill(rng, monkeypatch, fmt, n, start, kvh, group, hd):
     np.testing.assert_allclose(got, want, **TOL)
 
 
+
+@pytest.mark.parametrize("n,start", [(20, 300), (5, 0)])  # (5, 0): one tile, so two of the splits are empty
+def test_attention_prefill_key_splits(rng, n, start):
+    """Keys split in 3 shares per (kv head, query block), as with 3 threads, on any machine."""
+    kvh, group, hd = 2, 3, 64
+    q = randn(rng, n, kvh * group, hd)
+    k = formats.to_storage(randn(rng, kvh, start + n, hd), BF16)
+    v = formats.to_storage(randn(rng, kvh, start + n, hd), BF16)
+    got, want = np.full_like(q, np.nan), np.empty_like(q)
+    attention._prefill(q, k, v, start, hd**-0.5, got, 3)
+    attention.attention_prefill_ref(q, k, v, BF16, start, hd**-0.5, want)
+    np.testing.assert_allclose(got, want, **TOL)
+
 @pytest.mark.parametrize(
     "fmt,lengths,kvh,group,hd",
     [

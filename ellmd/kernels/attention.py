@@ -42,7 +42,11 @@ from ellmd.kernels.formats import BF16, _bitcast_f32, _bitcast_u32, decode, enco
 from ellmd.kernels.tile import MR, NR, TALL_MR, gemm_tile
 
 TILE_KEYS = 64  # KB, a multiple of NR
-TASK_ROWS = 144  # R target of a prefill task: query block = TASK_ROWS // g queries (Rp: a multiple of 48)
+TASK_ROWS = 144  # R target of a prefill task: query block = TASK_ROWS // g queries
+# Below this many (kv head, query block) units per thread, prefill splits the keys of every unit
+# too (one share per thread, merged as in decode): a short chunk has as few units as kv heads,
+# and 3 units on 2 threads leave one thread idle a third of the time.
+SPLIT_UNITS = 4
 # Below this many (key, kv head) pairs a decode step runs on the calling thread: launching the
 # parallel region (~10 us with this many arrays) costs more than it saves.
 DECODE_PARALLEL_MIN = 2048
@@ -154,17 +158,23 @@ def _prefill_tile(qt, kt, vt, rows, nk, limit, g, st, m, l, acc, m_new, alpha, t
         for d in range(hd):
             a[d] *= alpha[r]
     # acc[r, d] += sum_j st[j, r] * v[j, d]: st read transposed in place
-    gemm_tile(st, True, vt, acc, rows_p, hdp, nk, True, True)
+    gemm_tile(st, True, vt, acc, rows_p, hdp, nk, True, rows_p % TALL_MR == 0)
 
 
 @numba.njit(cache=True, nogil=True, fastmath=True)
-def _prefill_task(q, k_slot, v_slot, start, scale, out, h, q0, nq):
-    """Queries q0..q0+nq of the g heads of kv head h."""
+def _prefill_task(q, k_slot, v_slot, start, scale, h, q0, nq, k0, k1):
+    """Queries q0..q0+nq of the g heads of kv head h over keys [k0, k1): the unnormalised partial
+    softmax m, l: [Rp] and acc: [Rp, hdp], row r = qi * g + gi.
+
+    Rp is rows rounded to NR (the scores' columns), not to 48: a short chunk of 1..5 tokens would
+    spend most of its products on padding rows; the values product then takes the 4-row blocks
+    where Rp is no multiple of TALL_MR.
+    """
     heads, hd = q.shape[1], q.shape[2]
     g = heads // k_slot.shape[0]
     hdp = _round_up(hd, NR)
     rows = nq * g
-    rows_p = _round_up(rows, TALL_MR * NR // 2)  # rows of the tall blocks (6) and columns (16)
+    rows_p = _round_up(rows, NR)
     keys_p = _round_up(TILE_KEYS, TALL_MR)
     qt = np.zeros((hd, rows_p), np.float32)  # [hd, Rp]
     kt = np.zeros((keys_p, hdp), np.float32)  # [KBp, hdp]
@@ -180,30 +190,99 @@ def _prefill_task(q, k_slot, v_slot, start, scale, out, h, q0, nq):
         for gi in range(g):
             for d in range(hd):
                 qt[d, qi * g + gi] = q[q0 + qi, h * g + gi, d] * np.float32(scale)
-    kend = start + q0 + nq  # keys seen by the block's last query
-    for k0 in range(0, kend, TILE_KEYS):
-        nk = min(TILE_KEYS, kend - k0)
-        _load_rows(k_slot[h], k0, nk, kt)
-        _load_rows(v_slot[h], k0, nk, vt)
+    for t0 in range(k0, k1, TILE_KEYS):
+        nk = min(TILE_KEYS, k1 - t0)
+        _load_rows(k_slot[h], t0, nk, kt)
+        _load_rows(v_slot[h], t0, nk, vt)
         # query qi sees keys up to start + q0 + qi
-        _prefill_tile(qt, kt, vt, rows, nk, start + q0 - k0, g, st, m, l, acc, m_new, alpha, total)
+        _prefill_tile(qt, kt, vt, rows, nk, start + q0 - t0, g, st, m, l, acc, m_new, alpha, total)
+    return m, l, acc
+
+
+@numba.njit(cache=True, nogil=True, fastmath=True)
+def _split_point(first, nq, kend, s, nsplit, tile):
+    """Start of key split s of nsplit for queries at positions first..first+nq (kend = first + nq):
+    a tile boundary that cuts the causal work (keys x queries that see them) into equal shares."""
+    if s == 0:
+        return 0
+    if s >= nsplit:
+        return kend
+    total = 0
+    for t0 in range(0, kend, tile):
+        total += min(tile, kend - t0) * (nq - max(0, t0 - first))
+    done = 0
+    for t0 in range(0, kend, tile):
+        if done * nsplit >= total * s:
+            return t0
+        done += min(tile, kend - t0) * (nq - max(0, t0 - first))
+    return kend
+
+
+@numba.njit(cache=True, nogil=True, fastmath=True)
+def _merge_key_splits(pm, pl, pacc, u, h, q0, nq, g, out):
+    """out rows of unit u (kv head h, queries q0..q0+nq) = the merge of its key splits' partials.
+
+    pm, pl: [nsplit, units, Rp]; pacc: [nsplit, units, hdp, Rp] (accumulators transposed)."""
+    nsplit = pm.shape[0]
+    w = np.empty(nsplit, np.float32)
     for qi in range(nq):
         for gi in range(g):
             r = qi * g + gi
-            inv = np.float32(1.0) / l[r]
-            for d in range(hd):
-                out[q0 + qi, h * g + gi, d] = acc[r, d] * inv
+            mx = _NO_MAX
+            for s in range(nsplit):
+                mx = max(mx, pm[s, u, r])
+            total = np.float32(0.0)
+            for s in range(nsplit):
+                w[s] = exp_f32(pm[s, u, r] - mx)
+                total += w[s] * pl[s, u, r]
+            inv = np.float32(1.0) / total
+            o = out[q0 + qi, h * g + gi]
+            for d in range(o.shape[0]):
+                x = np.float32(0.0)
+                for s in range(nsplit):
+                    x += w[s] * pacc[s, u, d, r]
+                o[d] = x * inv
 
 
 @numba.njit(cache=True, nogil=True, fastmath=True, parallel=True)
-def _prefill(q, k_slot, v_slot, start, scale, out):
-    n = q.shape[0]
-    qb = max(1, TASK_ROWS * k_slot.shape[0] // q.shape[1])  # queries per task: TASK_ROWS // g
+def _prefill(q, k_slot, v_slot, start, scale, out, threads):
+    n, heads, hd = q.shape
+    kvh = k_slot.shape[0]
+    g = heads // kvh
+    qb = max(1, TASK_ROWS // g)  # queries per task
     nqb = (n + qb - 1) // qb
-    for task in prange(k_slot.shape[0] * nqb):
-        t = task % nqb
-        b = t // 2 if t % 2 == 0 else nqb - 1 - t // 2
-        _prefill_task(q, k_slot, v_slot, start, scale, out, task // nqb, b * qb, min(n, b * qb + qb) - b * qb)
+    units = kvh * nqb  # (kv head, query block)
+    nsplit = threads if units < SPLIT_UNITS * threads else 1
+    parts = nsplit if nsplit > 1 else 0  # no partials unless keys are split
+    rows_p = _round_up(min(n, qb) * g, NR)
+    pm = np.empty((parts, units, rows_p), np.float32)
+    pl = np.empty((parts, units, rows_p), np.float32)
+    pacc = np.empty((parts, units, _round_up(hd, NR), rows_p), np.float32)
+    for task in prange(nsplit * units):  # split-major: a thread's contiguous range is split s of every unit
+        s, h, t = task // units, task % units // nqb, task % nqb
+        b = t // 2 if t % 2 == 0 else nqb - 1 - t // 2  # blocks short, long, short, ...: equal ranges
+        q0 = b * qb
+        nq = min(n, q0 + qb) - q0
+        kend = start + q0 + nq  # keys seen by the block's last query
+        k0 = _split_point(start + q0, nq, kend, s, nsplit, TILE_KEYS)
+        k1 = _split_point(start + q0, nq, kend, s + 1, nsplit, TILE_KEYS)
+        m, l, acc = _prefill_task(q, k_slot, v_slot, start, scale, h, q0, nq, k0, k1)
+        if nsplit == 1:
+            for qi in range(nq):
+                for gi in range(g):
+                    r = qi * g + gi
+                    inv = np.float32(1.0) / l[r]
+                    for d in range(hd):
+                        out[q0 + qi, h * g + gi, d] = acc[r, d] * inv
+        else:
+            u = h * nqb + b
+            pm[s, u, : m.shape[0]] = m
+            pl[s, u, : l.shape[0]] = l
+            pacc[s, u, :, : acc.shape[0]] = acc.T
+    if nsplit > 1:
+        for u in prange(units):
+            q0 = u % nqb * qb
+            _merge_key_splits(pm, pl, pacc, u, u // nqb, q0, min(n, q0 + qb) - q0, g, out)
 
 
 # ---- prefill on AMX (tdpbf16ps), bf16 KV -------------------------------------------------
@@ -350,49 +429,6 @@ def _amx_task(q, k_head, v_head, start, scale, g, h, q0, nq, k0, k1, m, l, acc):
             r0 += cols
 
 
-@numba.njit(cache=True, nogil=True, fastmath=True)
-def _split_point(first, nq, kend, s, nsplit):
-    """Start of key split s of nsplit for queries at positions first..first+nq (kend = first + nq):
-    a tile boundary that cuts the causal work (keys x queries that see them) into equal shares."""
-    if s == 0:
-        return 0
-    if s >= nsplit:
-        return kend
-    total = 0
-    for t0 in range(0, kend, AMX_KEYS):
-        total += min(AMX_KEYS, kend - t0) * (nq - max(0, t0 - first))
-    done = 0
-    for t0 in range(0, kend, AMX_KEYS):
-        if done * nsplit >= total * s:
-            return t0
-        done += min(AMX_KEYS, kend - t0) * (nq - max(0, t0 - first))
-    return kend
-
-
-@numba.njit(cache=True, nogil=True, fastmath=True)
-def _amx_merge(pm, pl, pacc, u, h, q0, nq, g, out):
-    """out rows of unit u (kv head h, queries q0..q0+nq) = the merge of its key splits' partials."""
-    nsplit = pm.shape[0]
-    w = np.empty(nsplit, np.float32)
-    for qi in range(nq):
-        for gi in range(g):
-            r = qi * g + gi
-            mx = _NO_MAX
-            for s in range(nsplit):
-                mx = max(mx, pm[s, u, r])
-            total = np.float32(0.0)
-            for s in range(nsplit):
-                w[s] = exp_f32(pm[s, u, r] - mx)
-                total += w[s] * pl[s, u, r]
-            inv = np.float32(1.0) / total
-            o = out[q0 + qi, h * g + gi]
-            for d in range(o.shape[0]):
-                x = np.float32(0.0)
-                for s in range(nsplit):
-                    x += w[s] * pacc[s, u, d, r]
-                o[d] = x * inv
-
-
 @numba.njit(cache=True, nogil=True, fastmath=True, parallel=True)
 def _prefill_amx(q, k_slot, v_slot, start, scale, out, nsplit):
     n, heads, hd = q.shape
@@ -411,11 +447,12 @@ def _prefill_amx(q, k_slot, v_slot, start, scale, out, nsplit):
         h, q0 = u // nqb, u % nqb * qb
         nq = min(n, q0 + qb) - q0
         kend = start + q0 + nq
-        k0, k1 = _split_point(start + q0, nq, kend, s, nsplit), _split_point(start + q0, nq, kend, s + 1, nsplit)
+        k0 = _split_point(start + q0, nq, kend, s, nsplit, AMX_KEYS)
+        k1 = _split_point(start + q0, nq, kend, s + 1, nsplit, AMX_KEYS)
         _amx_task(q, k_slot[h], v_slot[h], start, scale, g, h, q0, nq, k0, k1, pm[s, u], pl[s, u], pacc[s, u])
     for u in prange(units):
         q0 = u % nqb * qb
-        _amx_merge(pm, pl, pacc, u, u // nqb, q0, min(n, q0 + qb) - q0, g, out)
+        _merge_key_splits(pm, pl, pacc, u, u // nqb, q0, min(n, q0 + qb) - q0, g, out)
 
 
 def _on_amx(q, k_slot, fmt):
@@ -431,12 +468,13 @@ def attention_prefill(q, k_slot, v_slot, fmt, start, scale, out):
     within 2**-8 x max|v| of exact (bf16 probabilities). Otherwise the f32 kernels: tasks are
     (kv head, block of TASK_ROWS // g queries), each converting a key tile once for all g heads
     of its block, ordered short, long, short, ... (causal work grows with the block) so that the
-    contiguous task ranges the threads receive carry equal work.
+    contiguous task ranges the threads receive carry equal work; a short chunk, with too few
+    tasks for the threads, also splits every task's keys into one share per thread.
     """
     if _on_amx(q, k_slot, fmt):
         _prefill_amx(q, k_slot, v_slot, start, scale, out, numba.get_num_threads())
     else:
-        _prefill(q, kernel_view(k_slot, fmt), kernel_view(v_slot, fmt), start, scale, out)
+        _prefill(q, kernel_view(k_slot, fmt), kernel_view(v_slot, fmt), start, scale, out, numba.get_num_threads())
 
 
 def attention_prefill_ref(q, k_slot, v_slot, fmt, start, scale, out):
