@@ -83,7 +83,7 @@ ACTIVATION_ERROR = {np.int16: 2e-4, np.int8: 0.06}
 
 @pytest.mark.parametrize("kernels", ["vnni", "int16", "portable"])
 @pytest.mark.parametrize("name", NAMES)
-@pytest.mark.parametrize("n", [1, 3, 6, 70])
+@pytest.mark.parametrize("n", [1, 3, 5, 6, 9, 70])  # rows_vnni takes passes of 4, 2 and 1 input rows
 def test_matmul_on_blocks(rng, use_kernels, kernels, name, n):
     use_kernels(kernels)
     w = blocks(rng, name, 37)  # odd row count: the last row pair is a single row

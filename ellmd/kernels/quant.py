@@ -673,7 +673,9 @@ def _dot_rows_overload(x, w, out, j0, j1, acc=None):
 # then a K-quant super-block's 6- or 8-bit sub-block scales multiply its codes in int16
 # (vpmullw), its 8 groups sum in int32, and one float step per super-block remains (the
 # per-group float scaling cost more than the products). Every kernel streams its rows with
-# software prefetches PREFETCH bytes ahead.
+# software prefetches PREFETCH bytes ahead. rows_vnni unpacks a weight row's blocks (codes,
+# scales; the int16 K-quants' scaled codes) once for a pass of up to 4 input rows (ROW_PASSES):
+# one row at a time, the unpacking was redone for each, and n rows cost n times one.
 
 
 def activation_group(k, itemsize):
@@ -751,6 +753,13 @@ class _Ir:
             v = self.b.fadd(lo, hi)
         return self.b.extract_element(v, ir.Constant(self.i32, 0))
 
+    def fold(self, v):
+        """The sum of a vector's two halves (a vector of half the lanes)."""
+        half = v.type.count // 2
+        lo, hi = (self.b.shuffle_vector(v, v, ir.Constant(self.vec(self.i32, half), list(range(a, a + half))))
+                  for a in (0, half))
+        return self.b.add(lo, hi) if isinstance(v.type.element, ir.IntType) else self.b.fadd(lo, hi)
+
     def const8(self, value):
         return ir.Constant(self.vec(self.i8, 32), [value] * 32)
 
@@ -774,7 +783,14 @@ class _Ir:
         return self.b.zext(self.b.load(self.ptr(at)), self.i32)
 
     def f16(self, at):
-        return self.b.fpext(self.b.load(self.b.bitcast(self.ptr(at), ir.HalfType().as_pointer()), align=1), self.f32)
+        """The f16 at byte offset at, as f32, converted from an integer register (movzwl, opaque to LLVM,
+        then vmovd, which writes the whole vector register): LLVM loads a half with vpinsrw, which merges
+        into the register's old value, and when that was the last block's scale the false dependency
+        chained a row's blocks (Q4_0 at 0.6x)."""
+        word = self.b.asm(ir.FunctionType(self.i32, [self.i8.as_pointer()]), "movzwl ($1), $0", "=r,r",
+                          [self.ptr(at)], side_effect=False, name="load_word")
+        pair = self.b.fpext(self.b.bitcast(word, self.vec(ir.HalfType(), 2)), self.vec(self.f32, 2))
+        return self.b.extract_element(pair, ir.Constant(self.i32, 0))
 
     def u32(self, at):
         return self.b.load(self.b.bitcast(self.ptr(at), self.i32.as_pointer()), align=1)
@@ -910,24 +926,33 @@ def _dot_words(b, acc, a, x):
     return b.shuffle_vector(halves[0], halves[1], ir.Constant(ir.VectorType(i32, 16), list(range(16))))
 
 
-def _k_scales(name, q, o, dxv, xsv):
-    """Scales of a K-quant super-block at byte offset o, once for its 8 groups, in vectors:
-    (scales, bias), scales[l] of value l * 16 of the block times its activation scale (dxv: the
-    8 of the block), bias the vector whose lane sum is the block's min term (xsv: the 16 code
-    sums); None for no min."""
+def _k_scales(name, q, o):
+    """The float scales of the K-quant super-block at byte offset o, for every input row to share:
+    (scales, mins), scales times d (Q6_K: 16, one per 16 values; else 8, one per 32), mins times
+    -dmin (8), None for Q6_K."""
     b = q.b
     d = q.f16(b.add(o, ir.Constant(o.type, 208 if name == "Q6_K" else 0)))
-    every = ir.Constant(q.vec(q.i32, 16), [l // 2 for l in range(16)])
-    if name == "Q6_K":  # 16 signed 8-bit scales, one per 16 values
+    if name == "Q6_K":  # 16 signed 8-bit scales
         sc = b.sitofp(q.bytes(b.add(o, ir.Constant(o.type, 192)), 16), q.vec(q.f32, 16))
-        return b.fmul(b.fmul(sc, b.shuffle_vector(dxv, dxv, every)), q.splat(d, 16)), None
+        return b.fmul(sc, q.splat(d, 16)), None
     sc, mn = _k4_scale_bytes(q, o)
     f8 = q.vec(q.f32, 8)
-    scales = b.fmul(b.fmul(b.uitofp(sc, f8), dxv), q.splat(d, 8))
     dmin = b.fneg(q.f16(b.add(o, ir.Constant(o.type, 2))))
+    return b.fmul(b.uitofp(sc, f8), q.splat(d, 8)), b.fmul(b.uitofp(mn, f8), q.splat(dmin, 8))
+
+
+def _k_row_scales(q, scales, mins, dxv, xsv):
+    """One input row's (scales, bias) from _k_scales: scales[l] of value l * 16 of the block times
+    the row's activation scale (dxv: the 8 of the block), bias the vector whose lane sum is the
+    block's min term (xsv: the 16 code sums); None for no min."""
+    b = q.b
+    every = ir.Constant(q.vec(q.i32, 16), [l // 2 for l in range(16)])
+    if mins is None:
+        return b.fmul(scales, b.shuffle_vector(dxv, dxv, every)), None
+    scales = b.fmul(scales, dxv)
     pairs = [b.shuffle_vector(xsv, xsv, ir.Constant(q.vec(q.i32, 8), list(range(h, 16, 2)))) for h in (0, 1)]
-    sums = b.sitofp(b.add(*pairs), f8)  # code sums per 32
-    return b.shuffle_vector(scales, scales, every), b.fmul(b.fmul(b.fmul(b.uitofp(mn, f8), dxv), sums), q.splat(dmin, 8))
+    sums = b.sitofp(b.add(*pairs), q.vec(q.f32, 8))  # code sums per 32
+    return b.shuffle_vector(scales, scales, every), b.fmul(b.fmul(mins, dxv), sums)
 
 
 # block type -> (bytes per block, groups of 32 values per block)
@@ -951,9 +976,18 @@ def _make_rows_vnni(name):
     return rows_vnni
 
 
-def _dot_group(q, xq_a, xi, codes, offset, wide):
-    """int32 lanes of sum(code * xq) over one group: vpdpbusd (int8 x, unsigned codes), or
-    vpdpwssd (int16 x, signed words: the codes less their offset)."""
+def _group_words(q, codes, offset, wide):
+    """A group's 32 codes as the weight operand of _dot_group: the unsigned bytes (int8 path), or
+    signed words, the codes less their offset (int16 path)."""
+    if not wide:
+        return codes
+    w16 = q.vec(ir.IntType(16), 32)
+    return q.b.sub(q.b.zext(codes, w16), ir.Constant(w16, [offset] * 32))
+
+
+def _dot_group(q, xq_a, xi, words, wide):
+    """int32 lanes of sum(code * xq) over one group (words: _group_words): vpdpbusd (int8 x,
+    unsigned codes), or vpdpwssd (int16 x, signed words)."""
     b = q.b
     lanes = 16 if wide else 8
     i32v = q.vec(q.i32, lanes)
@@ -961,29 +995,54 @@ def _dot_group(q, xq_a, xi, codes, offset, wide):
     xt = q.vec(ir.IntType(16) if wide else q.i8, 32)
     xv = b.load(b.bitcast(b.gep(xq_a.data, [xi]), xt.as_pointer()), align=1)
     if wide:
-        codes = b.sub(b.zext(codes, xt), ir.Constant(xt, [offset] * 32))
-        return _dot_words(b, zero, b.bitcast(codes, i32v), b.bitcast(xv, i32v))
+        return _dot_words(b, zero, b.bitcast(words, i32v), b.bitcast(xv, i32v))
     dp = cgutils.get_or_insert_function(b.module, ir.FunctionType(i32v, [i32v] * 3), "llvm.x86.avx512.vpdpbusd.256")
-    return b.call(dp, [zero, b.bitcast(codes, i32v), b.bitcast(xv, i32v)])
+    return b.call(dp, [zero, b.bitcast(words, i32v), b.bitcast(xv, i32v)])
 
 
-def _bias(q, xs_at, offset, a_lo, a_hi, m, wide):
-    """sum(xq) times the b term of a group (values a * code + b), None when it has none; the
+def _bias(q, xs_at, offset, a, m, wide):
+    """sum(xq) times the b term of a block (values a * code + b), None when it has none; the
     int16 path has the offsets in its signed codes, the int8 path needs them here."""
     b = q.b
-    xs = [b.sitofp(b.load(xs_at(h)), q.f32) for h in (0, 1)] if m is not None or not wide else None
-    terms = []
-    if m is not None:
-        terms.append(b.fmul(m, b.fadd(xs[0], xs[1])))
+    terms = [m] if m is not None else []
     if offset and not wide:
-        minus = ir.Constant(q.f32, -float(offset))
-        if a_lo is a_hi:
-            terms.append(b.fmul(b.fmul(a_lo, minus), b.fadd(xs[0], xs[1])))
-        else:
-            terms += [b.fmul(b.fmul(a, minus), x) for a, x in zip((a_lo, a_hi), xs)]
-    while len(terms) > 1:
-        terms = [b.fadd(terms[0], terms[1])] + terms[2:]
-    return terms[0] if terms else None
+        terms.append(b.fmul(a, ir.Constant(q.f32, -float(offset))))
+    if not terms:
+        return None
+    total = b.sitofp(b.add(b.load(xs_at(0)), b.load(xs_at(1))), q.f32)  # exact: |sum| < 2^21
+    return b.fmul(terms[0] if len(terms) == 1 else b.fadd(*terms), total)
+
+
+# input rows that share one unpacking of a weight row's blocks (codes, scales), largest first: a
+# pass of 4 rows, then at most one of 2 and one of 1 for the rest
+ROW_PASSES = (4, 2, 1)
+
+
+class _RowSums:
+    """One input row's sums over a weight row, in allocas (registers once LLVM promotes them): two
+    vector chains of FMAs, two scalar chains of bias terms, and the int8 path's K-quant min terms."""
+
+    def __init__(self, q, i, lanes, kbias_lanes):
+        self.q, self.i, b = q, i, q.b
+        self.accs = [cgutils.alloca_once_value(b, ir.Constant(q.vec(q.f32, lanes), [0.0] * lanes)) for _ in range(2)]
+        self.corrs = [cgutils.alloca_once_value(b, ir.Constant(q.f32, 0.0)) for _ in range(2)]
+        self.kbias = cgutils.alloca_once_value(b, ir.Constant(q.vec(q.f32, kbias_lanes), [0.0] * kbias_lanes))
+
+    def add(self, slot, value):
+        self.q.b.store(self.q.b.fadd(self.q.b.load(slot), value), slot)
+
+    def fma(self, chain, a, x):
+        """accs[chain] += a * x."""
+        b, acc = self.q.b, self.accs[chain]
+        fn = cgutils.get_or_insert_function(b.module, ir.FunctionType(a.type, [a.type] * 3),
+                                            f"llvm.fma.v{a.type.count}f32")
+        b.store(b.call(fn, [a, x, b.load(acc)]), acc)
+
+    def total(self):
+        b, q = self.q.b, self.q
+        total = q.hsum(b.fadd(b.load(self.accs[0]), b.load(self.accs[1])))
+        corr = b.fadd(b.load(self.corrs[0]), b.load(self.corrs[1]))
+        return b.fadd(total, b.fadd(corr, q.hsum(b.load(self.kbias))))
 
 
 def _rows_vnni_codegen(name, wide):
@@ -996,114 +1055,129 @@ def _rows_vnni_codegen(name, wide):
         q = _Ir(builder, w_a.data)
         f32v = q.vec(q.f32, lanes)
         intp = context.get_value_type(types.intp)
-        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(f32v, [f32v] * 3), f"llvm.fma.v{lanes}f32")
-        first_half = ir.Constant(q.vec(ir.IntType(1), lanes), [lane < lanes // 2 for lane in range(lanes)])
         n, k = cgutils.unpack_tuple(builder, xq_a.shape)
         nb = builder.udiv(cgutils.unpack_tuple(builder, w_a.shape)[0], ir.Constant(intp, size))
-        accs = [cgutils.alloca_once(builder, f32v) for _ in range(2)]  # two chains of FMAs
-        corrs = [cgutils.alloca_once(builder, q.f32) for _ in range(2)]  # and of bias terms
-        kbias = cgutils.alloca_once(builder, q.vec(q.f32, 16 if name == "Q6_K" else 8))  # K-quant min terms
 
         def c(v):
             return ir.Constant(intp, v)
 
-        def group(i, blk, g, chain):
-            q.prefetch(builder.mul(blk, c(size)), size)
-            codes, offset, a_lo, a_hi, m = _group(name, q, builder.mul(blk, c(size)), g)
-            at = builder.add(builder.mul(blk, c(groups)), c(g))  # the activation block
-            dot = _dot_group(q, xq_a, builder.add(builder.mul(i, k), builder.mul(at, c(32))), codes, offset, wide)
-            dx = builder.load(builder.gep(xd_a.data, [builder.add(builder.mul(i, builder.udiv(k, c(32))), at)]))
-            s = builder.add(builder.mul(i, builder.udiv(k, c(16))), builder.mul(at, c(2)))
-            scale = q.splat(builder.fmul(a_lo, dx), lanes)
-            if a_lo is not a_hi:
-                scale = builder.select(first_half, scale, q.splat(builder.fmul(a_hi, dx), lanes))
-            acc, corr = accs[chain], corrs[chain]
-            builder.store(builder.call(fma, [builder.sitofp(dot, f32v), scale, builder.load(acc)]), acc)
-            bias = _bias(q, lambda h: builder.gep(xs_a.data, [builder.add(s, c(h))]), offset, a_lo, a_hi, m, wide)
-            if bias is not None:
-                builder.store(builder.fadd(builder.load(corr), builder.fmul(bias, dx)), corr)
+        def x_at(row, blk, g):
+            """Index in xq of group g of block blk, input row row."""
+            at = builder.add(builder.mul(blk, c(groups)), c(g))
+            return builder.add(builder.mul(row.i, k), builder.mul(at, c(32)))
 
-        def block_inputs(i, blk):
-            """Super-block blk's byte offset (its lines ahead prefetched), and its 8 activation
-            scales and 16 code sums of input row i."""
+        def group(rows, blk, chain):
+            """Block blk of a one-group type (one scale) for every row of the pass, on chain."""
             o = builder.mul(blk, c(size))
             q.prefetch(o, size)
-            at = builder.add(builder.mul(i, builder.udiv(k, c(32))), builder.mul(blk, c(8)))
+            codes, offset, a, _, m = _group(name, q, o, 0)  # one scale for the 32 values
+            words = _group_words(q, codes, offset, wide)
+            half = lanes // 2
+            for row in rows:
+                dot = _dot_group(q, xq_a, x_at(row, blk, 0), words, wide)
+                dot = q.fold(dot)  # one scale: the halves of the lanes add up before the float conversion
+                dx = builder.gep(xd_a.data, [builder.add(builder.mul(row.i, builder.udiv(k, c(32))), blk)])
+                dx = builder.load(dx)
+                row.fma(chain, builder.sitofp(dot, q.vec(q.f32, half)), q.splat(builder.fmul(a, dx), half))
+                s = builder.add(builder.mul(row.i, builder.udiv(k, c(16))), builder.mul(blk, c(2)))
+                bias = _bias(q, lambda h: builder.gep(xs_a.data, [builder.add(s, c(h))]), offset, a, m, wide)
+                if bias is not None:
+                    row.add(row.corrs[chain], builder.fmul(bias, dx))
+
+        def row_inputs(row, blk):
+            """Super-block blk's 8 activation scales and 16 code sums of an input row."""
+            at = builder.add(builder.mul(row.i, builder.udiv(k, c(32))), builder.mul(blk, c(8)))
             dxv = builder.load(builder.bitcast(builder.gep(xd_a.data, [at]), q.vec(q.f32, 8).as_pointer()), align=4)
             xsv = builder.load(builder.bitcast(builder.gep(xs_a.data, [builder.mul(at, c(2))]),
                                                q.vec(q.i32, 16).as_pointer()), align=4)
-            return o, dxv, xsv
+            return dxv, xsv
 
-        def super_block(i, blk):
-            o, dxv, xsv = block_inputs(i, blk)
-            scales, bias = _k_scales(name, q, o, dxv, xsv)  # scales: one per 16 values
+        def super_block(rows, blk):
+            """K-quant super-block blk, int8 path, for every row of the pass."""
+            o = builder.mul(blk, c(size))
+            q.prefetch(o, size)
+            block_scales = _k_scales(name, q, o)
+            inputs = [row_inputs(row, blk) for row in rows]
+            scaled = [_k_row_scales(q, *block_scales, dxv, xsv) for dxv, xsv in inputs]  # one per 16 values
             for g in range(groups):
                 codes, offset = _group(name, q, o, g)[:2]
-                xi = builder.add(builder.mul(i, k), builder.mul(builder.add(builder.mul(blk, c(8)), c(g)), c(32)))
-                dot = _dot_group(q, xq_a, xi, codes, offset, wide)
-                index = [2 * g + (lane >= lanes // 2) for lane in range(lanes)]
-                scale = builder.shuffle_vector(scales, scales, ir.Constant(q.vec(q.i32, lanes), index))
-                acc = accs[g % 2]
-                builder.store(builder.call(fma, [builder.sitofp(dot, f32v), scale, builder.load(acc)]), acc)
-            if name == "Q6_K" and not wide:  # the codes' offset 32, on int8 activations
-                bias = builder.fmul(builder.fmul(scales, builder.sitofp(xsv, q.vec(q.f32, 16))), q.splat(ir.Constant(q.f32, -32.0), 16))
-            if bias is not None:
-                builder.store(builder.fadd(builder.load(kbias), bias), kbias)
+                index = ir.Constant(q.vec(q.i32, lanes), [2 * g + (lane >= lanes // 2) for lane in range(lanes)])
+                for row, (scales, _) in zip(rows, scaled):
+                    dot = _dot_group(q, xq_a, x_at(row, blk, g), codes, wide)
+                    row.fma(g % 2, builder.sitofp(dot, f32v), builder.shuffle_vector(scales, scales, index))
+            for row, (scales, bias), (_, xsv) in zip(rows, scaled, inputs):
+                if name == "Q6_K":  # the codes' offset 32, on int8 activations
+                    bias = builder.fmul(builder.fmul(scales, builder.sitofp(xsv, q.vec(q.f32, 16))),
+                                        q.splat(ir.Constant(q.f32, -32.0), 16))
+                if bias is not None:
+                    row.add(row.kbias, bias)
 
-        def super_block_words(i, blk):
+        def super_block_words(rows, blk):
             # int16 activations share one scale per super-block (activation_group): the sub-block
-            # scales multiply the codes in int16 and the 8 groups sum in int32 (|sum| < 2^30)
-            o, dxv, xsv = block_inputs(i, blk)
-            dx = builder.extract_element(dxv, ir.Constant(q.i32, 0))
-            w16, bias = q.vec(ir.IntType(16), 32), None
+            # scales multiply the codes in int16 and the 8 groups sum in int32 (|sum| < 2^30), the
+            # lanes of uniform scale folded to 8 (one AVX2 register per input row)
+            o = builder.mul(blk, c(size))
+            q.prefetch(o, size)
+            w16, i32v = q.vec(ir.IntType(16), 32), q.vec(q.i32, 16)
             if name == "Q6_K":
                 scales = builder.sext(q.bytes(builder.add(o, c(192)), 16), q.vec(ir.IntType(16), 16))
             else:
                 scales, mins = _k4_scale_bytes(q, o)
                 scales = builder.zext(scales, q.vec(ir.IntType(16), 8))
-                # the mins times the code sums per 16 of the activations
                 mins = builder.shuffle_vector(mins, mins, ir.Constant(q.vec(q.i32, 16), [l // 2 for l in range(16)]))
-                dmin = builder.fneg(builder.fmul(q.f16(builder.add(o, c(2))), dx))
-                bias = builder.fmul(builder.fmul(builder.uitofp(mins, f32v), builder.sitofp(xsv, f32v)),
-                                    q.splat(dmin, lanes))
-            i32v = q.vec(q.i32, 16)
-            sums = [ir.Constant(i32v, [0] * 16)] * 2  # two chains
+                mins, dmin = builder.uitofp(mins, f32v), builder.fneg(q.f16(builder.add(o, c(2))))
+            d = q.f16(builder.add(o, c(208 if name == "Q6_K" else 0)))
+            chains = 2 if len(rows) == 1 else 1  # int32 sums per input row
+            width = 16 if WORDS_VNNI else 8  # vpdpwssd accumulates in its 16 lanes
+            sums = [[ir.Constant(q.vec(q.i32, width), [0] * width)] * chains for _ in rows]
             for g in range(groups):
                 codes, index = _k_words(name, q, o, g)
                 scale = builder.shuffle_vector(scales, scales, ir.Constant(q.vec(q.i32, 32), index))
-                xi = builder.add(builder.mul(i, k), builder.mul(builder.add(builder.mul(blk, c(8)), c(g)), c(32)))
-                xv = builder.load(builder.bitcast(builder.gep(xq_a.data, [xi]), w16.as_pointer()), align=1)
                 product = builder.bitcast(builder.mul(codes, scale), i32v)
-                sums[g % 2] = _dot_words(builder, sums[g % 2], product, builder.bitcast(xv, i32v))
-            total = builder.fadd(builder.sitofp(sums[0], f32v), builder.sitofp(sums[1], f32v))
-            d = q.f16(builder.add(o, c(208 if name == "Q6_K" else 0)))
-            acc = accs[0]
-            builder.store(builder.call(fma, [total, q.splat(builder.fmul(d, dx), lanes), builder.load(acc)]), acc)
-            if bias is not None:
-                builder.store(builder.fadd(builder.load(accs[1]), bias), accs[1])
+                for row, row_sums in zip(rows, sums):
+                    xv = builder.bitcast(builder.gep(xq_a.data, [x_at(row, blk, g)]), w16.as_pointer())
+                    xv, h = builder.bitcast(builder.load(xv, align=1), i32v), g % chains
+                    if WORDS_VNNI:
+                        row_sums[h] = _dot_words(builder, row_sums[h], product, xv)
+                    else:
+                        dot = _dot_words(builder, ir.Constant(i32v, [0] * 16), product, xv)
+                        row_sums[h] = builder.add(row_sums[h], q.fold(dot))
+            f8 = q.vec(q.f32, 8)
+            for row, row_sums in zip(rows, sums):
+                dxv, xsv = row_inputs(row, blk)
+                dx = builder.extract_element(dxv, ir.Constant(q.i32, 0))
+                total = row_sums[0] if chains == 1 else builder.add(*row_sums)
+                total = builder.sitofp(q.fold(total) if WORDS_VNNI else total, f8)
+                row.fma(0, total, q.splat(builder.fmul(d, dx), 8))
+                if name != "Q6_K":  # the mins times the code sums per 16 of the activations
+                    bias = q.fold(builder.fmul(mins, builder.sitofp(xsv, f32v)))
+                    row.fma(0, bias, q.splat(builder.fmul(dmin, dx), 8))
 
-        with cgutils.for_range(builder, n) as rows:
-            i = rows.index
-            for acc, corr in zip(accs, corrs):
-                builder.store(ir.Constant(f32v, [0.0] * lanes), acc)
-                builder.store(ir.Constant(q.f32, 0.0), corr)
-            builder.store(ir.Constant(kbias.type.pointee, [0.0] * kbias.type.pointee.count), kbias)
-            if groups == 1:  # blocks in pairs, one on each chain
+        def rows_pass(i0, together):
+            rows = [_RowSums(q, builder.add(i0, c(r)), lanes // 2 if groups == 1 else 8, 16 if name == "Q6_K" else 8)
+                    for r in range(together)]
+            if groups == 1:  # blocks in pairs, one on each chain (a pass of several rows has chains enough)
                 with cgutils.for_range(builder, builder.udiv(nb, c(2))) as pairs:
                     for h in (0, 1):
-                        group(i, builder.add(builder.mul(pairs.index, c(2)), c(h)), 0, h)
+                        group(rows, builder.add(builder.mul(pairs.index, c(2)), c(h)), h if together == 1 else 0)
                 with builder.if_then(builder.icmp_unsigned("!=", builder.urem(nb, c(2)), c(0))):
-                    group(i, builder.sub(nb, c(1)), 0, 0)
+                    group(rows, builder.sub(nb, c(1)), 0)
             else:
                 with cgutils.for_range(builder, nb) as blocks:
-                    (super_block_words if wide else super_block)(i, blocks.index)
-            total = q.hsum(builder.fadd(builder.load(accs[0]), builder.load(accs[1])))
-            corr = builder.fadd(builder.load(corrs[0]), builder.load(corrs[1]))
-            value = builder.fadd(total, builder.fadd(corr, q.hsum(builder.load(kbias))))
+                    (super_block_words if wide else super_block)(rows, blocks.index)
             st0, st1 = cgutils.unpack_tuple(builder, out_a.strides)  # out may be a column slice
-            ptr = builder.gep(builder.bitcast(out_a.data, q.i8.as_pointer()),
-                              [builder.add(builder.mul(i, st0), builder.mul(args[5], st1))])
-            builder.store(value, builder.bitcast(ptr, q.f32.as_pointer()))
+            for row in rows:
+                ptr = builder.gep(builder.bitcast(out_a.data, q.i8.as_pointer()),
+                                  [builder.add(builder.mul(row.i, st0), builder.mul(args[5], st1))])
+                builder.store(row.total(), builder.bitcast(ptr, q.f32.as_pointer()))
+
+        done = cgutils.alloca_once_value(builder, c(0))  # input rows summed
+        for together in ROW_PASSES:
+            start = builder.load(done)
+            passes = builder.udiv(builder.sub(n, start), c(together))
+            with cgutils.for_range(builder, passes) as loop:
+                rows_pass(builder.add(start, builder.mul(loop.index, c(together))), together)
+            builder.store(builder.add(start, builder.mul(passes, c(together))), done)
         return context.get_dummy_value()
 
     return codegen
