@@ -370,6 +370,7 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # through the finally blocks that stop the servers
     console = Console() if sys.stdout.isatty() else Console(width=160)  # the table in a log file too
     context = context_per_agent(args)
     order = trace_order(args.agents, args.turns, args.shuffle)
