@@ -1,4 +1,4 @@
-"""Native llama.cpp for the benchmarks: llama-bench and llama-quantize, built on demand.
+"""Native llama.cpp for the benchmarks: llama-bench, llama-quantize and llama-server, built on demand.
 
 The binaries are built (cmake, GGML_NATIVE: this CPU's instruction set) from the llama.cpp sources
 that the llama-cpp-python sdist vendors, so the version is pinned by LLAMA_CPP_PYTHON, into a cache
@@ -21,7 +21,7 @@ import tempfile
 from pathlib import Path
 
 LLAMA_CPP_PYTHON = "0.3.36"  # the sdist whose vendored llama.cpp is built
-BINARIES = ("llama-bench", "llama-quantize")
+BINARIES = ("llama-bench", "llama-quantize", "llama-server")
 # ggml's AMX kernels (compiled in by -march=native on CPUs with AMX) crash this llama.cpp's prompt
 # processing of Q8_0 and Q4_K weights (SIGSEGV, SIGILL) on the machine these figures come from;
 # explicit -mno-* flags win over -march=native in GCC, so the AVX-512/VNNI kernels serve instead.
@@ -41,7 +41,7 @@ def is_built(root: Path) -> bool:
 
 
 def build(root: Path, log=print) -> Path:
-    """Build llama-bench and llama-quantize into root/bin unless they are there; returns root/bin."""
+    """Build the BINARIES into root/bin unless they are there; returns root/bin."""
     if is_built(root):
         return root / "bin"
     for tool in ("cmake", "c++"):
@@ -72,10 +72,19 @@ def build(root: Path, log=print) -> Path:
     return root / "bin"
 
 
+def _env(root: Path) -> dict:
+    """The environment a binary runs in: the build's shared libraries (libllama, libggml) first."""
+    bin_dir = str(root / "bin")
+    return dict(os.environ, LD_LIBRARY_PATH=os.pathsep.join(filter(None, [bin_dir, os.environ.get("LD_LIBRARY_PATH")])))
+
+
 def _run(root: Path, name: str, args: list[str], **kwargs) -> subprocess.CompletedProcess:
-    bin_dir = root / "bin"
-    env = dict(os.environ, LD_LIBRARY_PATH=os.pathsep.join(filter(None, [str(bin_dir), os.environ.get("LD_LIBRARY_PATH")])))
-    return subprocess.run([str(bin_dir / name), *args], env=env, text=True, **kwargs)
+    return subprocess.run([str(root / "bin" / name), *args], env=_env(root), text=True, **kwargs)
+
+
+def start(root: Path, name: str, args: list[str], **kwargs) -> subprocess.Popen:
+    """Start a binary (e.g. llama-server) in the background; kwargs go to Popen."""
+    return subprocess.Popen([str(root / "bin" / name), *args], env=_env(root), **kwargs)
 
 
 def quantize(root: Path, src: Path, dst: Path, qtype: str, allow_requantize: bool = False) -> Path:
