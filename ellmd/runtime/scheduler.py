@@ -72,14 +72,13 @@ class Policy:
         larger one (gap_ratio None: whole chunks) runs on its own."""
         if not decoding or self.gap_ratio is None:
             return self.chunk_size
-        if room > 0:
-            if self.decode_s is None or self.ride_s is None:
-                return min(room, self.min_chunk)
-            return max(1, min(room, self.chunk_size, int(self.gap_ratio * self.decode_s / max(self.ride_s, 1e-9))))
-        if self.decode_s is None or self.token_s is None:
-            return self.min_chunk  # not measured yet: the cautious size, measured from then on
-        tokens = int(self.gap_ratio * self.decode_s / self.token_s)
-        return max(self.min_chunk, min(self.chunk_size, tokens))
+        # a riding token has no forward of its own to amortize: one is enough
+        per_token, most, least = (self.ride_s, min(room, self.chunk_size), 1) if room > 0 else \
+            (self.token_s, self.chunk_size, self.min_chunk)
+        if self.decode_s is None or per_token is None:
+            return min(most, self.min_chunk)  # not measured yet: the cautious size, measured from then on
+        tokens = int(self.gap_ratio * self.decode_s / max(per_token, 1e-9))
+        return max(least, min(most, tokens))
 
     def next_prefill(self, jobs: list):
         """The prefill job to run a chunk of next (jobs in arrival order), or None."""
