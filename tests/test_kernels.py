@@ -152,6 +152,9 @@ def test_silu_mul(rng, n, inter):
     activations.silu_mul(gu, got)
     activations.silu_mul_ref(gu, want)
     np.testing.assert_allclose(got, want, **TOL)
+    last = np.empty((1, inter), np.float32)
+    activations.silu_mul(gu[-1:], last)  # alone on the calling thread, the same bits as among many rows
+    assert np.array_equal(last[0], got[-1])
 
 
 # --- rope --------------------------------------------------------------------------------
@@ -367,6 +370,11 @@ def test_attention_decode(rng, fmt, lengths, kvh, group, hd):
     attention.attention_decode(q, k, v, fmt, slot_ids, lengths, hd**-0.5, got, *scratch)
     attention.attention_decode_ref(q, k, v, fmt, slot_ids, lengths, hd**-0.5, want, *scratch)
     np.testing.assert_allclose(got, want, **TOL)
+    for b in range(batch):  # each row alone, to the bit: its key splits follow its own length only
+        alone = np.empty_like(q[:1])
+        attention.attention_decode(q[b : b + 1], k, v, fmt, slot_ids[b : b + 1], lengths[b : b + 1], hd**-0.5, alone,
+                                   *scratch)
+        assert np.array_equal(alone[0], got[b]), f"row {b}"
 
 
 def test_decode_matches_prefill_of_last_token(rng, monkeypatch):

@@ -104,6 +104,22 @@ def test_matmul_on_blocks(rng, use_kernels, kernels, name, n):
     assert_f32_close(out, want)
 
 
+@pytest.mark.parametrize("kernels", ["vnni", "int16", "portable"])
+@pytest.mark.parametrize("name", NAMES)
+def test_a_row_sums_the_same_whatever_rows_share_its_pass(rng, use_kernels, kernels, name):
+    # a session decodes to the same numbers alone, in a batch, or beside a riding prefill: seven
+    # rows take passes of 4, 2 and 1, and each must equal itself multiplied alone, to the bit
+    use_kernels(kernels)
+    w = blocks(rng, name, 37)
+    x = rng.standard_normal((7, K)).astype(np.float32)
+    together = np.zeros((7, 37), np.float32)
+    matmul.matmul(x, w, F32, together, None)
+    for i in range(7):
+        alone = np.zeros((1, 37), np.float32)
+        matmul.matmul(x[i : i + 1], w, F32, alone, None)
+        assert np.array_equal(together[i], alone[0]), f"row {i}"
+
+
 @pytest.mark.parametrize("dtype", [np.int8, np.int16])
 def test_quantize_activations_matches_reference(rng, dtype):
     group = quant.activation_group(K, np.dtype(dtype).itemsize)  # int16: one scale per 256 values

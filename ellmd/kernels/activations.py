@@ -39,7 +39,9 @@ def exp_f32(x):
     return e if x >= np.float32(-87.33654) else np.float32(0.0)
 
 
-@numba.njit(cache=True, nogil=True, fastmath=True)
+# fastmath without arcp: with it LLVM rewrote the division one way in the serial path and another
+# in the parallel one, and a row's numbers changed with the rows beside it
+@numba.njit(cache=True, nogil=True, fastmath={"nnan", "ninf", "nsz", "contract", "afn", "reassoc"})
 def _silu_mul_rows(gate_up, out, lo, hi):
     inter = out.shape[1]
     for i in range(lo, hi):

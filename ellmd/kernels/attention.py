@@ -707,22 +707,35 @@ def _decode_split(q, k_head, v_head, b, h, k0, k1, scale, m, l, acc_out, tile):
             acc_out[gi, d] = acc[gi, d]
 
 
+@numba.njit(cache=True, nogil=True, fastmath=True, inline="always")
+def _row_splits(length, kvh, nsplit):
+    """Key splits of a decode row: decided by its own length alone, never by the rows beside it, so
+    that a session's numbers are the same whether it decodes alone, in a batch, or beside a prefill
+    riding its step (the splits' merge sums in another order than one pass over the keys)."""
+    return nsplit if length * kvh >= DECODE_PARALLEL_MIN else 1
+
+
 @numba.njit(cache=True, nogil=True, fastmath=True)
 def _decode_part(q, k_layer, v_layer, slots, lengths, scale, partial_m, partial_l, partial_acc, tile, s, nsplit):
-    """Split s of nsplit of every sequence and kv head into partial_*[s]."""
+    """Task s of nsplit: split s of every row long enough to split, and the whole of every other
+    row whose turn it is (rows taken in turns); partial_*[split, row]; tile[s]: its scratch."""
     heads = q.shape[1]
     kvh = k_layer.shape[1]
     g = heads // kvh
     for b in range(q.shape[0]):
         length = lengths[b]
-        per = (length + nsplit - 1) // nsplit
-        k0 = min(length, s * per)
+        splits = _row_splits(length, kvh, nsplit)
+        if splits == 1 and b % nsplit != s:
+            continue
+        part = np.int64(s) if splits > 1 else np.int64(0)  # one type (a prange index may be unsigned)
+        per = (length + splits - 1) // splits
+        k0 = min(length, part * per)
         k1 = min(length, k0 + per)
         for h in range(kvh):
             _decode_split(
                 q, k_layer[slots[b], h], v_layer[slots[b], h], b, h, k0, k1, scale,
-                partial_m[s, b, h * g : h * g + g], partial_l[s, b, h * g : h * g + g],
-                partial_acc[s, b, h * g : h * g + g], tile[s],
+                partial_m[part, b, h * g : h * g + g], partial_l[part, b, h * g : h * g + g],
+                partial_acc[part, b, h * g : h * g + g], tile[s],
             )
 
 
@@ -733,19 +746,20 @@ def _decode_parallel(q, k_layer, v_layer, slots, lengths, scale, partial_m, part
 
 
 @numba.njit(cache=True, nogil=True, fastmath=True)
-def _merge_splits(partial_m, partial_l, partial_acc, nsplit, out):
-    """out = the softmax-weighted merge of the nsplit partial results."""
+def _merge_splits(partial_m, partial_l, partial_acc, lengths, kvh, nsplit, out):
+    """out = the softmax-weighted merge of each row's partial results (_row_splits of them)."""
     batch, heads, hd = out.shape
     for b in range(batch):
+        splits = _row_splits(lengths[b], kvh, nsplit)
         for hq in range(heads):
             mx = _NO_MAX
-            for s in range(nsplit):
+            for s in range(splits):
                 mx = max(mx, partial_m[s, b, hq])
             total = np.float32(0.0)
             o = out[b, hq]
             for d in range(hd):
                 o[d] = np.float32(0.0)
-            for s in range(nsplit):
+            for s in range(splits):
                 w = exp_f32(partial_m[s, b, hq] - mx)
                 total += w * partial_l[s, b, hq]
                 pa = partial_acc[s, b, hq]
@@ -756,6 +770,19 @@ def _merge_splits(partial_m, partial_l, partial_acc, nsplit, out):
                 o[d] *= inv
 
 
+@numba.njit(cache=True, nogil=True, fastmath=True)
+def decode_rows(q, k_layer, v_layer, slots, lengths, scale, partial_m, partial_l, partial_acc, tile, nsplit, out):
+    """attention_decode on kernel views, nsplit = the threads to share it (at most the scratch's
+    splits): on the calling thread when the step is short, else one task per thread."""
+    kvh = k_layer.shape[1]
+    if nsplit <= 1 or int(lengths.sum()) * kvh < DECODE_PARALLEL_MIN:
+        nsplit = 1  # every row is short: one split each, whichever thread runs it
+        _decode_part(q, k_layer, v_layer, slots, lengths, scale, partial_m, partial_l, partial_acc, tile, 0, 1)
+    else:
+        _decode_parallel(q, k_layer, v_layer, slots, lengths, scale, partial_m, partial_l, partial_acc, tile, nsplit)
+    _merge_splits(partial_m, partial_l, partial_acc, lengths, kvh, nsplit, out)
+
+
 def attention_decode(q, k_layer, v_layer, fmt, slots, lengths, scale, out, partial_m, partial_l, partial_acc, tile):
     """One query per batch row attending keys [0, lengths[b]) of slot slots[b] (flash decoding).
 
@@ -763,18 +790,13 @@ def attention_decode(q, k_layer, v_layer, fmt, slots, lengths, scale, out, parti
     int64 (lengths >= 1: the new token's k/v are stored first); out: [B, H, hd] float32.
     Scratch, float32, shapes from decode_scratch_shapes: partial_m, partial_l: [max_splits,
     >=B, H]; partial_acc: [max_splits, >=B, H, hd]; tile: [max_splits, tile_floats].
-    Every sequence is cut into the same number of key splits, one per thread, so each thread
-    gets an equal share of every sequence whatever the mix of lengths; the splits' partial
-    softmaxes are then merged. Short work runs on the calling thread. Allocates nothing.
+    A long row is cut into one key split per thread, whatever the mix of lengths, and the splits'
+    partial softmaxes are then merged; short rows go whole to the threads in turns (_row_splits).
+    Short work runs on the calling thread. Allocates nothing.
     """
     k_layer, v_layer = kernel_view(k_layer, fmt), kernel_view(v_layer, fmt)
     nsplit = min(partial_m.shape[0], numba.get_num_threads())
-    if nsplit <= 1 or int(lengths.sum()) * k_layer.shape[1] < DECODE_PARALLEL_MIN:
-        nsplit = 1
-        _decode_part(q, k_layer, v_layer, slots, lengths, scale, partial_m, partial_l, partial_acc, tile, 0, 1)
-    else:
-        _decode_parallel(q, k_layer, v_layer, slots, lengths, scale, partial_m, partial_l, partial_acc, tile, nsplit)
-    _merge_splits(partial_m, partial_l, partial_acc, nsplit, out)
+    decode_rows(q, k_layer, v_layer, slots, lengths, scale, partial_m, partial_l, partial_acc, tile, nsplit, out)
 
 
 def attention_decode_ref(q, k_layer, v_layer, fmt, slots, lengths, scale, out, partial_m, partial_l, partial_acc, tile):

@@ -28,7 +28,7 @@ from numba.extending import overload
 
 from ellmd.kernels import quant
 from ellmd.kernels.activations import PARALLEL_MIN, silu_mul
-from ellmd.kernels.attention import DECODE_PARALLEL_MIN, _decode_parallel, _decode_part, _merge_splits, _store
+from ellmd.kernels.attention import _store, decode_rows
 from ellmd.kernels.matmul import ROW_BLOCK, path_rows
 from ellmd.kernels.moe import _block_fused
 from ellmd.kernels.norm import _rmsnorm_rows, rmsnorm_heads
@@ -122,17 +122,9 @@ def _attention(weights, ws, n, slots, positions, shape, eps, scale, nsplit, path
     _rope_rows(k, positions, cos, sin, 0, n)
     k_layer, v_layer = kv_k[index], kv_v[index]
     _store(k, v, k_layer, v_layer, slots, positions)
-    total = 0
     for i in range(n):
         lengths[i] = positions[i] + 1
-        total += lengths[i]
-    out = attn[:n].reshape((n, H, d))
-    if nsplit <= 1 or total * G < DECODE_PARALLEL_MIN:
-        nsplit = 1
-        _decode_part(q, k_layer, v_layer, slots, lengths[:n], scale, pm, pl, pa, tile, 0, 1)
-    else:
-        _decode_parallel(q, k_layer, v_layer, slots, lengths[:n], scale, pm, pl, pa, tile, nsplit)
-    _merge_splits(pm, pl, pa, nsplit, out)
+    decode_rows(q, k_layer, v_layer, slots, lengths[:n], scale, pm, pl, pa, tile, nsplit, attn[:n].reshape((n, H, d)))
     _linear(attn[:n], o_w, h, acc, q8buf, integer, workers)
     _add(x, h)
     _rmsnorm_rows(x, ln2, eps, h, 0, n)

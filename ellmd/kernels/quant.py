@@ -747,10 +747,7 @@ class _Ir:
     def hsum(self, v):
         """The sum of a vector's lanes, halving it (a tree, not a chain of scalar adds)."""
         while v.type.count > 1:
-            half = v.type.count // 2
-            lo, hi = (self.b.shuffle_vector(v, v, ir.Constant(self.vec(self.i32, half), list(range(a, a + half))))
-                      for a in (0, half))
-            v = self.b.fadd(lo, hi)
+            v = self.fold(v)
         return self.b.extract_element(v, ir.Constant(self.i32, 0))
 
     def fold(self, v):
@@ -1156,10 +1153,10 @@ def _rows_vnni_codegen(name, wide):
         def rows_pass(i0, together):
             rows = [_RowSums(q, builder.add(i0, c(r)), lanes // 2 if groups == 1 else 8, 16 if name == "Q6_K" else 8)
                     for r in range(together)]
-            if groups == 1:  # blocks in pairs, one on each chain (a pass of several rows has chains enough)
+            if groups == 1:  # blocks in pairs, one on each chain, whatever the pass (a row sums in one order)
                 with cgutils.for_range(builder, builder.udiv(nb, c(2))) as pairs:
                     for h in (0, 1):
-                        group(rows, builder.add(builder.mul(pairs.index, c(2)), c(h)), h if together == 1 else 0)
+                        group(rows, builder.add(builder.mul(pairs.index, c(2)), c(h)), h)
                 with builder.if_then(builder.icmp_unsigned("!=", builder.urem(nb, c(2)), c(0))):
                     group(rows, builder.sub(nb, c(1)), 0)
             else:
