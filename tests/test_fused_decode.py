@@ -63,6 +63,18 @@ def assert_same(results, tolerance=2e-6):
             assert np.all(np.abs(got_f - want_f) <= np.abs(want_f) * 2.0**-7 + tolerance * np.abs(want_f).max())
 
 
+def assert_rows_as_alone(engine):
+    """Each session's logits in a batch step equal its step alone, to the bit: no row's numbers
+    depend on the rows beside it (matmul passes, attention splits, parallel thresholds)."""
+    for slot, prompt in enumerate(PROMPTS):
+        engine.rewind(slot, 0)
+        engine.prefill(slot, prompt)
+    together = engine.decode([0, 1, 2], [7, 8, 9]).copy()
+    for slot, token in enumerate([7, 8, 9]):
+        engine.rewind(slot, len(PROMPTS[slot]))
+        assert np.array_equal(engine.decode([slot], [token])[0], together[slot]), f"slot {slot}"
+
+
 # every family and every storage, each family on a float and a block format (each pair compiles
 # the fused step anew: the full product would add minutes of compile to the suite)
 CASES = [("llama", "f32"), ("llama", "q4_k"), ("qwen3", "bf16"), ("qwen3", "q8_0"), ("qwen3_moe", "f16"),
@@ -75,6 +87,7 @@ def test_fused_decode_equals_kernel_by_kernel(alignment_dir, variant, weight_dty
     results = decode_both_ways(engine)
     assert_same(results, integer_tolerance(weight_dtype.startswith("q")))
     assert np.abs(results[True][0][0]).max() > 0.1  # the logits are not trivially equal
+    assert_rows_as_alone(engine)
 
 
 def mixed_formats(engine):

@@ -237,7 +237,7 @@ def test_rope(rng, n, heads, hd):
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("n,m,k", [(1, 7, 5), (2, 33, 70), (3, 64, 129), (5, 257, 64), (16, 96, 200)])
+@pytest.mark.parametrize("n,m,k", [(1, 7, 5), (2, 33, 70), (3, 64, 129), (5, 257, 64), (16, 96, 200), (7, 40, 576)])
 def test_linear(rng, fmt, n, m, k):
     w = formats.to_storage(randn(rng, m, k), fmt)
     x = randn(rng, n, k)
@@ -245,6 +245,10 @@ def test_linear(rng, fmt, n, m, k):
     matmul.linear(x, w, fmt, got)
     matmul.linear_ref(x, w, fmt, want)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
+    for i in range(n):  # a row alone sums in the order it does among the others, to the bit
+        alone = np.empty((1, m), np.float32)
+        matmul.linear(x[i : i + 1], w, fmt, alone)
+        assert np.array_equal(alone[0], got[i]), f"row {i}"
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

@@ -14,6 +14,10 @@ from ellmd.kernels.formats import _bitcast_f32
 # Below this many elements the kernels run on the calling thread: a parallel launch costs
 # a few microseconds, more than the work of a decode step.
 PARALLEL_MIN = 1 << 15
+# fastmath without arcp, for the kernels whose silu divides: with it LLVM rewrote the division one
+# way in silu_mul's serial path and another in its parallel one, and a row's numbers changed with
+# the rows beside it
+FASTMATH_DIVIDES = {"nnan", "ninf", "nsz", "contract", "afn", "reassoc"}
 
 
 @numba.njit(cache=True, nogil=True, fastmath=True, inline="always")
@@ -39,9 +43,7 @@ def exp_f32(x):
     return e if x >= np.float32(-87.33654) else np.float32(0.0)
 
 
-# fastmath without arcp: with it LLVM rewrote the division one way in the serial path and another
-# in the parallel one, and a row's numbers changed with the rows beside it
-@numba.njit(cache=True, nogil=True, fastmath={"nnan", "ninf", "nsz", "contract", "afn", "reassoc"})
+@numba.njit(cache=True, nogil=True, fastmath=FASTMATH_DIVIDES)
 def _silu_mul_rows(gate_up, out, lo, hi):
     inter = out.shape[1]
     for i in range(lo, hi):

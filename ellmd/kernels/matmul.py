@@ -8,8 +8,10 @@ Shape legend:
 
 Decode (small n) is memory-bound: `linear` streams each weight row once for all n inputs,
 converting bf16/f16 in registers, two rows x four inputs per pass so that the vector FMAs are
-not starved by loads; inputs left over from the fours (all of them at n = 1) go through
-_stream_rows, four rows side by side with software prefetches a few passes ahead. Prefill (large n) is compute-bound: `linear_prefill` packs panels of
+not starved by loads; inputs left over from the fours (all of them at n = 1) go four weight
+rows side by side, with software prefetches a few passes ahead. Both passes sum a row in one
+order, so an input row's result does not depend on the rows beside it (a session decodes the
+same alone or in a batch). Prefill (large n) is compute-bound: `linear_prefill` packs panels of
 PANEL weight rows to float32 (transposed) and runs the SIMD micro-kernel of tile.py over
 blocks of inputs; on the "bf16" path (cpu.py), where the CPU has AMX, bf16 weights go to the
 AMX GEMM of bf16.py instead (activations split into two bf16 halves). `matmul` picks one by n.
@@ -40,136 +42,121 @@ INPUT_BLOCK = 120  # input rows multiplied per packed panel pass (stay in L2; a 
 DEPTH_BLOCK = 128  # depth of one micro-kernel call: its panel slice (16 KiB) and rows of x stay in L1
 
 
-@numba.njit(cache=True, nogil=True, fastmath=True, inline="always")
-def _dot_pair(x, w0, w1, out, j, j2):
-    """out[:, j] = x @ w0, out[:, j2] = x @ w1; w0, w1 rows of storage, decoded in registers."""
-    n, k = x.shape
-    zero = np.float32(0.0)
-    for i in range(0, n - 3, 4):
-        x0, x1, x2, x3 = x[i], x[i + 1], x[i + 2], x[i + 3]
-        a0 = a1 = a2 = a3 = b0 = b1 = b2 = b3 = zero
-        for c in range(k):
-            u = decode(w0[c])
-            v = decode(w1[c])
-            a0 += x0[c] * u
-            a1 += x1[c] * u
-            a2 += x2[c] * u
-            a3 += x3[c] * u
-            b0 += x0[c] * v
-            b1 += x1[c] * v
-            b2 += x2[c] * v
-            b3 += x3[c] * v
-        out[i, j] = a0
-        out[i + 1, j] = a1
-        out[i + 2, j] = a2
-        out[i + 3, j] = a3
-        out[i, j2] = b0
-        out[i + 1, j2] = b1
-        out[i + 2, j2] = b2
-        out[i + 3, j2] = b3
-    for i in range(n - n % 4, n):
-        xi = x[i]
-        a0 = b0 = zero
-        for c in range(k):
-            a0 += xi[c] * decode(w0[c])
-            b0 += xi[c] * decode(w1[c])
-        out[i, j] = a0
-        out[i, j2] = b0
-
-
-STREAM_ROWS = 4  # weight rows one pass of _stream_rows reads side by side
 STREAM_CHUNK = 32  # values of a row per step: 64 bytes of bf16, one cache line
-STREAM_AHEAD = 2  # passes ahead that _stream_rows prefetches (1 and 4 measured 5-15% slower on Zen 3)
+STREAM_AHEAD = 2  # passes ahead that the weight rows are prefetched (1 and 4 measured 5-15% slower on Zen 3)
+# input rows of a pass -> weight rows read side by side: eight vector accumulators either way
+FLOAT_PASSES = {4: 2, 1: 4}
 
 
-def _stream_rows_codegen(context, builder, signature, args):
-    x_t, w_t, out_t = signature.args[:3]
-    x_a, w_a, out_a = (context.make_array(t)(context, builder, v) for t, v in zip((x_t, w_t, out_t), args[:3]))
-    i, j0, j1 = args[3:6]
-    intp = context.get_value_type(types.intp)
-    f32, i8p = ir.FloatType(), ir.IntType(8).as_pointer()
-    elem = context.get_data_type(w_t.dtype)
-    size = context.get_abi_sizeof(elem)
-    f8 = ir.VectorType(f32, 8)
-    fma8 = cgutils.get_or_insert_function(builder.module, ir.FunctionType(f8, [f8] * 3), "llvm.fma.v8f32")
-    fma1 = cgutils.get_or_insert_function(builder.module, ir.FunctionType(f32, [f32] * 3), "llvm.fma.f32")
-    i32 = ir.IntType(32)
-    prefetch = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]),
-                                              "llvm.prefetch.p0")
+def _float_rows_codegen(inputs, side):
+    """Codegen of out[i0:i1, j0:j1] = x[i0:i1] @ w[j0:j1].T, `inputs` input rows (i1 - i0 a multiple
+    of it) times `side` weight rows at a time, the weight rows outside (in L1 for every input group).
+    Every (input, weight) pair sums in one order, whatever the pass: one vector accumulator over the
+    whole STREAM_CHUNK steps, the scalar rest in its own chain, a tree over the lanes, then the rest."""
 
-    def c(v):
-        return ir.Constant(intp, v)
+    def codegen(context, builder, signature, args):
+        x_t, w_t, out_t = signature.args[:3]
+        x_a, w_a, out_a = (context.make_array(t)(context, builder, v) for t, v in zip((x_t, w_t, out_t), args[:3]))
+        i0, i1, j0, j1 = args[3:7]
+        intp = context.get_value_type(types.intp)
+        f32, i8p, i32 = ir.FloatType(), ir.IntType(8).as_pointer(), ir.IntType(32)
+        elem = context.get_data_type(w_t.dtype)
+        size = context.get_abi_sizeof(elem)
+        f8 = ir.VectorType(f32, 8)
+        fma8 = cgutils.get_or_insert_function(builder.module, ir.FunctionType(f8, [f8] * 3), "llvm.fma.v8f32")
+        fma1 = cgutils.get_or_insert_function(builder.module, ir.FunctionType(f32, [f32] * 3), "llvm.fma.f32")
+        prefetch = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]),
+                                                  "llvm.prefetch.p0")
 
-    k = cgutils.unpack_tuple(builder, x_a.shape)[1]
-    w_stride = cgutils.unpack_tuple(builder, w_a.strides)[0]
-    out_strides = cgutils.unpack_tuple(builder, out_a.strides)
-    xrow = builder.gep(x_a.data, [builder.mul(i, k)])
-    wbytes = builder.bitcast(w_a.data, i8p)
-    chunks = builder.udiv(k, c(STREAM_CHUNK))
-    ahead = builder.mul(w_stride, c(STREAM_ROWS * STREAM_AHEAD))  # the same place STREAM_AHEAD passes on
-    accs = [[cgutils.alloca_once(builder, f8) for _ in range(2)] for _ in range(STREAM_ROWS)]
-    tails = [cgutils.alloca_once(builder, f32) for _ in range(STREAM_ROWS)]
-    count = builder.udiv(builder.add(builder.sub(j1, j0), c(STREAM_ROWS - 1)), c(STREAM_ROWS))
-    with cgutils.for_range(builder, count) as passes:
-        j = builder.add(j0, builder.mul(passes.index, c(STREAM_ROWS)))
-        last = builder.sub(j1, c(1))
-        rows = []
-        for r in range(STREAM_ROWS):  # rows past j1 repeat the last one
-            jr = builder.add(j, c(r))
-            jr = builder.select(builder.icmp_signed("<", jr, j1), jr, last)
-            rows.append((jr, builder.gep(wbytes, [builder.mul(jr, w_stride)])))
-            for acc in accs[r]:
-                builder.store(ir.Constant(f8, [0.0] * 8), acc)
-            builder.store(ir.Constant(f32, 0.0), tails[r])
-        with cgutils.for_range(builder, chunks) as steps:
-            c0 = builder.mul(steps.index, c(STREAM_CHUNK))
-            xv = [builder.load(builder.bitcast(builder.gep(xrow, [builder.add(c0, c(8 * h))]), f8.as_pointer()), align=4)
-                  for h in range(STREAM_CHUNK // 8)]
-            for r, (_, base) in enumerate(rows):
-                at = builder.gep(base, [builder.mul(c0, c(size))])
-                for line in range(0, STREAM_CHUNK * size, 64):
-                    builder.call(prefetch, [builder.gep(at, [builder.add(ahead, c(line))]), ir.Constant(i32, 0),
-                                            ir.Constant(i32, 3), ir.Constant(i32, 1)])
-                for h in range(STREAM_CHUNK // 8):
-                    ptr = builder.bitcast(builder.gep(at, [c(8 * h * size)]), ir.VectorType(elem, 8).as_pointer())
-                    wv = storage_to_f32(builder, builder.load(ptr, align=size), w_t.dtype)
-                    acc = accs[r][h % 2]
-                    builder.store(builder.call(fma8, [xv[h], wv, builder.load(acc)]), acc)
-        with cgutils.for_range_slice(builder, builder.mul(chunks, c(STREAM_CHUNK)), k, c(1)) as (col, _):
-            xs = builder.load(builder.gep(xrow, [col]))
-            for r, (_, base) in enumerate(rows):
-                ptr = builder.bitcast(builder.gep(base, [builder.mul(col, c(size))]), elem.as_pointer())
-                one = ir.VectorType(elem, 1)
-                wv = storage_to_f32(builder, builder.insert_element(ir.Constant(one, ir.Undefined), builder.load(ptr), ir.Constant(i32, 0)), w_t.dtype)
-                wv = builder.extract_element(wv, ir.Constant(i32, 0))
-                builder.store(builder.call(fma1, [xs, wv, builder.load(tails[r])]), tails[r])
-        for r, (jr, _) in enumerate(rows):
-            v = builder.fadd(builder.load(accs[r][0]), builder.load(accs[r][1]))
-            while v.type.count > 1:
-                half = v.type.count // 2
-                lo, hi = (builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(i32, half), list(range(a, a + half))))
-                          for a in (0, half))
-                v = builder.fadd(lo, hi)
-            value = builder.fadd(builder.extract_element(v, ir.Constant(i32, 0)), builder.load(tails[r]))
-            ptr = builder.gep(builder.bitcast(out_a.data, i8p),
-                              [builder.add(builder.mul(i, out_strides[0]), builder.mul(jr, out_strides[1]))])
-            builder.store(value, builder.bitcast(ptr, f32.as_pointer()))
-    return context.get_dummy_value()
+        def c(v):
+            return ir.Constant(intp, v)
+
+        k = cgutils.unpack_tuple(builder, x_a.shape)[1]
+        w_stride = cgutils.unpack_tuple(builder, w_a.strides)[0]
+        out_strides = cgutils.unpack_tuple(builder, out_a.strides)
+        wbytes = builder.bitcast(w_a.data, i8p)
+        chunks = builder.udiv(k, c(STREAM_CHUNK))
+        ahead = builder.mul(w_stride, c(side * STREAM_AHEAD))  # the same place STREAM_AHEAD passes on
+        accs = [[cgutils.alloca_once(builder, f8) for _ in range(side)] for _ in range(inputs)]
+        tails = [[cgutils.alloca_once(builder, f32) for _ in range(side)] for _ in range(inputs)]
+        count = builder.udiv(builder.add(builder.sub(j1, j0), c(side - 1)), c(side))
+        groups = builder.udiv(builder.sub(i1, i0), c(inputs))
+        with cgutils.for_range(builder, count) as passes:
+            j = builder.add(j0, builder.mul(passes.index, c(side)))
+            last = builder.sub(j1, c(1))
+            rows = []
+            for s in range(side):  # rows past j1 repeat the last one
+                jr = builder.add(j, c(s))
+                jr = builder.select(builder.icmp_signed("<", jr, j1), jr, last)
+                rows.append((jr, builder.gep(wbytes, [builder.mul(jr, w_stride)])))
+            with cgutils.for_range(builder, groups) as group:
+                i = builder.add(i0, builder.mul(group.index, c(inputs)))
+                xrows = [builder.gep(x_a.data, [builder.mul(builder.add(i, c(r)), k)]) for r in range(inputs)]
+                for r in range(inputs):
+                    for s in range(side):
+                        builder.store(ir.Constant(f8, [0.0] * 8), accs[r][s])
+                        builder.store(ir.Constant(f32, 0.0), tails[r][s])
+                with cgutils.for_range(builder, chunks) as steps:
+                    c0 = builder.mul(steps.index, c(STREAM_CHUNK))
+                    ats = [builder.gep(base, [builder.mul(c0, c(size))]) for _, base in rows]
+                    for at in ats:
+                        for line in range(0, STREAM_CHUNK * size, 64):
+                            builder.call(prefetch, [builder.gep(at, [builder.add(ahead, c(line))]), ir.Constant(i32, 0),
+                                                    ir.Constant(i32, 3), ir.Constant(i32, 1)])
+                    for h in range(STREAM_CHUNK // 8):
+                        xv = [builder.load(builder.bitcast(builder.gep(xrow, [builder.add(c0, c(8 * h))]), f8.as_pointer()),
+                                           align=4) for xrow in xrows]
+                        for s, at in enumerate(ats):
+                            ptr = builder.bitcast(builder.gep(at, [c(8 * h * size)]), ir.VectorType(elem, 8).as_pointer())
+                            wv = storage_to_f32(builder, builder.load(ptr, align=size), w_t.dtype)
+                            for r in range(inputs):
+                                acc = accs[r][s]
+                                builder.store(builder.call(fma8, [xv[r], wv, builder.load(acc)]), acc)
+                with cgutils.for_range_slice(builder, builder.mul(chunks, c(STREAM_CHUNK)), k, c(1)) as (col, _):
+                    xs = [builder.load(builder.gep(xrow, [col])) for xrow in xrows]
+                    one = ir.VectorType(elem, 1)
+                    for s, (_, base) in enumerate(rows):
+                        ptr = builder.bitcast(builder.gep(base, [builder.mul(col, c(size))]), elem.as_pointer())
+                        wv = storage_to_f32(builder, builder.insert_element(ir.Constant(one, ir.Undefined), builder.load(ptr),
+                                                                            ir.Constant(i32, 0)), w_t.dtype)
+                        wv = builder.extract_element(wv, ir.Constant(i32, 0))
+                        for r in range(inputs):
+                            builder.store(builder.call(fma1, [xs[r], wv, builder.load(tails[r][s])]), tails[r][s])
+                for r in range(inputs):
+                    for s, (jr, _) in enumerate(rows):
+                        v = builder.load(accs[r][s])
+                        while v.type.count > 1:
+                            half = v.type.count // 2
+                            lo, hi = (builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(i32, half), list(range(a, a + half))))
+                                      for a in (0, half))
+                            v = builder.fadd(lo, hi)
+                        value = builder.fadd(builder.extract_element(v, ir.Constant(i32, 0)), builder.load(tails[r][s]))
+                        ptr = builder.gep(builder.bitcast(out_a.data, i8p),
+                                          [builder.add(builder.mul(builder.add(i, c(r)), out_strides[0]),
+                                                       builder.mul(jr, out_strides[1]))])
+                        builder.store(value, builder.bitcast(ptr, f32.as_pointer()))
+        return context.get_dummy_value()
+
+    return codegen
 
 
-@intrinsic
-def _stream_rows(typingctx, x, w, out, i, j0, j1):
-    """out[i, j0:j1] = x[i] @ w[j0:j1].T for float storage w [m, k] (C-contiguous; float32, uint16
-    bf16 or int16 f16) and x [n, k] float32 C-contiguous: STREAM_ROWS rows side by side, in steps of
-    one cache line of each, with eight vector accumulators, each line asked for STREAM_AHEAD passes
-    ahead: on
-    Zen 3 the hardware prefetcher alone left 1-row bf16 decode at 5-8 GB/s (k = 576 to 6144) of
-    the ~20 a core reads from L2; this reaches 7.5-13 (fixed distances of 1-64 KiB measured no
-    better)."""
-    if not (isinstance(w, types.Array) and w.ndim == 2 and w.layout == "C"
-            and w.dtype in (types.float32, types.uint16, types.int16)):
-        return None
-    return types.void(x, w, out, i, j0, j1), _stream_rows_codegen
+def _make_float_rows(inputs):
+    @intrinsic
+    def float_rows(typingctx, x, w, out, i0, i1, j0, j1):
+        """out[i0:i1, j0:j1] = x[i0:i1] @ w[j0:j1].T for float storage w [m, k] (C-contiguous; float32,
+        uint16 bf16 or int16 f16), x [n, k] float32 C-contiguous, in steps of one cache line of each
+        weight row, each line asked for STREAM_AHEAD passes ahead: on Zen 3 the hardware prefetcher
+        alone left 1-row bf16 decode at 5-8 GB/s (k = 576 to 6144) of the ~20 a core reads from L2;
+        this reaches 7.5-13 (fixed distances of 1-64 KiB measured no better)."""
+        if not (isinstance(w, types.Array) and w.ndim == 2 and w.layout == "C"
+                and w.dtype in (types.float32, types.uint16, types.int16)):
+            return None
+        return types.void(x, w, out, i0, i1, j0, j1), _float_rows_codegen(inputs, FLOAT_PASSES[inputs])
+
+    return float_rows
+
+
+_rows_of_four, _rows_of_one = (_make_float_rows(inputs) for inputs in FLOAT_PASSES)
 
 
 def linear_rows(x, w, out, j0, j1, acc=None):
@@ -177,36 +164,27 @@ def linear_rows(x, w, out, j0, j1, acc=None):
 
     x: [n, k] float32; w: [m, k] storage (float32, uint16 bf16, int16 f16) or [m, blocks] of a
     block dtype (quant.py); out: [n, m] float32 (any layout). Serial: callers split the rows.
-    x must be C-contiguous. Float rows go in pairs (an odd last row is computed twice, as both
-    rows of the pair); block rows are unpacked in registers once for all n inputs (quant.dot_rows,
-    whose accumulator is acc, 1-D float32 of quant.acc_floats(n), or allocated when acc is None).
+    x must be C-contiguous, float w too. Float weight rows go two (four inputs at a time) or four
+    (the inputs left over) side by side, a last odd one computed twice; block rows are unpacked in
+    registers once for all n inputs (quant.dot_rows, whose accumulator is acc, 1-D float32 of
+    quant.acc_floats(n), or allocated when acc is None).
     """
     raise NotImplementedError("numba only")
 
 
 @overload(linear_rows, jit_options={"fastmath": True, "nogil": True})
 def _linear_rows_overload(x, w, out, j0, j1, acc=None):
-    if quant.record_name(w.dtype) is None and w.layout == "C":
-
-        def impl_stream(x, w, out, j0, j1, acc=None):
-            n = x.shape[0]
-            if n >= 4:
-                for j in range(j0, j1, 2):
-                    j2 = min(j + 1, j1 - 1)
-                    _dot_pair(x[: n - n % 4], w[j], w[j2], out, j, j2)
-            for i in range(n - n % 4, n):
-                _stream_rows(x, w, out, i, j0, j1)
-
-        return impl_stream
-
     if quant.record_name(w.dtype) is None:
+        if w.layout != "C":
+            raise numba.errors.TypingError("linear_rows takes float weights C-contiguous")
 
-        def impl(x, w, out, j0, j1, acc=None):
-            for j in range(j0, j1, 2):
-                j2 = min(j + 1, j1 - 1)
-                _dot_pair(x, w[j], w[j2], out, j, j2)
+        def impl_float(x, w, out, j0, j1, acc=None):
+            n = x.shape[0]
+            fours = n - n % 4
+            _rows_of_four(x, w, out, 0, fours, j0, j1)
+            _rows_of_one(x, w, out, fours, n, j0, j1)
 
-        return impl
+        return impl_float
 
     def impl_blocks(x, w, out, j0, j1, acc=None):
         quant.dot_rows(x, w, out, j0, j1, acc)

@@ -35,7 +35,7 @@ from numba import prange
 from numba.extending import overload
 
 from ellmd.kernels import cpu, quant
-from ellmd.kernels.activations import exp_f32, silu_mul, silu_mul_ref
+from ellmd.kernels.activations import FASTMATH_DIVIDES, exp_f32, silu_mul, silu_mul_ref
 from ellmd.kernels.formats import F32, kernel_view, to_f32
 from ellmd.kernels.matmul import ROW_BLOCK, linear_rows, matmul, matmul_ref, path_rows, prefill_scratch_size
 
@@ -226,7 +226,7 @@ def _area(codes, scales, sums, start, rows, k):
     return xq, xd, xs
 
 
-@numba.njit(cache=True, nogil=True, fastmath=True)
+@numba.njit(cache=True, nogil=True, fastmath=FASTMATH_DIVIDES)  # its silu as silu_mul's
 def _gate_up_block(xs, q, stacks, offsets, active, count, act, c0, c1, acc, tile, integer):
     """act[:, c0:c1] = silu(gate) * up of intermediate columns c0:c1, for every routed expert.
 
