@@ -237,6 +237,10 @@ SocketPath = typer.Option(None, "--socket", help="Unix socket [default: $XDG_RUN
 def start(
     model_path: Optional[str] = ModelPath,
     chunk_size: Optional[int] = typer.Option(None, help="Tokens per prefill forward pass [default: 512]"),
+    gap_ratio: Optional[float] = typer.Option(
+        None, help="While sessions generate, a prefill's tokens ride their decode steps, as many as add about this "
+                   "many times a step's own time: lower keeps their tokens flowing, higher ends the prefill sooner "
+                   "[default: 1.0]"),
     sequence_length: Optional[int] = typer.Option(None, help="KV capacity of each slot, in tokens [default: 8192]"),
     batch_size: Optional[int] = typer.Option(None, help="KV slots: sessions resident at once [default: 4]"),
     kv_dtype: Optional[str] = typer.Option(None, help="KV cache precision: bf16, f16 or f32 [default: bf16]"),
@@ -286,7 +290,7 @@ def start(
 
     from ellmd.server import daemon
 
-    flags = dict(model_path=model_path, chunk_size=chunk_size, sequence_length=sequence_length,
+    flags = dict(model_path=model_path, chunk_size=chunk_size, gap_ratio=gap_ratio, sequence_length=sequence_length,
                  batch_size=batch_size, kv_dtype=kv_dtype, weight_dtype=weight_dtype, threads=threads,
                  socket=socket, store=store, snapshot_ack=snapshot_ack, http=http, skills_dir=skills_dir or None, rag_dir=rag_dir,
                  api_key=api_key, api_key_file=api_key_file, max_connections=max_connections,

@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory):
-    d = Daemon(tmp_path_factory.mktemp("daemon"), slots=2).start()
+    d = Daemon(tmp_path_factory.mktemp("daemon"), slots=2, extra=("--gap-ratio", "0.5")).start()
     yield d
     assert d.stop() == 0
 
@@ -76,6 +76,9 @@ def test_sessions_continue_after_eviction(daemon):
         stats = client.stats()
         assert stats["sessions_resident"] == 2
         assert stats["sessions_stored"] >= 10
+        scheduler = stats["scheduler"]
+        assert scheduler["gap_ratio"] == 0.5  # the start flag reached the engine loop's policy
+        assert scheduler["decode_step_ms"] > 0 and scheduler["prefill_token_ms"] > 0  # measured as it ran
 
 
 def test_fork_and_rewind(daemon):

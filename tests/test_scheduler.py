@@ -185,6 +185,8 @@ def test_a_riding_budget_adds_gap_ratio_steps_and_fits_the_room():
     assert policy.ride_s is None
     policy.observe_decode(0.010)
     policy.observe_ride(8, 0.018)  # the step took 8 ms more: 1 ms a riding token
+    assert policy.stats() == {"gap_ratio": 1.0, "decode_step_ms": 10.0, "prefill_token_ms": None,
+                              "riding_token_ms": 1.0}
     assert policy.budget(decoding=1, room=20) == 10  # what adds one step's time (gap_ratio 1)
     assert policy.budget(decoding=1, room=6) == 6  # no more than the step's free rows
     policy.gap_ratio = 0.5

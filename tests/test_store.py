@@ -144,6 +144,10 @@ def test_settings_precedence(tmp_path, monkeypatch):
     config.write_text('batch_size = "four"\n')
     with pytest.raises(EllmError, match="batch_size"):
         load_settings(config, {})
+    config.write_text("gap_ratio = 0.25\n")
+    assert load_settings(config, {}).gap_ratio == 0.25
+    with pytest.raises(EllmError, match="setting gap_ratio must be positive, not 0"):
+        load_settings(config, {"gap_ratio": 0})
 
 
 def test_every_write_reads_back_with_one_msgpack_configuration(tmp_path):

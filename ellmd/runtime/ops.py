@@ -315,6 +315,7 @@ def stats(rt, request):
         "model": str(rt.engine.model_path), "model_type": rt.engine.spec.model_type,
         **rt.residency.stats(), "generating": len(rt.generations.active),
         "uptime_s": round(time.time() - rt.started, 1), "counters": dict(rt.counters),
+        "scheduler": rt.policy.stats(),
     }
 
 

@@ -64,6 +64,15 @@ class Policy:
         unsaved = max(tokens - session.stored_tokens, 0)
         return unsaved * (self.swap_s["write"] or 0.0) + tokens * (self.swap_s["read"] or 0.0)
 
+    def stats(self) -> dict:
+        """The setting and the running estimates, in ms (None until measured)."""
+
+        def ms(seconds):
+            return None if seconds is None else round(seconds * 1000, 3)
+
+        return {"gap_ratio": self.gap_ratio, "decode_step_ms": ms(self.decode_s), "prefill_token_ms": ms(self.token_s),
+                "riding_token_ms": ms(self.ride_s)}
+
     # ---- decisions -------------------------------------------------------------------------
 
     def budget(self, decoding: int, room: int = 0) -> int:

@@ -39,6 +39,7 @@ class Settings:
     weight_dtype: str | None = None
     kv_dtype: str = "bf16"
     chunk_size: int = 512
+    gap_ratio: float = 1.0
     sequence_length: int = 8192
     batch_size: int = 4
     threads: int | None = None
@@ -154,6 +155,6 @@ def _check_type(key, value, field):
         raise EllmError(f"setting {key} must be {'at least 0' if key == 'max_upload_mb' else 'positive'}, not {value!r}")
 
 
-LIMITS = {"max_connections", "max_in_flight", "max_queue", "max_upload_mb", "hello_timeout_s", "frame_timeout_s",
+LIMITS = {"gap_ratio", "max_connections", "max_in_flight", "max_queue", "max_upload_mb", "hello_timeout_s", "frame_timeout_s",
           "max_write_buffer_mb", "write_timeout_s", "http_max_connections", "http_max_body_mb", "http_read_timeout_s",
           "max_render_kb"}

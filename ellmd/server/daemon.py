@@ -23,6 +23,7 @@ def run(settings: Settings, progress=None) -> int:
     from ellmd.engine import Engine
     from ellmd.runtime.retrieval import RagLibrary
     from ellmd.runtime.runtime import SNAPSHOT_ACKS, Runtime
+    from ellmd.runtime.scheduler import Policy
     from ellmd.runtime.skills import SkillLibrary
     from ellmd.runtime.store import Store
     from ellmd.server.limits import Limits
@@ -56,7 +57,7 @@ def run(settings: Settings, progress=None) -> int:
         rag = RagLibrary(settings.rag_path, default_retriever=settings.rag_retriever)
         runtime = Runtime(engine, store, skills=skills, rag=rag, rag_k=settings.rag_k,
                           snapshot_every_turn=settings.snapshot_every_turn, context_role=settings.context_role,
-                          snapshot_ack=settings.snapshot_ack)
+                          snapshot_ack=settings.snapshot_ack, policy=Policy(engine.chunk_size, settings.gap_ratio))
         servers = Servers(runtime, settings, http_address, limits, api_keys)
         servers.start()
         # The engine loop runs here, on the main thread, which loaded the model and warmed its
