@@ -47,8 +47,9 @@ TASK_ROWS = 144  # R target of a prefill task: query block = TASK_ROWS // g quer
 # too (one share per thread, merged as in decode): a short chunk has as few units as kv heads,
 # and 3 units on 2 threads leave one thread idle a third of the time.
 SPLIT_UNITS = 4
-# Below this many (key, kv head) pairs a decode step runs on the calling thread: launching the
-# parallel region (~10 us with this many arrays) costs more than it saves.
+# Below this many (key, kv head) pairs a decode step runs on the calling thread (launching the
+# parallel region, ~10 us with this many arrays, costs more than it saves), and a row's keys are
+# not split across the threads (_row_splits).
 DECODE_PARALLEL_MIN = 2048
 # Running max before any key: finite, because fastmath assumes no infinities.
 _NO_MAX = np.float32(-1e30)

@@ -31,7 +31,7 @@ from numba.extending import intrinsic, overload
 
 from ellmd.kernels import bf16, cpu, quant
 from ellmd.kernels.activations import PARALLEL_MIN
-from ellmd.kernels.formats import BF16, decode, kernel_view, to_f32
+from ellmd.kernels.formats import BF16, kernel_view, to_f32
 from ellmd.kernels.quant import decode_row
 from ellmd.kernels.tile import NR, TALL_MR, storage_to_f32, tall_kernel
 
