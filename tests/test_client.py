@@ -343,6 +343,8 @@ class FakeDaemon:
                 "sessions_resident": resident, "sessions_stored": len(self.sessions), "generating": 0,
                 "kv_bytes": 1234, "kv_bytes_used": 234, "kv_bytes_free": 1000, "kv_bytes_per_token": 2,
                 "counters": {"prefilled": 10, "reused": 5, "shared": 0, "generated": 3},
+                "scheduler": {"gap_ratio": 1.0, "decode_step_ms": 12.5, "prefill_token_ms": 3.1,
+                              "riding_token_ms": None},
                 "store": {"path": "/fake/store", "bytes_used": 4096, "map_size": 1 << 30}, "uptime_s": 12.5}
 
     async def op_shutdown(self, conn, rid, args):
