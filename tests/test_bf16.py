@@ -1,7 +1,8 @@
 """The AMX bf16 prefill GEMM (bf16.py) and AMX attention prefill (attention.py) against numpy.
 
-GEMM: the reference splits the activations into the same two bf16 halves; products of bf16 values
-are exact in f32, so kernel and reference differ only by f32 summation order. Attention: the
+GEMM: the reference splits the activations (and the values of block weights) into the same two bf16
+halves; products of bf16 values are exact in f32, so kernel and reference differ only by f32
+summation order. Attention: the
 probabilities are rounded to bf16 (relative error <= 2**-9 of each weight, the output a weighted
 mean of the values with those weights), so the output is within 2**-8 x max|v| of the reference;
 tests with exactly representable weights check the key ranges to f32 precision.
@@ -14,7 +15,9 @@ import numpy as np
 import pytest
 from llvmlite import binding
 
-from ellmd.kernels import attention, bf16, cpu, formats
+from test_quant import blocks
+
+from ellmd.kernels import attention, bf16, cpu, formats, quant
 from ellmd.kernels.formats import BF16, F16, F32
 
 matmul = import_module("ellmd.kernels.matmul")  # ellmd.kernels re-exports a function named matmul
@@ -86,6 +89,37 @@ def test_gemm_matches_reference(rng, amx, n, m, k, workers):
     bf16.gemm(x, w, got, _work(k, workers))
     bf16.gemm_ref(x, w, want, None)
     np.testing.assert_allclose(got, want, **TOL)
+
+
+@pytest.mark.parametrize("name", list(quant.BLOCK_DTYPES))
+@pytest.mark.parametrize("workers", [1, 2])
+def test_gemm_of_blocks_matches_reference(rng, amx, name, workers):
+    """Every block type: a last group of 16 rows, partial token blocks, several depth blocks."""
+    n, m, k = 300, 48, 768
+    x = rng.standard_normal((n, k)).astype(np.float32)
+    w = blocks(rng, name, m, k)
+    got, want = np.empty((n, m), np.float32), np.empty((n, m), np.float32)
+    bf16.gemm(x, w, got, _work(k, workers))
+    bf16.gemm_ref(x, w, want, None)
+    np.testing.assert_allclose(got, want, **TOL)
+    exact = x.astype(np.float64) @ quant.dequantize(w).T.astype(np.float64)
+    assert np.abs(got - exact).max() <= 2e-5 * np.abs(exact).max()  # ~16 bits of each factor
+
+
+def test_linear_prefill_takes_the_gemm_for_blocks(rng, amx, monkeypatch):
+    n, m, k = 130, 96, 256
+    x = rng.standard_normal((n, k)).astype(np.float32)
+    w = blocks(rng, "Q4_K", m, k)
+    calls = _counting_gemm(monkeypatch)
+    got, want = np.empty((n, m), np.float32), np.empty((n, m), np.float32)
+    matmul.matmul(x, w, BF16, got, np.empty(matmul.prefill_scratch_size(m, k), np.float32))
+    matmul.linear_ref(x, w, BF16, want)
+    assert np.abs(got - want).max() <= 2e-5 * np.abs(want).max()
+    assert calls == [w.shape]
+    monkeypatch.setattr(cpu, "ENABLED", frozenset())  # the portable path: f32 panels
+    matmul.matmul(x, w, BF16, got, np.empty(matmul.prefill_scratch_size(m, k), np.float32))
+    np.testing.assert_allclose(got, want, **TOL)
+    assert calls == [w.shape]
 
 
 def test_usable_shapes(monkeypatch):

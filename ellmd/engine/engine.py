@@ -172,8 +172,9 @@ class Engine:
             blocks = "GGUF blocks: f32 FMA"
         amx = "bf16" in cpu.ENABLED and bf16.AMX
         prefill = "AMX tdpbf16ps (activations as two bf16 halves)" if amx else "f32 FMA"
+        block_prefill = "decoded and split into two bf16 halves, AMX tdpbf16ps" if amx else "decoded to f32 panels, f32 FMA"
         attention = "; prefill attention over bf16 KV: AMX tdpbf16ps" if amx else ""
-        return (f"{blocks} (in prefill: decoded to f32 panels, f32 FMA); bf16/f16/f32 weights: f32 FMA in decode, "
+        return (f"{blocks} (in prefill: {block_prefill}); bf16/f16/f32 weights: f32 FMA in decode, "
                 f"{prefill} for bf16 in prefill{attention}" + more)
 
     def memory_budget(self) -> dict[str, int]:

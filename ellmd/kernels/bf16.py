@@ -18,6 +18,11 @@ halves of a block of tokens are packed per pair of depths (`pack_activations`: x
 token], copied transposed into out. Products of bf16 values are exact in f32 and every sum is
 an f32 sum.
 
+Weights in GGUF blocks (quant.py) take the same GEMM: each group of 32 weight rows is decoded to
+f32 once per block of tokens and split like the activations into hi and lo halves (`split_rows`),
+and the block adds lo(w) . hi(x) to the two products: w . x to ~2**-16 of each term (the dropped
+lo(w) . lo(x) is ~2**-18), where the f32 panels of matmul.py ran at a third of the bf16 speed.
+
 tile_product builds the same kind of block for operands at any offsets (attention.py's AMX
 prefill: keys . queries and values^T . probabilities).
 
@@ -33,9 +38,9 @@ import numpy as np
 from llvmlite import binding, ir
 from numba import types
 from numba.core import cgutils
-from numba.extending import intrinsic
+from numba.extending import intrinsic, overload
 
-from ellmd.kernels import cpu
+from ellmd.kernels import cpu, quant
 from ellmd.kernels.formats import BF16, to_f32, to_storage
 
 _LANES = 16  # 32-bit lanes of a zmm register
@@ -183,22 +188,25 @@ def _amx_functions(builder):
 
 def _make_amx_block(row_tiles, accumulate):
     """An intrinsic for one AMX block: row_tiles x 2 tiles of c (+)= w[j0 + 16 a rows] . tokens
-    t0 + 16 b, over `pairs` pairs of depths from p0 (pairs % TILE == 0), accumulated or not."""
+    t0 + 16 b, over `pairs` pairs of depths from p0 (pairs % TILE == 0), accumulated or not.
+    When split (a bool), w is the hi half of the weights and wl their lo half: c += wl . xh too
+    (else wl is not read)."""
 
     @intrinsic
-    def amx_block(typingctx, w, j0, xh, xl, t0, c, p0, pairs):
+    def amx_block(typingctx, w, wl, split, j0, xh, xl, t0, c, p0, pairs):
         u16 = types.uint16
-        if not (_is_matrix(w, u16) and _is_matrix(xh, u16) and _is_matrix(xl, u16)
+        if not (_is_matrix(w, u16) and _is_matrix(wl, u16) and _is_matrix(xh, u16) and _is_matrix(xl, u16)
                 and _is_matrix(c, types.float32)):
             return None
-        sig = types.void(w, types.intp, xh, xl, types.intp, c, types.intp, types.intp)
+        sig = types.void(w, wl, types.boolean, types.intp, xh, xl, types.intp, c, types.intp, types.intp)
 
         def codegen(context, builder, signature, args):
             w_p, (_, k), _ = _data(context, builder, signature.args[0], args[0])
-            xh_p, (_, ld2), _ = _data(context, builder, signature.args[2], args[2])
-            xl_p, _, _ = _data(context, builder, signature.args[3], args[3])
-            c_p, (_, ldc), _ = _data(context, builder, signature.args[5], args[5])
-            _, j0, _, _, t0, _, p0, pairs = args
+            wl_p, _, _ = _data(context, builder, signature.args[1], args[1])
+            xh_p, (_, ld2), _ = _data(context, builder, signature.args[4], args[4])
+            xl_p, _, _ = _data(context, builder, signature.args[5], args[5])
+            c_p, (_, ldc), _ = _data(context, builder, signature.args[7], args[7])
+            _, _, split, j0, _, _, t0, _, p0, pairs = args
             f = _amx_functions(builder)
             i8p = ir.IntType(8).as_pointer()
             intp = context.get_value_type(types.intp)
@@ -209,7 +217,6 @@ def _make_amx_block(row_tiles, accumulate):
             rows, width = ir.Constant(ir.IntType(16), TILE), ir.Constant(ir.IntType(16), 4 * TILE)
             w_stride, x_stride = builder.mul(k, const(2)), builder.mul(ld2, const(2))
             c_stride = builder.mul(ldc, const(4))
-            w_bytes = builder.bitcast(w_p, i8p)
             x_halves = [builder.bitcast(ptr, i8p) for ptr in (xh_p, xl_p)]
             c_bytes = builder.bitcast(c_p, i8p)
             a_base = [builder.add(builder.mul(builder.add(j0, const(TILE * a)), w_stride), builder.mul(p0, const(4)))
@@ -227,13 +234,13 @@ def _make_amx_block(row_tiles, accumulate):
                     else:
                         start = builder.call(f["zero"], [rows, width])
                     accs.append(cgutils.alloca_once_value(builder, builder.call(f["vec"], [start])))
-            with cgutils.for_range(builder, builder.udiv(pairs, const(TILE))) as loop:
-                s = loop.index
+            def products(s, weights, halves):  # c += weights . each half of the tokens, 16 pairs at s
+                step = builder.mul(s, builder.mul(x_stride, const(TILE)))
+                w_bytes = builder.bitcast(weights, i8p)
                 a_tiles = [builder.call(f["load"], [rows, width, builder.gep(w_bytes, [builder.add(base, builder.mul(
                     s, const(4 * TILE)))]), w_stride]) for base in a_base]
-                step = builder.mul(s, builder.mul(x_stride, const(TILE)))
                 for b in range(2):
-                    for half in x_halves:  # x . w = hi . w + lo . w
+                    for half in halves:
                         at = builder.gep(half, [builder.add(b_base[b], step)])
                         b_tile = builder.call(f["load"], [rows, width, at, x_stride])
                         for a in range(row_tiles):
@@ -241,6 +248,11 @@ def _make_amx_block(row_tiles, accumulate):
                             acc = builder.call(f["tile"], [builder.load(slot)])
                             acc = builder.call(f["dp"], [rows, width, width, acc, a_tiles[a], b_tile])
                             builder.store(builder.call(f["vec"], [acc]), slot)
+
+            with cgutils.for_range(builder, builder.udiv(pairs, const(TILE))) as loop:
+                products(loop.index, w_p, x_halves)  # x . w = hi . w + lo . w
+                with builder.if_then(split):  # + hi . wl, its tiles loaded after w's: 7 of the 8 tiles live
+                    products(loop.index, wl_p, x_halves[:1])
             for a in range(row_tiles):
                 for b in range(2):
                     tile = builder.call(f["tile"], [builder.load(accs[2 * a + b])])
@@ -470,8 +482,9 @@ DEPTH = 256  # pairs per block call: a block's [DEPTH, TOKENS] packed pairs stay
 
 
 def worker_floats(k):
-    """float32 elements of one worker's area in gemm: both halves of the packed tokens, a block of c."""
-    return k * TOKENS + AMX_ROWS * TOKENS
+    """float32 elements of one worker's area in gemm: both halves of the packed tokens, a block of
+    c, and for block weights a group of rows decoded to f32 and split into two bf16 halves."""
+    return k * TOKENS + AMX_ROWS * TOKENS + 2 * AMX_ROWS * k
 
 
 def usable(m, k):
@@ -479,34 +492,83 @@ def usable(m, k):
     return AMX and k % CHUNK == 0 and m % TILE == 0
 
 
+@intrinsic
+def split_rows(typingctx, w, wh, wl):
+    """wh, wl = the bf16 bits of hi = bf16(w) and lo = bf16(w - hi), as pack_activations rounds.
+
+    w: [rows, k] float32; wh, wl: [rows, k] uint16; all C-contiguous, rows * k % CHUNK == 0.
+    """
+    if not (_is_matrix(w, types.float32) and _is_matrix(wh, types.uint16) and _is_matrix(wl, types.uint16)):
+        return None
+    sig = types.void(w, wh, wl)
+
+    def codegen(context, builder, signature, args):
+        w_p, (rows, k), _ = _data(context, builder, signature.args[0], args[0])
+        halves = [_data(context, builder, t, v)[0] for t, v in zip(signature.args[1:], args[1:])]
+        intp = context.get_value_type(types.intp)
+        with cgutils.for_range(builder, builder.udiv(builder.mul(rows, k), ir.Constant(intp, CHUNK))) as chunks:
+            at = builder.mul(chunks.index, ir.Constant(intp, CHUNK))
+            vals = builder.load(builder.bitcast(builder.gep(w_p, [at]), _F32X32.as_pointer()), align=4)
+            hi = builder.fptrunc(vals, _BF16X32)
+            lo = builder.fptrunc(builder.fsub(vals, builder.fpext(hi, _F32X32)), _BF16X32)
+            for half, value in zip(halves, (hi, lo)):
+                builder.store(value, builder.bitcast(builder.gep(half, [at]), _BF16X32.as_pointer()), align=2)
+        return context.get_dummy_value()
+
+    return sig, cpu.compiled_for("bf16", codegen)
+
+
+def group_weights(w, j0, wf, wh, wl):
+    """(a, a_lo, row, split): the rows j0.. of w as operands of an AMX block (a[row:] and, when
+    split, a_lo[row:]), inside kernels: bf16 weights as stored (w, w, j0, False); weights in GGUF
+    blocks decoded (its rows j0 .. j0 + len(wf), fewer at the end of w) into wf and split into
+    wh, wl (wh, wl, 0, True)."""
+    raise NotImplementedError("numba only")
+
+
+@overload(group_weights, jit_options={"fastmath": True, "nogil": True})
+def _group_weights_overload(w, j0, wf, wh, wl):
+    if quant.record_name(w.dtype) is None:
+        return lambda w, j0, wf, wh, wl: (w, w, j0, False)
+
+    def impl(w, j0, wf, wh, wl):
+        rows = min(wf.shape[0], w.shape[0] - j0)
+        for r in range(rows):
+            quant.decode_row(w[j0 + r], wf[r])
+        split_rows(wf[:rows], wh[:rows], wl[:rows])
+        return wh, wl, 0, True
+
+    return impl
+
+
 @numba.njit(cache=True, nogil=True, fastmath=True)
-def _rows_product(w, j0, xh, xl, nbp, cb):
-    """cb[:rows, :nbp] = w[j0:j0+rows] . the packed tokens, rows = 32 (or 16 at the end of w)."""
-    m, k = w.shape
-    pairs = k // 2
+def _rows_product(w, wl, split, j0, rows, xh, xl, nbp, cb):
+    """cb[:rows, :nbp] = w[j0:j0+rows] (+ wl, when split) . the packed tokens, rows = 32 or 16."""
+    pairs = w.shape[1] // 2
     for kb in range(0, pairs, DEPTH):
         d = min(DEPTH, pairs - kb)
         for t in range(0, nbp, AMX_TOKENS):
-            if j0 + AMX_ROWS <= m:
+            if rows == AMX_ROWS:
                 if kb == 0:
-                    _amx_2(w, j0, xh, xl, t, cb, kb, d)
+                    _amx_2(w, wl, split, j0, xh, xl, t, cb, kb, d)
                 else:
-                    _amx_2_acc(w, j0, xh, xl, t, cb, kb, d)
+                    _amx_2_acc(w, wl, split, j0, xh, xl, t, cb, kb, d)
             elif kb == 0:
-                _amx_1(w, j0, xh, xl, t, cb, kb, d)
+                _amx_1(w, wl, split, j0, xh, xl, t, cb, kb, d)
             else:
-                _amx_1_acc(w, j0, xh, xl, t, cb, kb, d)
+                _amx_1_acc(w, wl, split, j0, xh, xl, t, cb, kb, d)
 
 
 @numba.njit(cache=True, nogil=True, fastmath=True)
-def _block_product(w, out, i0, nb, xh, xl, cb, wk, workers):
+def _block_product(w, out, i0, nb, xh, xl, cb, wf, wh, wl, wk, workers):
     """out[i0:i0+nb, this worker's groups of rows] from the packed tokens; cb: [AMX_ROWS, TOKENS]."""
     m = w.shape[0]
     nbp = (nb + AMX_TOKENS - 1) // AMX_TOKENS * AMX_TOKENS
     for g in range(wk, (m + AMX_ROWS - 1) // AMX_ROWS, workers):  # dealt round-robin: equal shares
         j0 = g * AMX_ROWS
-        _rows_product(w, j0, xh, xl, nbp, cb)
         rows = min(AMX_ROWS, m - j0)
+        a, a_lo, row, split = group_weights(w, j0, wf, wh, wl)
+        _rows_product(a, a_lo, split, row, rows, xh, xl, nbp, cb)
         for i in range(nb):  # token-major: contiguous runs of out, cb (in L1) read across
             dst = out[i0 + i]
             for r in range(rows):
@@ -522,17 +584,22 @@ def _gemm(x, w, out, work):
         area = work[wk]
         xh = area[:half].view(np.uint16).reshape((k // 2, 2 * TOKENS))
         xl = area[half : 2 * half].view(np.uint16).reshape((k // 2, 2 * TOKENS))
-        cb = area[2 * half : 2 * half + AMX_ROWS * TOKENS].reshape((AMX_ROWS, TOKENS))
+        at = 2 * half + AMX_ROWS * TOKENS
+        cb = area[2 * half : at].reshape((AMX_ROWS, TOKENS))
+        wf = area[at : at + AMX_ROWS * k].reshape((AMX_ROWS, k))
+        wh = area[at + AMX_ROWS * k : at + AMX_ROWS * k + AMX_ROWS * k // 2].view(np.uint16).reshape((AMX_ROWS, k))
+        wl = area[at + AMX_ROWS * k + AMX_ROWS * k // 2 : at + 2 * AMX_ROWS * k].view(np.uint16).reshape((AMX_ROWS, k))
         for i0 in range(0, n, TOKENS):
             nb = min(TOKENS, n - i0)
             pack_activations(x, i0, nb, (nb + AMX_TOKENS - 1) // AMX_TOKENS * AMX_TOKENS, xh, xl)
-            _block_product(w, out, i0, nb, xh, xl, cb, wk, workers)
+            _block_product(w, out, i0, nb, xh, xl, cb, wf, wh, wl, wk, workers)
 
 
 def gemm(x, w, out, work):
     """out = x @ w.T on AMX, x as the sum of two bf16 halves, products and sums in f32.
 
-    x: [n, k] float32 (C-contiguous); w: [m, k] bf16 bits with usable(m, k); out: [n, m]
+    x: [n, k] float32 (C-contiguous); w: [m, k] bf16 bits, or [m, k // 32 or 256] blocks of a GGUF
+    type (quant.py; their values split in two halves as well), with usable(m, k); out: [n, m]
     float32 (any strides); work: [workers, worker_floats(k)] float32, one area per worker
     (its first dimension is the parallelism).
     """
@@ -546,6 +613,12 @@ def split(x):
 
 
 def gemm_ref(x, w, out, work):
-    """numpy reference of gemm: the product of hi + lo (split) in float64."""
+    """numpy reference of gemm: the products of the halves (split) in float64; of block weights,
+    (hi + lo) . wh + hi . wl, the halves of their values."""
     hi, lo = split(x)
-    out[:] = ((hi.astype(np.float64) + lo) @ to_f32(w, BF16).T.astype(np.float64)).astype(np.float32)
+    if quant.is_blocks(w):
+        wh, wl = split(quant.dequantize(w))
+        product = (hi.astype(np.float64) + lo) @ wh.T.astype(np.float64) + hi.astype(np.float64) @ wl.T
+    else:
+        product = (hi.astype(np.float64) + lo) @ to_f32(w, BF16).T.astype(np.float64)
+    out[:] = product.astype(np.float32)

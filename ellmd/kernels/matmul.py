@@ -14,7 +14,8 @@ order, so an input row's result does not depend on the rows beside it (a session
 same alone or in a batch). Prefill (large n) is compute-bound: `linear_prefill` packs panels of
 PANEL weight rows to float32 (transposed) and runs the SIMD micro-kernel of tile.py over
 blocks of inputs; on the "bf16" path (cpu.py), where the CPU has AMX, bf16 weights go to the
-AMX GEMM of bf16.py instead (activations split into two bf16 halves). `matmul` picks one by n.
+AMX GEMM of bf16.py instead (activations split into two bf16 halves), and so do weights in GGUF
+blocks (decoded per group of rows, their values split as well). `matmul` picks one by n.
 
 Why not numpy's BLAS for prefill: OpenBLAS keeps its own thread pool, whose threads spin after
 each call while numba's workers poll for the next parallel region; on a machine with as many
@@ -33,7 +34,7 @@ from ellmd.kernels import bf16, cpu, quant
 from ellmd.kernels.activations import PARALLEL_MIN
 from ellmd.kernels.formats import BF16, kernel_view, to_f32
 from ellmd.kernels.quant import decode_row
-from ellmd.kernels.tile import NR, TALL_MR, storage_to_f32, tall_kernel
+from ellmd.kernels.tile import NR, TALL_MR, lane_sum, storage_to_f32, tall_kernel
 
 ROW_BLOCK = 16  # weight rows per parallel task of linear
 PREFILL_MIN_ROWS = 64  # from this many input rows linear_prefill wins (packing amortized)
@@ -99,10 +100,11 @@ def _float_rows_codegen(inputs, side):
                 with cgutils.for_range(builder, chunks) as steps:
                     c0 = builder.mul(steps.index, c(STREAM_CHUNK))
                     ats = [builder.gep(base, [builder.mul(c0, c(size))]) for _, base in rows]
-                    for at in ats:
-                        for line in range(0, STREAM_CHUNK * size, 64):
-                            builder.call(prefetch, [builder.gep(at, [builder.add(ahead, c(line))]), ir.Constant(i32, 0),
-                                                    ir.Constant(i32, 3), ir.Constant(i32, 1)])
+                    with builder.if_then(builder.icmp_unsigned("==", group.index, c(0))):  # once a pass
+                        for at in ats:
+                            for line in range(0, STREAM_CHUNK * size, 64):
+                                builder.call(prefetch, [builder.gep(at, [builder.add(ahead, c(line))]), ir.Constant(i32, 0),
+                                                        ir.Constant(i32, 3), ir.Constant(i32, 1)])
                     for h in range(STREAM_CHUNK // 8):
                         xv = [builder.load(builder.bitcast(builder.gep(xrow, [builder.add(c0, c(8 * h))]), f8.as_pointer()),
                                            align=4) for xrow in xrows]
@@ -124,13 +126,7 @@ def _float_rows_codegen(inputs, side):
                             builder.store(builder.call(fma1, [xs[r], wv, builder.load(tails[r][s])]), tails[r][s])
                 for r in range(inputs):
                     for s, (jr, _) in enumerate(rows):
-                        v = builder.load(accs[r][s])
-                        while v.type.count > 1:
-                            half = v.type.count // 2
-                            lo, hi = (builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(i32, half), list(range(a, a + half))))
-                                      for a in (0, half))
-                            v = builder.fadd(lo, hi)
-                        value = builder.fadd(builder.extract_element(v, ir.Constant(i32, 0)), builder.load(tails[r][s]))
+                        value = builder.fadd(lane_sum(builder, builder.load(accs[r][s])), builder.load(tails[r][s]))
                         ptr = builder.gep(builder.bitcast(out_a.data, i8p),
                                           [builder.add(builder.mul(builder.add(i, c(r)), out_strides[0]),
                                                        builder.mul(jr, out_strides[1]))])
@@ -358,7 +354,8 @@ def linear_prefill(x, w, fmt, out, scratch):
     x: [n, k] float32; w: as in linear; out: [n, m] float32; scratch: 1-D float32 of
     prefill_scratch_size(m, k) elements (room for fewer threads only lowers the parallelism).
     Each weight row is converted once; compute-bound, ~75 GFLOP/s per core in f32. On the
-    "bf16" path, bf16 weights go to bf16.gemm where it is usable (AMX; several times faster).
+    "bf16" path, bf16 weights and GGUF blocks go to bf16.gemm where it is usable (AMX; several
+    times faster).
     """
     per = _worker_floats(x.shape[1])
     workers = max(1, min(numba.get_num_threads(), scratch.size // per))
@@ -371,8 +368,11 @@ def linear_prefill(x, w, fmt, out, scratch):
 
 
 def _on_bf16_path(x, w, fmt):
-    return ("bf16" in cpu.ENABLED and fmt == BF16 and w.dtype == np.uint16 and w.ndim == 2
-            and w.flags.c_contiguous and x.flags.c_contiguous and bf16.usable(*w.shape))
+    if "bf16" not in cpu.ENABLED or w.ndim != 2 or not (w.flags.c_contiguous and x.flags.c_contiguous):
+        return False
+    if quant.is_blocks(w):
+        return bf16.usable(w.shape[0], quant.columns(w))
+    return fmt == BF16 and w.dtype == np.uint16 and bf16.usable(*w.shape)
 
 
 def linear_prefill_ref(x, w, fmt, out, scratch):

@@ -34,7 +34,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
-from ellmd.kernels import cpu
+from ellmd.kernels import cpu, tile
 from ellmd.kernels.formats import decode, f16_to_f32
 
 QK = 256  # weights per K-quant super-block
@@ -744,19 +744,6 @@ class _Ir:
         v = self.b.insert_element(ir.Constant(vty, ir.Undefined), value, ir.Constant(self.i32, 0))
         return self.b.shuffle_vector(v, ir.Constant(vty, ir.Undefined), ir.Constant(self.vec(self.i32, count), [0] * count))
 
-    def hsum(self, v):
-        """The sum of a vector's lanes, halving it (a tree, not a chain of scalar adds)."""
-        while v.type.count > 1:
-            v = self.fold(v)
-        return self.b.extract_element(v, ir.Constant(self.i32, 0))
-
-    def fold(self, v):
-        """The sum of a vector's two halves (a vector of half the lanes)."""
-        half = v.type.count // 2
-        lo, hi = (self.b.shuffle_vector(v, v, ir.Constant(self.vec(self.i32, half), list(range(a, a + half))))
-                  for a in (0, half))
-        return self.b.add(lo, hi) if isinstance(v.type.element, ir.IntType) else self.b.fadd(lo, hi)
-
     def const8(self, value):
         return ir.Constant(self.vec(self.i8, 32), [value] * 32)
 
@@ -1037,9 +1024,9 @@ class _RowSums:
 
     def total(self):
         b, q = self.q.b, self.q
-        total = q.hsum(b.fadd(b.load(self.accs[0]), b.load(self.accs[1])))
+        total = tile.lane_sum(b, b.fadd(b.load(self.accs[0]), b.load(self.accs[1])))
         corr = b.fadd(b.load(self.corrs[0]), b.load(self.corrs[1]))
-        return b.fadd(total, b.fadd(corr, q.hsum(b.load(self.kbias))))
+        return b.fadd(total, b.fadd(corr, tile.lane_sum(b, b.load(self.kbias))))
 
 
 def _rows_vnni_codegen(name, wide):
@@ -1072,7 +1059,7 @@ def _rows_vnni_codegen(name, wide):
             half = lanes // 2
             for row in rows:
                 dot = _dot_group(q, xq_a, x_at(row, blk, 0), words, wide)
-                dot = q.fold(dot)  # one scale: the halves of the lanes add up before the float conversion
+                dot = tile.fold(builder, dot)  # one scale: the halves of the lanes add up before the float conversion
                 dx = builder.gep(xd_a.data, [builder.add(builder.mul(row.i, builder.udiv(k, c(32))), blk)])
                 dx = builder.load(dx)
                 row.fma(chain, builder.sitofp(dot, q.vec(q.f32, half)), q.splat(builder.fmul(a, dx), half))
@@ -1138,16 +1125,16 @@ def _rows_vnni_codegen(name, wide):
                         row_sums[h] = _dot_words(builder, row_sums[h], product, xv)
                     else:
                         dot = _dot_words(builder, ir.Constant(i32v, [0] * 16), product, xv)
-                        row_sums[h] = builder.add(row_sums[h], q.fold(dot))
+                        row_sums[h] = builder.add(row_sums[h], tile.fold(builder, dot))
             f8 = q.vec(q.f32, 8)
             for row, row_sums in zip(rows, sums):
                 dxv, xsv = row_inputs(row, blk)
                 dx = builder.extract_element(dxv, ir.Constant(q.i32, 0))
                 total = row_sums[0] if chains == 1 else builder.add(*row_sums)
-                total = builder.sitofp(q.fold(total) if WORDS_VNNI else total, f8)
+                total = builder.sitofp(tile.fold(builder, total) if WORDS_VNNI else total, f8)
                 row.fma(0, total, q.splat(builder.fmul(d, dx), 8))
                 if name != "Q6_K":  # the mins times the code sums per 16 of the activations
-                    bias = q.fold(builder.fmul(mins, builder.sitofp(xsv, f32v)))
+                    bias = tile.fold(builder, builder.fmul(mins, builder.sitofp(xsv, f32v)))
                     row.fma(0, bias, q.splat(builder.fmul(dmin, dx), 8))
 
         def rows_pass(i0, together):
@@ -1181,6 +1168,10 @@ def _rows_vnni_codegen(name, wide):
 
 
 _ROWS_VNNI = {name: _make_rows_vnni(name) for name in _INT_BLOCKS}
+# numba's fastmath flags every float instruction of a function, an intrinsic's IR included; with
+# reassoc, LLVM reordered the int8 path's K-quant sums by the rows of a pass (the last bits of a
+# row differed alone and in a batch), so the row kernels are compiled without it
+FASTMATH_IN_ORDER = {"nnan", "ninf", "nsz", "contract", "afn", "arcp"}
 
 
 def rows_vnni(xq, xd, xs, w, out, j0, j1):
@@ -1191,7 +1182,7 @@ def rows_vnni(xq, xd, xs, w, out, j0, j1):
     raise NotImplementedError("numba only")
 
 
-@overload(rows_vnni, jit_options={"fastmath": True, "nogil": True})
+@overload(rows_vnni, jit_options={"fastmath": FASTMATH_IN_ORDER, "nogil": True})
 def _rows_vnni_overload(xq, xd, xs, w, out, j0, j1):
     name = record_name(w.dtype)
     if name not in _ROWS_VNNI:

@@ -46,6 +46,22 @@ def storage_to_f32(builder, v, dtype):
     return v
 
 
+def fold(builder, v):
+    """The sum of a vector's two halves (a vector of half the lanes)."""
+    half = v.type.count // 2
+    lanes = ir.VectorType(ir.IntType(32), half)
+    lo, hi = (builder.shuffle_vector(v, v, ir.Constant(lanes, list(range(a, a + half)))) for a in (0, half))
+    return builder.add(lo, hi) if isinstance(v.type.element, ir.IntType) else builder.fadd(lo, hi)
+
+
+def lane_sum(builder, v):
+    """The sum of a vector's lanes, halving it (a tree, not a chain of scalar adds): one order of
+    the sums for every kernel that reduces a row this way."""
+    while v.type.count > 1:
+        v = fold(builder, v)
+    return builder.extract_element(v, ir.Constant(ir.IntType(32), 0))
+
+
 def _load_vec(builder, ptr, dtype):
     """Load 8 values of bt at ptr as <8 x float>, converting storage formats."""
     if dtype == types.float32:
