@@ -6,7 +6,9 @@ tensors mix every block type the gguf package can write, several in one layer as
 llama-quantize's Q4_K_M mixes them (so q, k and v cannot be fused into one matrix):
   attn_q Q5_0, attn_k Q5_1, attn_v Q8_0, attn_output Q4_0, ffn_gate Q4_1, ffn_up Q5_0,
   ffn_down Q4_K, token_embd Q8_0 (Q5_K and Q6_K blocks are checked kernel by kernel in tests).
-For each prompt: prompt and decode logits within the bf16 tolerance of the alignment suite, and
+The prompts: the first SmolLM2 prompts (--prompts) and a passage long enough (LONG_PROMPT, ~170
+tokens) that its chunks of 64 go through the prefill GEMM (on AMX where the CPU has it) rather
+than the decode kernels. For each prompt: prompt and decode logits within the bf16 tolerance of the alignment suite, and
 the greedy continuation token for token, with the default kernels (the int16 path where the CPU
 has AVX512-VNNI or AVX2: activations quantized to int16, one scale per 256 values where 256
 divides the width, else per 32) or --kernels portable (f32 FMA).
@@ -41,6 +43,14 @@ VNNI_TOL = 1e-1  # measured 5.5e-2 on the built-in model (int8 activations in al
 # a near-tie: int8 activations move decode logits by 1.2-2.1 (max abs), and the exact values depend
 # on the summation order (the thread count splits attention), so flips were seen at margins 0.08 and 0.63
 VNNI_MARGIN = 1.0
+LONG_PROMPT = [{"role": "user", "content": (
+    "Read this and summarize it in one sentence. The lighthouse stood on a rock at the mouth of the bay, "
+    "and for a hundred years its keepers climbed the spiral stairs every evening to light the lamp. They "
+    "trimmed the wicks, polished the lenses and wound the clockwork that turned the light, so that ships "
+    "coming in from the open sea could find the narrow channel between the reefs. In winter the storms "
+    "threw spray over the gallery and the keepers wrote in their logbooks by candlelight, counting the "
+    "ships that passed and the hours of fog. When electricity came to the coast the lamp was replaced by "
+    "a bulb on a timer, and the last keeper rowed ashore with his logbooks under his arm.")}]
 MIX = {
     "attn_q": "Q5_0", "attn_k": "Q5_1", "attn_v": "Q8_0", "attn_output": "Q4_0",
     "ffn_gate": "Q4_1", "ffn_up": "Q5_0", "ffn_down": "Q4_K", "token_embd": "Q8_0",
@@ -94,7 +104,7 @@ def check_file(report, path: Path, prompts: int, kernels: str) -> None:
     kept = all(quant.is_blocks(p) for p in parts)
     report.check(f"{path.name}: weights kept in blocks", kept, f"{formats}; q, k, v in {len(parts)} matrices")
     eos = sorted(set(engine.spec.eos_token_id))
-    for index, messages in enumerate(PROMPTS[:prompts]):
+    for index, messages in enumerate(PROMPTS[:prompts] + [LONG_PROMPT]):
         tag = f"{path.stem} {kernels} prompt {index}"
         ids = common.chat_ids(tokenizer, messages, add_generation_prompt=True)
         ref_tokens = common.reference_greedy(reference, ids, NEW_TOKENS, eos_token_id=eos)
