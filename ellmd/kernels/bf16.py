@@ -94,6 +94,13 @@ def _transpose16(builder, rows):
     return rows
 
 
+def _halves(builder, vals):
+    """(hi, lo) of <32 x float> as <32 x bfloat>: hi = bf16(x), lo = bf16(x - hi), rounded to
+    nearest even (vcvtneps2bf16)."""
+    hi = builder.fptrunc(vals, _BF16X32)
+    return hi, builder.fptrunc(builder.fsub(vals, builder.fpext(hi, _F32X32)), _BF16X32)
+
+
 @intrinsic
 def pack_activations(typingctx, x, i0, nb, nbp, xh, xl):
     """xh, xl as uint32 [pairs, tokens]: the bf16 pairs of hi and lo of x[i0+i, 2p:2p+2], i < nbp.
@@ -132,8 +139,7 @@ def pack_activations(typingctx, x, i0, nb, nbp, xh, xl):
                 his, los = [], []
                 for row in starts:
                     vals = builder.load(builder.bitcast(builder.gep(row, [c]), _F32X32.as_pointer()), align=4)
-                    hi = builder.fptrunc(vals, _BF16X32)
-                    lo = builder.fptrunc(builder.fsub(vals, builder.fpext(hi, _F32X32)), _BF16X32)
+                    hi, lo = _halves(builder, vals)
                     his.append(builder.bitcast(hi, _I32X16))
                     los.append(builder.bitcast(lo, _I32X16))
                 p0 = builder.udiv(c, const(2))
@@ -494,7 +500,7 @@ def usable(m, k):
 
 @intrinsic
 def split_rows(typingctx, w, wh, wl):
-    """wh, wl = the bf16 bits of hi = bf16(w) and lo = bf16(w - hi), as pack_activations rounds.
+    """wh, wl = the bf16 bits of the halves of w (_halves, as pack_activations splits x).
 
     w: [rows, k] float32; wh, wl: [rows, k] uint16; all C-contiguous, rows * k % CHUNK == 0.
     """
@@ -509,9 +515,7 @@ def split_rows(typingctx, w, wh, wl):
         with cgutils.for_range(builder, builder.udiv(builder.mul(rows, k), ir.Constant(intp, CHUNK))) as chunks:
             at = builder.mul(chunks.index, ir.Constant(intp, CHUNK))
             vals = builder.load(builder.bitcast(builder.gep(w_p, [at]), _F32X32.as_pointer()), align=4)
-            hi = builder.fptrunc(vals, _BF16X32)
-            lo = builder.fptrunc(builder.fsub(vals, builder.fpext(hi, _F32X32)), _BF16X32)
-            for half, value in zip(halves, (hi, lo)):
+            for half, value in zip(halves, _halves(builder, vals)):
                 builder.store(value, builder.bitcast(builder.gep(half, [at]), _BF16X32.as_pointer()), align=2)
         return context.get_dummy_value()
 
