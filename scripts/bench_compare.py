@@ -535,6 +535,14 @@ class TransformersRunner:
         self.cache = None
 
 
+def _tensor(array):
+    """A torch view of a numpy array, copied first when it is read-only (memory-mapped weights),
+    which torch.from_numpy warns about."""
+    import torch
+
+    return torch.from_numpy(np.require(array, requirements="W"))
+
+
 def load_transformers_model(case: ModelCase, args):
     """The model in f32, with the weights ellm reads: the random ones, or the F16 GGUF through ellm's reader
     (which un-permutes llama's q/k rows; transformers' own GGUF loader would need accelerate)."""
@@ -558,7 +566,7 @@ def load_transformers_model(case: ModelCase, args):
     names = set(checkpoint.names())
     for name in names:
         if ".mlp.experts." not in name:
-            state[name].copy_(torch.from_numpy(checkpoint.get(name, formats.F32)))
+            state[name].copy_(_tensor(checkpoint.get(name, formats.F32)))
     for i in range(case.layers):  # transformers fuses each MoE layer's experts into 3-D tensors
         prefix = f"model.layers.{i}.mlp.experts"
         if f"{prefix}.gate_up_proj" not in state:
@@ -566,12 +574,12 @@ def load_transformers_model(case: ModelCase, args):
         if f"{prefix}.gate_proj.weight" in names:  # a GGUF: one stack per projection
             stacks = [checkpoint.get(f"{prefix}.{p}.weight", formats.F32) for p in ("gate_proj", "up_proj", "down_proj")]
             state[f"{prefix}.gate_up_proj"].copy_(torch.from_numpy(np.concatenate(stacks[:2], axis=1)))
-            state[f"{prefix}.down_proj"].copy_(torch.from_numpy(stacks[2]))
+            state[f"{prefix}.down_proj"].copy_(_tensor(stacks[2]))
             continue
         for e in range(checkpoint.spec.num_experts):
             gate, up, down = (checkpoint.get(f"{prefix}.{e}.{p}.weight", formats.F32) for p in ("gate_proj", "up_proj", "down_proj"))
             state[f"{prefix}.gate_up_proj"][e].copy_(torch.from_numpy(np.concatenate([gate, up])))
-            state[f"{prefix}.down_proj"][e].copy_(torch.from_numpy(down))
+            state[f"{prefix}.down_proj"][e].copy_(_tensor(down))
     model.tie_weights()
     return model.eval()
 
