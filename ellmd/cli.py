@@ -380,5 +380,46 @@ def status(socket: Optional[str] = SocketPath, config: Optional[Path] = ConfigFi
     Console().print(table)
 
 
+fleet_app = typer.Typer(help="A fleet of daemon replicas on Ray Serve (install the extra: pip install 'ellm[ray]').",
+                        no_args_is_help=True)
+app.add_typer(fleet_app, name="fleet")
+
+
+@fleet_app.command("start")
+def fleet_start(
+    replicas: int = typer.Option(2, min=1, help="Daemon replicas, each its own process with its own engine"),
+    threads: int = typer.Option(1, min=1, help="Kernel threads per replica (Ray reserves as many CPUs for it)"),
+    batch_size: int = typer.Option(4, min=1, help="KV slots per replica: sessions resident at once in each"),
+    sequence_length: int = typer.Option(8192, min=1, help="KV capacity of each slot, in tokens"),
+    model_path: Optional[str] = ModelPath,
+    store: Optional[str] = typer.Option(
+        None, help="The session store every replica reads: on one node any directory, across nodes shared "
+                   "storage (with --store-backend directory) [default: $XDG_DATA_HOME/ellm/store]"),
+    store_backend: str = typer.Option("lmdb", help="lmdb (one node) or directory (a shared filesystem, many nodes)"),
+    http: str = typer.Option("127.0.0.1:8000", help="Where the fleet's HTTP API listens: HOST:PORT"),
+    address: Optional[str] = typer.Option(
+        None, help="Join this Ray cluster (e.g. auto, or HEAD:6379 after `ray start --head`) [default: a local Ray]"),
+    sessions_per_replica: int = typer.Option(
+        32, min=1, help="Session ids a replica keeps leased (Serve's LRU); beyond, the oldest goes to the store"),
+    config: Optional[Path] = typer.Option(None, "--config", help="An ellmd.toml every replica's daemon reads"),
+):
+    """Run a fleet in the foreground: a Ray Serve ingress routing each session to the replica that
+    holds it, N daemon replicas sharing one store. SIGTERM or Ctrl-C stops it, every session snapshotted."""
+    import importlib.util
+
+    if importlib.util.find_spec("ray") is None:
+        fail("the fleet needs Ray Serve: pip install 'ellm[ray]'")
+    from ellmd.fleet.app import FleetSettings, run
+    from ellmd.server.http import listen_address
+
+    settings = FleetSettings(replicas=replicas, threads=threads, batch_size=batch_size, sequence_length=sequence_length,
+                             model_path=model_path, store=store, store_backend=store_backend,
+                             sessions_per_replica=sessions_per_replica, config=str(config) if config else None)
+    try:
+        run(settings, listen_address(http), address, on_ready=lambda line: typer.echo(line, err=True))
+    except EllmError as e:
+        fail(str(e))
+
+
 if __name__ == "__main__":
     app()

@@ -1,0 +1,174 @@
+"""The fleet as a Ray Serve application: an ingress and N replicas of the daemon.
+
+The ingress takes every HTTP request (the daemon's whole HTTP API: OpenAI, Responses, Anthropic,
+health, metrics), works out its routing key (routing.py) and hands it to a replica through a
+DeploymentHandle with that key as the multiplexed id; the reply streams back as the replica's daemon
+sends it, with the replica's name in `X-Ellm-Replica`.
+
+A request that meets a session held by another replica (409 session_busy: a routing miss while Serve
+learns where the session went, or a dead replica's lease not yet given up) or a replica that died
+under it is tried again, on whichever replica Serve picks, for up to `retry_s` seconds; nothing was
+sent to the client before, and the daemon never acknowledged the turn, so nothing is lost or doubled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import time
+
+from ellmd.fleet.replica import REPLICA_HEADER, Replica
+from ellmd.fleet.routing import routing_key
+
+log = logging.getLogger("ellmd.fleet")
+
+APP_NAME = "ellm"
+RETRY_PAUSE_S = 0.25
+LEASED_CODE = "session_leased"  # the HTTP error code of a session another replica holds
+
+
+@dataclasses.dataclass
+class FleetSettings:
+    """What `ellmd fleet start` and a Serve config file's `args` set (the same names)."""
+
+    replicas: int = 2
+    threads: int = 1
+    batch_size: int = 4
+    sequence_length: int = 8192
+    model_path: str | None = None
+    store: str | None = None
+    store_backend: str = "lmdb"
+    config: str | None = None  # an ellmd.toml every replica's daemon reads (flags here win)
+    sessions_per_replica: int = 32  # Serve's LRU of session ids per replica; beyond it, the oldest is released
+    max_ongoing_requests: int = 64  # per replica: generations batch in its daemon, so admit many
+    retry_s: float = 30.0
+
+    def daemon_args(self, replica: str) -> list[str]:
+        """The flags of a replica's `ellmd start` (the socket and port are its own too)."""
+        args = ["--replica", replica, "--threads", str(self.threads), "--batch-size", str(self.batch_size),
+                "--sequence-length", str(self.sequence_length), "--store-backend", self.store_backend]
+        for flag, value in (("--model-path", self.model_path), ("--store", self.store), ("--config", self.config)):
+            if value:
+                args += [flag, value]
+        return args
+
+
+class Ingress:
+    """The HTTP entry point: routes each request to a replica by its key, streams the reply."""
+
+    def __init__(self, replica, retry_s: float):
+        self.replica = replica
+        self.retry_s = retry_s
+
+    async def __call__(self, request):
+        from starlette.responses import Response, StreamingResponse
+
+        body = await request.body()
+        try:
+            parsed = json.loads(body) if body else None
+        except ValueError:
+            parsed = None  # the daemon answers the malformed body
+        key = routing_key(request.headers, parsed)
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in ("host", "content-length")}
+        path = request.url.path + (f"?{request.url.query}" if request.url.query else "")
+        head, refusal, reply = await self.first_answer(key, request.method, path, headers, body)
+        if refusal is not None:
+            return Response(refusal, status_code=head["status"], headers=head["headers"])
+        return StreamingResponse(pieces(reply), status_code=head["status"], headers=head["headers"])
+
+    async def first_answer(self, key, method, path, headers, body):
+        """Send to a replica until one answers other than "held elsewhere" (or time is up).
+
+        Returns (status and headers, the whole body of a 409 or None, the reply stream)."""
+        from ray.exceptions import RayActorError
+        from ray.serve.exceptions import BackPressureError
+
+        deadline = time.monotonic() + self.retry_s
+        while True:
+            handle = self.replica.options(stream=True, multiplexed_model_id=key or "")
+            reply = handle.forward.remote(method, path, headers, body)
+            try:
+                head = await reply.__anext__()
+            except (RayActorError, BackPressureError) as e:
+                if time.monotonic() > deadline:
+                    raise
+                log.warning("key %s: replica unavailable (%s); trying again", key, type(e).__name__)
+            else:
+                if head["status"] != 409:
+                    return head, None, reply
+                refusal = b"".join([piece async for piece in pieces(reply)])
+                if not held_elsewhere(refusal) or time.monotonic() > deadline:
+                    return head, refusal, None
+                log.info("key %s: held by another replica than %s; trying again", key, head["headers"][REPLICA_HEADER])
+            await asyncio.sleep(RETRY_PAUSE_S)
+
+
+async def pieces(reply):
+    async for piece in reply:
+        yield piece
+
+
+def held_elsewhere(body: bytes) -> bool:
+    """Is a 409 the refusal of a session whose lease another replica holds?"""
+    try:
+        error = json.loads(body).get("error") or {}
+    except (ValueError, AttributeError):
+        return False
+    return isinstance(error, dict) and error.get("code") == LEASED_CODE
+
+
+def application(settings: FleetSettings):
+    """The Serve application of a fleet (for `serve.run`)."""
+    from ray import serve
+
+    replica = serve.deployment(
+        Replica, name="replica", num_replicas=settings.replicas, max_ongoing_requests=settings.max_ongoing_requests,
+        ray_actor_options={"num_cpus": settings.threads}, health_check_period_s=2, health_check_timeout_s=30,
+        graceful_shutdown_timeout_s=120,
+    ).bind(settings)
+    ingress = serve.deployment(Ingress, name="ingress", ray_actor_options={"num_cpus": 0},
+                               max_ongoing_requests=1000)
+    return ingress.bind(replica, settings.retry_s)
+
+
+def build_app(args: dict):
+    """The application builder a Serve config file names (`import_path: ellmd.fleet.app:build_app`)."""
+    known = {f.name for f in dataclasses.fields(FleetSettings)}
+    unknown = sorted(set(args) - known)
+    if unknown:
+        raise ValueError(f"unknown fleet settings: {', '.join(unknown)} (known: {', '.join(sorted(known))})")
+    return application(FleetSettings(**args))
+
+
+def run(settings: FleetSettings, http: tuple[str, int], address: str | None = None, on_ready=print) -> None:
+    """Run a fleet in the foreground until SIGTERM or SIGINT, then stop it cleanly: every replica's
+    daemon snapshots its sessions and gives up their leases. With `address`, join that Ray cluster
+    (and leave it running); else start a local Ray sized for the replicas."""
+    import os
+    import signal
+    import threading
+
+    import ray
+    from ray import serve
+
+    stop = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: stop.set())
+    if address:
+        ray.init(address=address, log_to_driver=False)
+    else:
+        ray.init(num_cpus=max(os.cpu_count() or 1, settings.replicas * settings.threads), include_dashboard=False,
+                 log_to_driver=False)
+    try:
+        serve.start(http_options={"host": http[0], "port": http[1]})
+        serve.run(application(settings), name=APP_NAME, route_prefix="/")
+        on_ready(f"ellm fleet: {settings.replicas} replicas x {settings.threads} threads serving "
+                 f"http://{http[0]}:{http[1]} (SIGTERM or Ctrl-C stops it)")
+        stop.wait()
+        on_ready("ellm fleet: stopping (replicas snapshot their sessions)")
+        serve.delete(APP_NAME)
+        serve.shutdown()
+    finally:
+        ray.shutdown()

@@ -1,0 +1,206 @@
+"""The fleet on Ray Serve: `ellmd fleet start` with 2 replicas of the built-in model at 1 thread each,
+driven over HTTP like any OpenAI client.
+
+One fleet serves the whole module (it takes a while to start): sessions keep to their replica, each
+turn prefills only its new tokens, an anonymous conversation meets its own prefix, a SIGKILLed
+replica loses no acknowledged turn and its sessions go on bit-identical to a lone daemon's, and
+SIGTERM stops the fleet with every session in the store.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from daemon import ROOT, Daemon
+from ellmd.fleet.routing import PREFIX_KEY, routing_key
+
+SESSIONS = 8
+TURNS = 3
+MAX_TOKENS = 6
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def post(url: str, body: dict, headers: dict | None = None) -> tuple[dict, dict]:
+    request = urllib.request.Request(url, data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json", **(headers or {})})
+    with urllib.request.urlopen(request, timeout=300) as response:
+        return dict(response.headers), json.loads(response.read())
+
+
+def question(session: int, turn: int) -> str:
+    return f"Agent {session}, step {turn}: name one prime number above {10 * session + turn}."
+
+
+def chat_body(history: list[dict]) -> dict:
+    return {"messages": history, "max_tokens": MAX_TOKENS, "temperature": 0}
+
+
+class Fleet:
+    def __init__(self, tmp: Path):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = tmp / "fleet.log"
+        self.store = tmp / "store"
+        env = {**os.environ, "XDG_CONFIG_HOME": str(tmp / "config"), "RAY_TMPDIR": str(tmp / "ray")}
+        with open(self.log, "wb") as log:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "ellmd.cli", "fleet", "start", "--replicas", "2", "--threads", "1",
+                 "--batch-size", "4", "--sequence-length", "2048", "--store", str(self.store),
+                 "--http", f"127.0.0.1:{self.port}"],
+                stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+        self.wait_ready()
+
+    def wait_ready(self, timeout: float = 900) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert self.process.poll() is None, self.log.read_text()[-3000:]
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=5) as response:
+                    if response.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(1)
+        raise AssertionError(f"the fleet did not start: {self.log.read_text()[-3000:]}")
+
+    def chat(self, history: list[dict], session_id: str | None = None) -> tuple[str, dict, str]:
+        """(reply text, usage, serving replica) of one turn."""
+        headers = {"X-Session-Id": session_id} if session_id else {}
+        head, body = post(self.url + "/v1/chat/completions", chat_body(history), headers)
+        return body["choices"][0]["message"]["content"], body["usage"], head["X-Ellm-Replica"]
+
+
+def replica_processes(name: str) -> list[int]:
+    """The pids of a replica: its daemon (`--replica NAME` on its command line) and the Ray worker above it."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+            if b"--replica" in argv and argv[argv.index(b"--replica") + 1].decode() == name:
+                parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                return [parent, int(entry.name)]
+        except (OSError, IndexError, ValueError):
+            continue
+    raise AssertionError(f"no process of replica {name}")
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory):
+    fleet = Fleet(tmp_path_factory.mktemp("fleet"))
+    yield fleet
+    if fleet.process.poll() is None:
+        fleet.process.kill()
+        fleet.process.wait()
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The same conversations on a lone daemon at 1 thread, never interrupted: the texts to match."""
+    port = free_port()
+    daemon = Daemon(tmp_path_factory.mktemp("lone"), slots=SESSIONS, extra=["--http", f"127.0.0.1:{port}"])
+    daemon.args[daemon.args.index("--threads") + 1] = "1"  # as the fleet's replicas
+    daemon.start()
+    url = f"http://127.0.0.1:{port}"
+    texts = {}
+    try:
+        for s in range(SESSIONS):
+            history = []
+            for turn in range(TURNS + 1):
+                history.append({"role": "user", "content": question(s, turn)})
+                _, body = post(url + "/v1/chat/completions", chat_body(history), {"X-Session-Id": f"ref-{s}"})
+                history.append({"role": "assistant", "content": body["choices"][0]["message"]["content"]})
+            texts[s] = [m["content"] for m in history[1::2]]
+    finally:
+        daemon.stop()
+    return texts
+
+
+def test_routing_key_names_the_session_else_the_conversation_start():
+    headers = {"x-session-id": "h1"}
+    assert routing_key(headers, {"messages": []}) == "h1"
+    assert routing_key({}, {"session_id": "b1", "messages": []}) == "b1"
+    first = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    later = first + [{"role": "assistant", "content": "hello"}, {"role": "user", "content": "more"}]
+    assert routing_key({}, {"messages": first}).startswith(PREFIX_KEY)
+    assert routing_key({}, {"messages": first}) == routing_key({}, {"messages": later})
+    other = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "bye"}]
+    assert routing_key({}, {"messages": other}) != routing_key({}, {"messages": first})
+    assert routing_key({}, {"prompt": "abc"}) == routing_key({}, {"prompt": "abc"}) != routing_key({}, {"prompt": "abd"})
+    assert routing_key({}, None) is None and routing_key({}, {"model": "x"}) is None
+
+
+def test_sessions_keep_to_their_replica_and_survive_a_killed_one(fleet, reference):
+    histories = {s: [] for s in range(SESSIONS)}
+    served: dict[int, list[str]] = {s: [] for s in range(SESSIONS)}
+
+    def turn(s: int, t: int) -> dict:
+        histories[s].append({"role": "user", "content": question(s, t)})
+        text, usage, replica = fleet.chat(histories[s], f"agent-{s}")
+        histories[s].append({"role": "assistant", "content": text})
+        served[s].append(replica)
+        return usage
+
+    prompts = {}
+    for t in range(TURNS):
+        for s in range(SESSIONS):
+            usage = turn(s, t)
+            if t:  # the turns before are in the session's KV: only the new message is prefilled
+                assert usage["prompt_tokens_details"]["cached_tokens"] >= prompts[s]
+            prompts[s] = usage["prompt_tokens"]
+    for s in range(SESSIONS):
+        assert len(set(served[s])) == 1, f"agent-{s} moved between replicas: {served[s]}"
+    replicas = {served[s][0] for s in range(SESSIONS)}
+    assert len(replicas) == 2, f"all sessions on one replica: {served}"
+
+    victim = served[0][0]
+    for pid in replica_processes(victim):
+        os.kill(pid, signal.SIGKILL)
+    for s in range(SESSIONS):
+        usage = turn(s, TURNS)
+        assert usage["prompt_tokens_details"]["cached_tokens"] >= prompts[s], \
+            f"agent-{s} lost acknowledged turns: {usage}"
+        assert served[s][-1] != victim
+    for s in range(SESSIONS):
+        texts = [m["content"] for m in histories[s][1::2]]
+        assert texts == reference[s], f"agent-{s} differs from a lone daemon's never-interrupted session"
+
+
+def test_an_anonymous_conversation_meets_its_prefix(fleet):
+    history = [{"role": "system", "content": "You answer in one short sentence."},
+               {"role": "user", "content": "What is the capital of France?"}]
+    text, first, replica = fleet.chat(history)
+    history += [{"role": "assistant", "content": text}, {"role": "user", "content": "And of Italy?"}]
+    _, second, again = fleet.chat(history)
+    assert again == replica
+    assert second["prompt_tokens_details"]["cached_tokens"] >= first["prompt_tokens"]
+
+
+def test_sigterm_stops_the_fleet_with_every_session_stored(fleet, tmp_path):
+    fleet.process.send_signal(signal.SIGTERM)
+    assert fleet.process.wait(timeout=300) == 0, fleet.log.read_text()[-3000:]
+    daemon = Daemon(tmp_path, slots=2)
+    daemon.args[daemon.args.index("--store") + 1] = str(fleet.store)
+    daemon.start()
+    try:
+        stored = {s["session_id"]: s for s in daemon.client().list_sessions()}
+    finally:
+        daemon.stop()
+    for s in range(SESSIONS):
+        assert stored[f"agent-{s}"]["tokens"] > 0
