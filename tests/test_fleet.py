@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from daemon import ROOT, Daemon
+from ellmd.fleet.metrics import merge
 from ellmd.fleet.routing import PREFIX_KEY, routing_key
 
 SESSIONS = 8
@@ -146,6 +147,17 @@ def test_routing_key_names_the_session_else_the_conversation_start():
     assert routing_key({}, None) is None and routing_key({}, {"model": "x"}) is None
 
 
+def test_metrics_of_replicas_merge_under_a_replica_label():
+    text = ("# HELP ellm_generated_tokens_total Tokens generated.\n# TYPE ellm_generated_tokens_total counter\n"
+            "ellm_generated_tokens_total {n}\n# HELP ellm_sessions_resident Sessions.\n"
+            "# TYPE ellm_sessions_resident gauge\nellm_sessions_resident{{kind=\"x\"}} 2.0\n")
+    merged = merge({"r1": text.format(n=5), "r2": text.format(n=7)}).decode()
+    assert 'ellm_generated_tokens_total{replica="r1"} 5.0' in merged
+    assert 'ellm_generated_tokens_total{replica="r2"} 7.0' in merged
+    assert 'ellm_sessions_resident{kind="x",replica="r2"} 2.0' in merged
+    assert merged.count("# TYPE ellm_generated_tokens_total counter") == 1
+
+
 def test_sessions_keep_to_their_replica_and_survive_a_killed_one(fleet, reference):
     histories = {s: [] for s in range(SESSIONS)}
     served: dict[int, list[str]] = {s: [] for s in range(SESSIONS)}
@@ -168,6 +180,11 @@ def test_sessions_keep_to_their_replica_and_survive_a_killed_one(fleet, referenc
         assert len(set(served[s])) == 1, f"agent-{s} moved between replicas: {served[s]}"
     replicas = {served[s][0] for s in range(SESSIONS)}
     assert len(replicas) == 2, f"all sessions on one replica: {served}"
+    time.sleep(6)  # a metrics period
+    with urllib.request.urlopen(fleet.url + "/metrics", timeout=30) as response:
+        metrics = response.read().decode()
+    for replica in replicas:
+        assert f'ellm_generated_tokens_total{{replica="{replica}"}}' in metrics
 
     victim = served[0][0]
     for pid in replica_processes(victim):

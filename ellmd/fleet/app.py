@@ -1,9 +1,10 @@
 """The fleet as a Ray Serve application: an ingress and N replicas of the daemon.
 
 The ingress takes every HTTP request (the daemon's whole HTTP API: OpenAI, Responses, Anthropic,
-health, metrics), works out its routing key (routing.py) and hands it to a replica through a
+health), works out its routing key (routing.py) and hands it to a replica through a
 DeploymentHandle with that key as the multiplexed id; the reply streams back as the replica's daemon
-sends it, with the replica's name in `X-Ellm-Replica`.
+sends it, with the replica's name in `X-Ellm-Replica`. /metrics answers every replica's metrics,
+labelled by replica (metrics.py).
 
 A request that meets a session held by another replica (409 session_busy: a routing miss while Serve
 learns where the session went, or a dead replica's lease not yet given up) or a replica that died
@@ -19,6 +20,7 @@ import json
 import logging
 import time
 
+from ellmd.fleet.metrics import Board
 from ellmd.fleet.replica import REPLICA_HEADER, Replica
 from ellmd.fleet.routing import routing_key
 
@@ -58,13 +60,15 @@ class FleetSettings:
 class Ingress:
     """The HTTP entry point: routes each request to a replica by its key, streams the reply."""
 
-    def __init__(self, replica, retry_s: float):
-        self.replica = replica
+    def __init__(self, replica, board, retry_s: float):
+        self.replica, self.board = replica, board
         self.retry_s = retry_s
 
     async def __call__(self, request):
         from starlette.responses import Response, StreamingResponse
 
+        if request.url.path == "/metrics":  # every replica's, not the metrics of whichever replica answers
+            return Response(await self.board.render.remote(), media_type=Board.content_type)
         body = await request.body()
         try:
             parsed = json.loads(body) if body else None
@@ -123,14 +127,15 @@ def application(settings: FleetSettings):
     """The Serve application of a fleet (for `serve.run`)."""
     from ray import serve
 
+    board = serve.deployment(Board, name="metrics", ray_actor_options={"num_cpus": 0}).bind()
     replica = serve.deployment(
         Replica, name="replica", num_replicas=settings.replicas, max_ongoing_requests=settings.max_ongoing_requests,
         ray_actor_options={"num_cpus": settings.threads}, health_check_period_s=2, health_check_timeout_s=30,
         graceful_shutdown_timeout_s=120,
-    ).bind(settings)
+    ).bind(settings, board)
     ingress = serve.deployment(Ingress, name="ingress", ray_actor_options={"num_cpus": 0},
                                max_ongoing_requests=1000)
-    return ingress.bind(replica, settings.retry_s)
+    return ingress.bind(replica, board, settings.retry_s)
 
 
 def build_app(args: dict):

@@ -23,6 +23,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -30,6 +31,7 @@ from pathlib import Path
 import aiohttp
 
 from ellmd.errors import EllmError
+from ellmd.fleet.metrics import PUBLISH_S
 from ellmd.fleet.routing import PREFIX_KEY
 
 log = logging.getLogger("ellmd.fleet")
@@ -118,7 +120,7 @@ class Held:
 class Replica:
     """The Serve deployment class of a replica; `forward` streams one HTTP exchange with its daemon."""
 
-    def __init__(self, settings):
+    def __init__(self, settings, board):
         from ray import serve
 
         from ellm.aio import AsyncClient
@@ -134,7 +136,19 @@ class Replica:
 
         # A function in an instance attribute (not a method), so that the LRU's size can be a setting.
         self.hold = serve.multiplexed(max_num_models_per_replica=settings.sessions_per_replica)(load)
+        self.publisher = threading.Thread(target=self.publish, args=(board,), name="ellm-metrics", daemon=True)
+        self.publisher.start()
         log.info("replica %s: daemon pid %d on %s", self.name, self.daemon.process.pid, self.daemon.url)
+
+    def publish(self, board) -> None:
+        """Hand the daemon's metrics to the board every few seconds, while the daemon lives."""
+        while self.daemon.alive:
+            try:
+                with urllib.request.urlopen(self.daemon.url + "/metrics", timeout=PUBLISH_S) as response:
+                    board.publish.remote(self.name, response.read().decode()).result()
+            except Exception as e:  # a slow scrape or a board restarting: the next period retries
+                log.warning("replica %s: publishing metrics: %s", self.name, e)
+            time.sleep(PUBLISH_S)
 
     async def release(self, key: str, session_ids: list[str]) -> None:
         from ellm.errors import EllmError as ClientError
