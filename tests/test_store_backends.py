@@ -125,7 +125,7 @@ SNAPSHOT_THEN_DIE = """
 import sys
 import numpy as np
 from ellmd.runtime.store import open_store
-store = open_store("directory", sys.argv[1])
+store = open_store("directory", sys.argv[1], replica="a")
 tokens = list(range(600))
 store.snapshot({"session_id": "s1", "fingerprint": %r, "title": "second"}, tokens,
                lambda a, b: np.repeat(np.asarray(tokens[a:b], np.int32), 3).tobytes(), stored_tokens=10)
@@ -137,7 +137,7 @@ def test_directory_store_a_snapshot_killed_before_its_commit_leaves_the_previous
     """SIGKILL between the chunk writes and the meta rename (the store's test hook): the previous
     snapshot loads whole; the next snapshot removes what the killed one left."""
     path = tmp_path / "store"
-    store = open_store("directory", path, replica="a")  # no lock file: the child opens it too
+    store = open_store("directory", path, replica="a")  # a replica: the child may open the store too
     tokens = list(range(300))
     store.snapshot(meta(title="first"), tokens, fake_kv(tokens), stored_tokens=0)
     before = sorted(os.listdir(path / "sessions" / "_s1"))
@@ -156,6 +156,20 @@ def test_directory_store_a_snapshot_killed_before_its_commit_leaves_the_previous
     assert load(store, "s1")[1:] == (tokens, fake_kv(tokens)(0, 302))
     assert sorted(os.listdir(path / "sessions" / "_s1")) == ["kv.0.1", "kv.1.2", "meta", "tokens.2"]
     store.close()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_lone_daemon_and_replicas_never_share_a_store(backend, tmp_path):
+    alone = open_store(backend, tmp_path / "store")
+    with pytest.raises(StoreError, match=f"in use by another ellmd \\(pid {os.getpid()}\\)"):
+        open_store(backend, tmp_path / "store")
+    with pytest.raises(StoreError, match="in use by another ellmd"):
+        open_store(backend, tmp_path / "store", replica="a")
+    alone.close()
+    replica = open_store(backend, tmp_path / "store", replica="a")
+    with pytest.raises(StoreError, match="in use by fleet replicas"):
+        open_store(backend, tmp_path / "store")
+    replica.close()
 
 
 # ---- leases ----------------------------------------------------------------------------------

@@ -65,8 +65,7 @@ class Store(SessionStore):
         self._lock = None
         try:
             private_dir(path)
-            if holder is None:
-                self._lock = lock(path / "ellmd.lock")
+            self._lock = lock(path / "ellmd.lock", shared=holder is not None)
             self.env = lmdb.open(str(path), map_size=map_size, max_dbs=5, subdir=True, mode=0o600)
             for name in ("data.mdb", "lock.mdb"):  # stores made before files were private
                 if (path / name).exists():
@@ -87,8 +86,7 @@ class Store(SessionStore):
     def close(self) -> None:
         self._hasher.shutdown()
         self.env.close()
-        if self._lock is not None:
-            os.close(self._lock)
+        os.close(self._lock)
 
     # ---- writes -----------------------------------------------------------------------------
 

@@ -18,7 +18,8 @@ The contract every backend keeps:
   - leases (leases.py): one read-modify-write of a session's lease record at a time across every
     process that opens the store (`_update_leases`); opened for a fleet replica (`holder` set),
     the store refuses to write a session whose live lease another replica holds.
-Without a holder, a store belongs to one process at a time (a lock file beside the data, `lock`).
+Without a holder, a store belongs to one process at a time (a lock file beside the data, `lock`);
+fleet replicas share that lock, so that a lone daemon and replicas never run on one store together.
 """
 
 from __future__ import annotations
@@ -326,18 +327,22 @@ def parse_blob(blob: bytes, vocab_size, bytes_per_token) -> tuple[dict, bytes, l
     return meta, tokens, chunks
 
 
-def lock(path: Path) -> int:
-    """Hold an exclusive lock on path for the life of the process; refuse if another holds it."""
+def lock(path: Path, shared: bool = False) -> int:
+    """Hold a lock on path for the life of the process; refuse if another holds it against us.
+    Exclusive: a daemon that holds the store alone (its pid written in the file); shared: fleet
+    replicas, any number of them, none while a lone daemon runs, nor it while they run."""
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
     except BlockingIOError:
-        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
         os.close(fd)
-        raise StoreError(f"the store at {path.parent} is in use by another ellmd (pid {holder}): "
-                         "stop it, or give this one another --store") from None
+        who = f"another ellmd (pid {holder})" if holder else "fleet replicas (ellmd start --replica)"
+        raise StoreError(f"the store at {path.parent} is in use by {who}: stop it, or give this one another "
+                         "--store" + ("" if shared else ", or run each as a --replica")) from None
     os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    if not shared:
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
     return fd
 
 

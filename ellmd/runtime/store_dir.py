@@ -49,8 +49,7 @@ class DirectoryStore(SessionStore):
         self._lock = None
         try:
             private_dir(path)
-            if holder is None:
-                self._lock = lock(path / "ellmd.lock")
+            self._lock = lock(path / "ellmd.lock", shared=holder is not None)
             for name in ("sessions", "leases", "lease-locks"):
                 private_dir(path / name)
         except OSError as e:
@@ -63,8 +62,7 @@ class DirectoryStore(SessionStore):
 
     def close(self) -> None:
         self._hasher.shutdown()
-        if self._lock is not None:
-            os.close(self._lock)
+        os.close(self._lock)
 
     def _folder(self, session_id: str) -> Path:
         return self.path / "sessions" / ("_" + session_id)
