@@ -97,9 +97,9 @@ class DirectoryStore(SessionStore):
         folder = self._folder(source_id)
         try:
             tokens = (folder / f"tokens.{source['tokens']}").read_bytes()
-            chunks = [(i, ((folder / f"kv.{i}.{g}").read_bytes(),)) for i, g in enumerate(source["chunks"])]
         except OSError as e:
             raise StoreError(f"fork of {source_id} failed: {e}") from None
+        chunks = ((i, ((folder / f"kv.{i}.{g}").read_bytes(),)) for i, g in enumerate(source["chunks"]))  # one at a time
         self._commit(target_id, self._envelope(target_id), record, tokens, chunks, "copy")
 
     def delete(self, session_id: str) -> bool:
