@@ -247,7 +247,15 @@ def start(
     weight_dtype: Optional[str] = WeightDtype,
     threads: Optional[int] = Threads,
     socket: Optional[str] = SocketPath,
-    store: Optional[str] = typer.Option(None, help="Session store directory (LMDB) [default: $XDG_DATA_HOME/ellm/store]"),
+    store: Optional[str] = typer.Option(None, help="Session store directory [default: $XDG_DATA_HOME/ellm/store]"),
+    store_backend: Optional[str] = typer.Option(
+        None, help="How the store keeps sessions: 'lmdb' (one LMDB environment, local disk) or 'directory' (a "
+                   "directory per session, for a filesystem several nodes mount) [default: lmdb]"),
+    replica: Optional[str] = typer.Option(
+        None, help="Run as this replica of a fleet: the store is shared with the other replicas, each session "
+                   "leased to one of them at a time (without it, one daemon holds the whole store)"),
+    lease_ttl_s: Optional[float] = typer.Option(
+        None, help="Seconds a replica's session lease lasts unless renewed (renewed every third of it) [default: 10]"),
     snapshot_ack: Optional[str] = typer.Option(
         None, help="When a turn is acknowledged: 'written' (its snapshot is on disk) or 'queued' "
                    "(handed to the store's writer; a crash may lose the last turns) [default: written]"),
@@ -292,7 +300,8 @@ def start(
 
     flags = dict(model_path=model_path, chunk_size=chunk_size, gap_ratio=gap_ratio, sequence_length=sequence_length,
                  batch_size=batch_size, kv_dtype=kv_dtype, weight_dtype=weight_dtype, threads=threads,
-                 socket=socket, store=store, snapshot_ack=snapshot_ack, http=http, skills_dir=skills_dir or None, rag_dir=rag_dir,
+                 socket=socket, store=store, store_backend=store_backend, replica=replica, lease_ttl_s=lease_ttl_s,
+                 snapshot_ack=snapshot_ack, http=http, skills_dir=skills_dir or None, rag_dir=rag_dir,
                  api_key=api_key, api_key_file=api_key_file, max_connections=max_connections,
                  max_in_flight=max_in_flight, max_queue=max_queue, max_upload_mb=max_upload_mb,
                  hello_timeout_s=hello_timeout_s, frame_timeout_s=frame_timeout_s,

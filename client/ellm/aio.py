@@ -190,6 +190,11 @@ class AsyncSession:
         """Free the session's slot; it stays stored."""
         return await self._call("session.close")
 
+    async def release(self) -> dict:
+        """Hand the session back to the store: snapshotted, its slot freed, dropped from the daemon's
+        memory and, on a fleet replica, its lease given back. {session_id, tokens, released}."""
+        return await self._call("session.release")
+
     async def delete(self) -> dict:
         """Delete the session from memory and the store."""
         return await self._call("session.delete")

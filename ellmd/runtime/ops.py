@@ -19,6 +19,7 @@ from typing import Callable
 
 from ellmd.errors import CapacityError
 from ellmd.runtime.errors import RuntimeError_, SlotsBusy, busy
+from ellmd.runtime.residency import visible
 from ellmd.runtime.session import Session, common_prefix
 from ellmd.runtime.turns import snapshot_of, usage
 
@@ -60,7 +61,7 @@ def session_open(rt, request, title=None, tags=None, system=None, tools=None):
     except BaseException:  # no ghost: a session that failed to open holds no slot
         rt.residency.release(session)
         raise
-    rt.residency.sessions[session.session_id] = session
+    rt.residency.adopt(session)
     return session.info(resident=session.slot is not None)
 
 
@@ -123,8 +124,25 @@ def session_close(rt, request, session_id):
     snapshotted = session.slot is not None
     if snapshotted:
         yield from rt.stored(session)  # before its slot goes, as for an eviction
-    rt.residency.forget(session)
+    released = rt.residency.forget(session)
+    if released is not None:  # a fleet replica: its lease is back before the reply
+        yield released
     return {"session_id": session_id, "snapshotted": snapshotted}
+
+
+def session_release(rt, request, session_id):
+    """Hand a session back to the store (a fleet's eviction): snapshotted and on disk, its slot
+    freed, dropped from memory and its lease given back. One this daemon does not hold is not an error."""
+    session = rt.residency.sessions.get(session_id)
+    if session is None or not visible(session.owner, request.owner):
+        return {"session_id": session_id, "tokens": None, "released": False}
+    idle(session)
+    yield from rt.stored(session)  # whatever the ack policy
+    tokens = session.length
+    released = rt.residency.forget(session)
+    if released is not None:
+        yield released
+    return {"session_id": session_id, "tokens": tokens, "released": True}
 
 
 def session_delete(rt, request, session_id):
@@ -185,9 +203,14 @@ def completion(rt, request, tokens, session_id=None, messages=None, tools=None, 
                             f"the sequence length {sequence_length}")
     owner = request.owner
     session = bound_session(rt, session_id, owner) if session_id is not None else anonymous_session(rt, tokens, owner)
-    idle(session)
-    slot = rt.residency.resident(session)
-    rt.residency.sessions.setdefault(session.session_id, session)  # new sessions once they hold a slot
+    try:
+        idle(session)
+        slot = rt.residency.resident(session)
+    except BaseException:  # a new session that did not get a slot gives its lease back (fleet)
+        rt.residency.disown(session.session_id)
+        raise
+    if session.session_id not in rt.residency.sessions:  # new sessions once they hold a slot
+        rt.residency.adopt(session)
     # Keep the longest common prefix that is in the KV (pending tokens are not), and at least
     # one prompt token to run, whose logits start the generation.
     keep = min(common_prefix(session.tokens, tokens), len(tokens) - 1)
@@ -220,9 +243,10 @@ def generate(rt, request, session: Session, sampling: dict, prompt=None, restore
 
 
 def bound_session(rt, session_id: str, owner: str | None) -> Session:
-    """The session a completion names, created if new."""
+    """The session a completion names, created if new (a fleet replica leases the id first)."""
     if rt.residency.known(session_id):
         return rt.residency.session(session_id, owner)
+    rt.residency.lease(session_id)
     session = Session.new(rt.fingerprint, title=session_id, owner=owner)
     session.session_id, session.tokens = session_id, []
     return session
@@ -323,6 +347,7 @@ OPS: dict[str, Op] = {
     "session.open": Op(session_open), "session.append": Op(session_append), "session.fork": Op(session_fork),
     "session.rewind": Op(session_rewind), "session.snapshot": Op(session_snapshot),
     "session.resume": Op(session_resume), "session.close": Op(session_close), "session.delete": Op(session_delete),
+    "session.release": Op(session_release),
     "session.info": Op(session_info), "session.list": Op(session_list), "session.export": Op(session_export),
     "session.import": Op(session_import),
     "session.generate": Op(session_generate), "session.chat": Op(session_chat), "completion": Op(completion),

@@ -9,6 +9,11 @@ Writes run on the store's writer thread (writer.py): a snapshot copies the KV it
 the engine thread, and returns its StoreWrite at once. What reads the store about a session (a
 resume, a lookup by id, a prefix read back) first waits for that session's pending writes, and an
 eviction waits for the victim's, so nobody sees a session as it was before a write it queued.
+
+In a fleet (`leases` given, leases.py), every session in `sessions` is leased to this replica:
+the lease is taken before a stored session is read (so its metadata is the store's latest) or a
+new one is adopted, and given back, after the session's last write, when it leaves memory
+(`forget`). A session another live replica holds is `busy`, naming that replica.
 """
 
 from __future__ import annotations
@@ -21,8 +26,9 @@ import time
 
 from ellmd.errors import CapacityError
 from ellmd.runtime.errors import RuntimeError_, SlotsBusy, not_found
+from ellmd.runtime.leases import Leases
 from ellmd.runtime.session import Session, common_prefix
-from ellmd.runtime.store import CHUNK_TOKENS, Store, StoreError
+from ellmd.runtime.store_base import CHUNK_TOKENS, SessionStore, StoreError
 from ellmd.runtime.writer import StoreWrite, StoreWriter
 
 log = logging.getLogger("ellmd.runtime")
@@ -31,9 +37,11 @@ log = logging.getLogger("ellmd.runtime")
 class Residency:
     """Sessions by id, the slot each resident one holds, and their snapshots in the store."""
 
-    def __init__(self, engine, store: Store, policy, on_written=lambda write: None):
+    def __init__(self, engine, store: SessionStore, policy, on_written=lambda write: None,
+                 leases: Leases | None = None):
         self.engine = engine
         self.store = store
+        self.leases = leases  # a fleet replica's leases (None: the store is this daemon's alone)
         self.writer = StoreWriter(store, on_written)  # on_written(write): on the writer thread, once it has run
         self.policy = policy  # picks the idle session to evict (scheduler.Policy.victim)
         self.fingerprint = model_fingerprint(engine)
@@ -46,12 +54,22 @@ class Residency:
         """The session named by a request (its metadata loaded from the store if need be). A
         session stored with an owner is found only by that owner's requests, or by requests without one."""
         session = self.sessions.get(session_id)
+        if session is not None and self.leases is not None and self.leases.was_lost(session_id):
+            log.error("session %s was taken over by another replica: its copy here is dropped", session_id)
+            self.release(session)
+            self.sessions.pop(session_id)
+            session = None
         if session is None:
             self.wait_for_writes(session_id)  # a session closed or deleted a moment ago
-            meta = self.store.get_meta(session_id)
-            if meta is None or not visible(meta.get("owner"), owner):
-                raise not_found(session_id)
-            self.check_fingerprint(meta)
+            self.lease(session_id)  # before reading: what this replica reads is then the latest
+            try:
+                meta = self.store.get_meta(session_id)
+                if meta is None or not visible(meta.get("owner"), owner):
+                    raise not_found(session_id)
+                self.check_fingerprint(meta)
+            except BaseException:
+                self.disown(session_id)
+                raise
             session = Session.from_stored(meta, [])
             session.stored_tokens = meta["tokens"]
             session.tokens = None  # loaded with the KV on resume
@@ -59,6 +77,27 @@ class Residency:
         if not visible(session.owner, owner):
             raise not_found(session_id)
         return session
+
+    def lease(self, session_id: str) -> None:
+        """Take (or renew) a session's lease; `busy`, naming the holder, if another live replica
+        holds it. One short store transaction: the engine thread never waits for a lease."""
+        if self.leases is None:
+            return
+        refused = self.leases.take(session_id)
+        if refused is not None:
+            raise RuntimeError_("busy", f"session {session_id} is held by {refused.holder.describe()}: "
+                                        f"send its requests there, or wait until it releases the session")
+
+    def disown(self, session_id: str) -> None:
+        """Give back the lease of a session that did not enter memory (a lookup or creation that failed)."""
+        if self.leases is not None and session_id not in self.sessions and self.leases.holds(session_id):
+            self.leases.release(session_id)
+
+    def adopt(self, session: Session) -> None:
+        """Keep a new session in memory (a fleet replica leases it first: `busy` if another holds it)."""
+        if self.leases is not None and not self.leases.holds(session.session_id):
+            self.lease(session.session_id)
+        self.sessions[session.session_id] = session
 
     def known(self, session_id: str) -> bool:
         """Is there a session of that id, in memory or in the store?"""
@@ -183,10 +222,15 @@ class Residency:
         if session.slot is not None:
             self.slots[session.slot], session.slot = None, None
 
-    def forget(self, session: Session) -> None:
-        """Drop a session from memory (and its slot); the store keeps what it holds."""
+    def forget(self, session: Session) -> StoreWrite | None:
+        """Drop a session from memory (and its slot); the store keeps what it holds. A fleet
+        replica gives its lease back once its writes queued so far have run: returns that write."""
         self.release(session)
         self.sessions.pop(session.session_id, None)
+        if self.leases is None:
+            return None
+        session_id, leases = session.session_id, self.leases
+        return self.writer.submit(StoreWrite("release", session_id, lambda store: {"released": leases.release(session_id)}))
 
     # ---- the store -----------------------------------------------------------------------
 
@@ -257,22 +301,27 @@ class Residency:
         return self.writer.pending_of(session_id)
 
     def delete(self, session: Session) -> StoreWrite:
-        """Forget a session and queue its removal from the store."""
-        self.forget(session)
+        """Queue a session's removal from the store and forget it (its lease goes after the removal)."""
         session_id = session.session_id
-        return self.writer.submit(StoreWrite("delete", session_id, lambda store: store.delete(session_id)))
+        write = self.writer.submit(StoreWrite("delete", session_id, lambda store: store.delete(session_id)))
+        self.forget(session)
+        return write
 
     def fork(self, source: Session, fork: Session) -> StoreWrite:
         """Queue a copy of source as stored (snapshotted before) under fork's id; fork loads it on use."""
         meta = copy.deepcopy(fork.stored_meta())
         write = StoreWrite("copy", fork.session_id, lambda store: store.copy(source.session_id, fork.session_id, meta))
         fork.tokens, fork.stored_tokens, fork.dirty = None, source.stored_tokens, False
-        self.sessions[fork.session_id] = fork
+        self.adopt(fork)
         return self.writer.submit(write)
 
     def close(self) -> None:
-        """Run every write queued, then end the writer thread (the engine thread settles them)."""
+        """Run every write queued, then end the writer thread (the engine thread settles them); a
+        fleet replica then gives back every lease it holds."""
         self.writer.close()
+        if self.leases is not None:
+            self.leases.stop()
+            self.leases.release_all()
 
     def stored_meta(self, session_id: str) -> dict | None:
         self.wait_for_writes(session_id)
@@ -311,7 +360,7 @@ class Residency:
             "kv_bytes_per_token": kv.bytes_per_token, "kv_bytes_used": used * kv.bytes_per_token,
             "kv_bytes_free": kv.nbytes - used * kv.bytes_per_token,
             "sessions_resident": len(self.resident_sessions()), "sessions_stored": self.store.count(),
-            "store": self.store.stats(),
+            "store": self.store.stats(), "replica": self.leases.holder.replica if self.leases else None,
         }
 
 

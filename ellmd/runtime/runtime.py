@@ -44,7 +44,8 @@ from ellmd.runtime.generations import Generations, brief
 from ellmd.runtime.ops import OPS
 from ellmd.runtime.residency import Residency
 from ellmd.runtime.scheduler import Policy
-from ellmd.runtime.store import Store, StoreError
+from ellmd.runtime.leases import Leases
+from ellmd.runtime.store_base import SessionStore, StoreError
 from ellmd.runtime.turns import Prefill, Turns
 from ellmd.runtime.writer import StoreWrite
 
@@ -81,9 +82,9 @@ class Request:
 class Runtime:
     """Sessions over an Engine and a Store, served by one engine thread."""
 
-    def __init__(self, engine, store: Store, skills=None, rag=None, rag_k: int = 4,
+    def __init__(self, engine, store: SessionStore, skills=None, rag=None, rag_k: int = 4,
                  snapshot_every_turn: bool = True, context_role: str = "user", policy: Policy | None = None,
-                 snapshot_ack: str = "written"):
+                 snapshot_ack: str = "written", leases: Leases | None = None):
         if snapshot_ack not in SNAPSHOT_ACKS:
             raise EllmError(f"snapshot_ack must be one of {', '.join(SNAPSHOT_ACKS)}, not {snapshot_ack!r}")
         self.engine = engine
@@ -95,7 +96,7 @@ class Runtime:
         self.policy = policy or Policy(engine.chunk_size)
         self.counters = {"prefilled": 0, "reused": 0, "shared": 0, "generated": 0}
         self.queue: queue.Queue[Request | StoreWrite | None] = queue.Queue()  # StoreWrite: the writer is done with it
-        self.residency = Residency(engine, store, self.policy, on_written=self.queue.put)
+        self.residency = Residency(engine, store, self.policy, on_written=self.queue.put, leases=leases)
         self.turns = Turns(engine, self.residency, self.counters, context_role, self.after_turn)
         self.generations = Generations(engine, self.turns, self.counters, self.snapshot_turn, self.reply_after)
         self.ops = dict(OPS)
@@ -116,7 +117,7 @@ class Runtime:
         self._closed = False  # set once shutdown begins: later requests are cancelled at once
 
     @property
-    def store(self) -> Store:
+    def store(self) -> SessionStore:
         return self.residency.store
 
     @property

@@ -187,6 +187,7 @@ OPS: dict[str, type[Args]] = {
     "session.open": SessionOpen, "session.append": SessionAppend, "session.generate": SessionGenerate,
     "session.chat": SessionChat, "session.fork": SessionFork, "session.rewind": SessionRewind,
     "session.snapshot": Named, "session.resume": Named, "session.close": Named, "session.delete": Named,
+    "session.release": Named,
     "session.info": Named, "session.export": Named, "session.import": SessionImport,
     "session.list": Owned, "completion": Completion, "skill.list": NoArgs, "skill.load": SkillLoad,
     "rag.index": RagIndex, "rag.list": NoArgs, "rag.remove": RagRemove, "rag.inject": RagInject, "stats": NoArgs,

@@ -1,11 +1,11 @@
 """The store's writer: one thread beside the engine thread that runs every write to the store.
 
-The engine thread never waits on LMDB for a snapshot: it copies the KV a snapshot needs (the
+The engine thread never waits on the store for a snapshot: it copies the KV a snapshot needs (the
 chunks changed since the last one) into a buffer, hands the writer a StoreWrite and goes on with
 its decode steps. Writes run one at a time, in the order they were queued, so a session's writes
 (snapshots, a fork's copy, a delete) land in its order. Until a write is done its session is
 marked pending (`pending`); whoever must see the store as that session left it (a resume, an
-eviction, a fork) waits for those writes only. Each write is one LMDB transaction: a failed one
+eviction, a fork) waits for those writes only. Each write is all or nothing (store_base): a failed one
 leaves the previous snapshot whole, and its error is kept on the write for the engine thread to
 report (Residency.settle), never dropped.
 """
@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from ellmd.runtime.store import Store, StoreError
+from ellmd.runtime.store_base import SessionStore, StoreError
 
 log = logging.getLogger("ellmd.store")
 
@@ -28,9 +28,9 @@ log = logging.getLogger("ellmd.store")
 class StoreWrite:
     """One write of one session, queued for the writer; `done` is set once it has run."""
 
-    kind: str  # "snapshot", "copy" (a fork) or "delete"
+    kind: str  # "snapshot", "copy" (a fork), "delete" or "release" (a fleet replica's lease)
     session_id: str
-    run: Callable[[Store], dict | None] | None  # the store call, on the writer thread (dropped once run)
+    run: Callable[[SessionStore], dict | None] | None  # the store call, on the writer thread (dropped once run)
     stored_tokens: int = 0  # a snapshot: tokens whose KV on disk was valid before it
     result: dict | None = None
     error: Exception | None = None
@@ -42,7 +42,7 @@ class StoreWrite:
 class StoreWriter:
     """The writer thread, its queue, and the writes each session has pending."""
 
-    def __init__(self, store: Store, on_done: Callable[[StoreWrite], None] = lambda write: None):
+    def __init__(self, store: SessionStore, on_done: Callable[[StoreWrite], None] = lambda write: None):
         self.store = store
         self.on_done = on_done  # called on the writer thread once a write has run (wakes the engine loop)
         self.pending: dict[str, list[StoreWrite]] = {}  # session id -> its writes queued or running

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import tomllib
 from pathlib import Path
 
@@ -46,6 +47,9 @@ class Settings:
     socket: str | None = None
     store: str | None = None
     store_map_size_gb: int = 1024
+    store_backend: str = "lmdb"
+    replica: str | None = None
+    lease_ttl_s: float = 10.0
     snapshot_every_turn: bool = True
     snapshot_ack: str = "written"
     http: str | None = None
@@ -151,10 +155,13 @@ def _check_type(key, value, field):
     if not isinstance(value, expected) or (expected is not bool and isinstance(value, bool)):
         name = "number" if expected == (int, float) else expected.__name__
         raise EllmError(f"setting {key} must be {name}, not {value!r}")
+    if key == "replica" and value is not None and not re.fullmatch(REPLICA_PATTERN, value):
+        raise EllmError(f"setting replica must match {REPLICA_PATTERN} (a name for this daemon in its fleet), not {value!r}")
     if key in LIMITS and value < (0 if key == "max_upload_mb" else 1e-9):
         raise EllmError(f"setting {key} must be {'at least 0' if key == 'max_upload_mb' else 'positive'}, not {value!r}")
 
 
-LIMITS = {"gap_ratio", "max_connections", "max_in_flight", "max_queue", "max_upload_mb", "hello_timeout_s", "frame_timeout_s",
+REPLICA_PATTERN = r"[A-Za-z0-9_.:-]{1,64}"
+LIMITS = {"gap_ratio", "lease_ttl_s", "max_connections", "max_in_flight", "max_queue", "max_upload_mb", "hello_timeout_s", "frame_timeout_s",
           "max_write_buffer_mb", "write_timeout_s", "http_max_connections", "http_max_body_mb", "http_read_timeout_s",
           "max_render_kb"}

@@ -25,7 +25,8 @@ def run(settings: Settings, progress=None) -> int:
     from ellmd.runtime.runtime import SNAPSHOT_ACKS, Runtime
     from ellmd.runtime.scheduler import Policy
     from ellmd.runtime.skills import SkillLibrary
-    from ellmd.runtime.store import Store
+    from ellmd.runtime.leases import Leases
+    from ellmd.runtime.store import open_store
     from ellmd.server.limits import Limits
     from ellmd.server.unix import prepare_socket_dir, socket_in_use
 
@@ -41,8 +42,11 @@ def run(settings: Settings, progress=None) -> int:
     prepare_socket_dir(settings.socket_path.parent)
     if settings.socket_path.exists() and socket_in_use(settings.socket_path):
         raise EllmError(f"another ellmd is already serving on {settings.socket_path} (stop it with: ellmd stop)")
-    # The store's lock too: a second daemon on this store is refused before the model loads.
-    store = Store(settings.store_path, map_size=settings.store_map_size_gb << 30)
+    # The store's lock too: a second daemon on this store is refused before the model loads (a fleet
+    # replica shares its store: its sessions are leased one by one instead).
+    store = open_store(settings.store_backend, settings.store_path, map_size=settings.store_map_size_gb << 30,
+                       replica=settings.replica)
+    leases = Leases(store, settings.lease_ttl_s) if settings.replica is not None else None
     servers = None
     try:
         engine = Engine(
@@ -57,7 +61,10 @@ def run(settings: Settings, progress=None) -> int:
         rag = RagLibrary(settings.rag_path, default_retriever=settings.rag_retriever)
         runtime = Runtime(engine, store, skills=skills, rag=rag, rag_k=settings.rag_k,
                           snapshot_every_turn=settings.snapshot_every_turn, context_role=settings.context_role,
-                          snapshot_ack=settings.snapshot_ack, policy=Policy(engine.chunk_size, settings.gap_ratio))
+                          snapshot_ack=settings.snapshot_ack, policy=Policy(engine.chunk_size, settings.gap_ratio),
+                          leases=leases)
+        if leases is not None:
+            leases.start()
         servers = Servers(runtime, settings, http_address, limits, api_keys)
         servers.start()
         # The engine loop runs here, on the main thread, which loaded the model and warmed its
@@ -123,7 +130,8 @@ class Servers:
         admission = Admission(runtime, self.limits.max_queue)  # one engine queue bound for both servers
         server = UnixServer(runtime, settings.socket_path, self.stop.set, info, self.limits, admission)
         await server.start()
-        log.info("serving on %s (store %s)", settings.socket_path, settings.store_path)
+        log.info("serving on %s (store %s, %s%s)", settings.socket_path, settings.store_path, settings.store_backend,
+                 f", replica {settings.replica}" if settings.replica is not None else "")
         http = None
         if self.http_address:
             from ellmd.server.http import HttpServer
