@@ -31,6 +31,7 @@ from ellm.errors import (  # noqa: E402
     EllmError,
     FingerprintError,
     InternalError,
+    Leased,
     NotFound,
     ProtocolVersionError,
     RequestTimeout,
@@ -43,6 +44,6 @@ from ellm.rpc import AsyncStream  # noqa: E402
 __all__ = [
     "AsyncClient", "AsyncSession", "AsyncStream", "BadFrame", "BadRequest", "Busy", "CapacityError", "Cancelled",
     "Client", "ConnectionLost", "DaemonNotRunning", "EllmError", "FingerprintError", "Generation", "InternalError",
-    "NotFound", "ProtocolVersionError", "RequestTimeout", "Session", "StoreError", "Stream", "UnknownOp",
+    "Leased", "NotFound", "ProtocolVersionError", "RequestTimeout", "Session", "StoreError", "Stream", "UnknownOp",
     "default_socket_path",
 ]

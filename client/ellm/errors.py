@@ -66,6 +66,12 @@ class Busy(EllmError):
     code = "busy"
 
 
+class Leased(Busy):
+    """The session is held by another fleet replica (a kind of busy: retry there, or later)."""
+
+    code = "leased"
+
+
 class FingerprintError(EllmError):
     """A stored session was made by another model, tokenizer, template or KV layout."""
 
@@ -115,7 +121,7 @@ class RequestTimeout(EllmError):
 
 ERRORS: dict[str, type[EllmError]] = {
     cls.code: cls
-    for cls in (BadFrame, BadRequest, UnknownOp, ProtocolVersionError, NotFound, CapacityError, Busy,
+    for cls in (BadFrame, BadRequest, UnknownOp, ProtocolVersionError, NotFound, CapacityError, Busy, Leased,
                 FingerprintError, StoreError, Cancelled, InternalError)
 }
 

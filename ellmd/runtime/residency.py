@@ -79,13 +79,13 @@ class Residency:
         return session
 
     def lease(self, session_id: str) -> None:
-        """Take (or renew) a session's lease; `busy`, naming the holder, if another live replica
+        """Take (or renew) a session's lease; `leased`, naming the holder, if another live replica
         holds it. One short store transaction: the engine thread never waits for a lease."""
         if self.leases is None:
             return
         refused = self.leases.take(session_id)
         if refused is not None:
-            raise RuntimeError_("busy", f"session {session_id} is held by {refused.holder.describe()}: "
+            raise RuntimeError_("leased", f"session {session_id} is held by {refused.holder.describe()}: "
                                         f"send its requests there, or wait until it releases the session")
 
     def disown(self, session_id: str) -> None:
@@ -94,7 +94,7 @@ class Residency:
             self.leases.release(session_id)
 
     def adopt(self, session: Session) -> None:
-        """Keep a new session in memory (a fleet replica leases it first: `busy` if another holds it)."""
+        """Keep a new session in memory (a fleet replica leases it first: `leased` if another holds it)."""
         if self.leases is not None and not self.leases.holds(session.session_id):
             self.lease(session.session_id)
         self.sessions[session.session_id] = session

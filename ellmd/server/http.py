@@ -79,6 +79,7 @@ RUNTIME_ERRORS = {
     "capacity": (400, "invalid_request_error", "context_length_exceeded"),
     "not_found": (404, "not_found_error", None),
     "busy": (409, "conflict_error", "session_busy"),
+    "leased": (409, "conflict_error", "session_leased"),
     "fingerprint": (409, "conflict_error", "fingerprint_mismatch"),
     "cancelled": (503, "server_error", "cancelled"),
 }
