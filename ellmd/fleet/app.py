@@ -164,8 +164,7 @@ def run(settings: FleetSettings, http: tuple[str, int], address: str | None = No
     if address:
         ray.init(address=address, log_to_driver=False)
     else:
-        ray.init(num_cpus=max(os.cpu_count() or 1, settings.replicas * settings.threads), include_dashboard=False,
-                 log_to_driver=False)
+        start_local_ray(max(os.cpu_count() or 1, settings.replicas * settings.threads))
     try:
         serve.start(http_options={"host": http[0], "port": http[1]})
         serve.run(application(settings), name=APP_NAME, route_prefix="/")
@@ -177,3 +176,20 @@ def run(settings: FleetSettings, http: tuple[str, int], address: str | None = No
         serve.shutdown()
     finally:
         ray.shutdown()
+
+
+def start_local_ray(cpus: int, attempts: int = 3) -> None:
+    """A local Ray. Its raylet gives its agent a fixed 15 s to start and aborts past it, which a
+    busy 2-core machine can miss (the agent's imports alone took 17 s at a load of 11); the next
+    attempt finds those imports in the page cache."""
+    import ray
+
+    for attempt in range(1, attempts + 1):
+        try:
+            ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=False)
+            return
+        except Exception as e:  # Ray raises a bare Exception for a node that did not start
+            if "timed out during startup" not in str(e) or attempt == attempts:
+                raise
+            log.warning("Ray did not start (%s); trying again", e)
+            ray.shutdown()
