@@ -106,7 +106,7 @@ class Store(SessionStore):
         written = 0
         try:
             with self.env.begin(write=True) as txn:
-                self._fence(session_id)
+                self.fence(session_id)
                 old = txn.get(session_id.encode(), db=self.meta)
                 old = unpack(old) if old else {"tokens": 0, "chunks": 0}
                 record = checked_record({**meta, "tokens": count, "chunks": last})
@@ -139,14 +139,10 @@ class Store(SessionStore):
         value[:CHECKSUM_BYTES] = _checksum(data)
         return value
 
-    def _fence(self, session_id: str) -> None:
-        if self.holder is not None:
-            self.check_writable(session_id, self.get_lease(session_id))
-
     def copy(self, source_id: str, target_id: str, target_meta: dict) -> None:
         try:
             with self.env.begin(write=True) as txn:
-                self._fence(target_id)
+                self.fence(target_id)
                 raw = txn.get(source_id.encode(), db=self.meta)
                 if raw is None:
                     raise StoreError(f"session {source_id} is not in the store")
@@ -165,7 +161,7 @@ class Store(SessionStore):
     def delete(self, session_id: str) -> bool:
         try:
             with self.env.begin(write=True) as txn:
-                self._fence(session_id)
+                self.fence(session_id)
                 raw = txn.get(session_id.encode(), db=self.meta)
                 if raw is None:
                     return False
@@ -184,7 +180,7 @@ class Store(SessionStore):
                 if txn.get(meta["session_id"].encode(), db=self.meta) is not None:  # keep the id if it is free
                     meta = {**meta, "session_id": uuid.uuid4().hex[:12]}
                 session_id = meta["session_id"]
-                self._fence(session_id)
+                self.fence(session_id)
                 for index, value in enumerate(chunks):
                     txn.put(_chunk_key(session_id, index), value, db=self.kv)
                 txn.put(session_id.encode(), tokens, db=self.tokens)
