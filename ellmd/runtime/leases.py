@@ -133,11 +133,12 @@ class Leases:
         with self._lock:
             held = sorted(self.held)
         lost = self.store.renew_leases(held, self.holder, self.ttl) if held else []
+        with self._lock:
+            lost = [i for i in lost if i in self.held]  # not those released meanwhile
+            self.held.difference_update(lost)
+            self.lost.update(lost)
         if lost:
             log.error("lost the lease of %s: another replica took them over", ", ".join(lost))
-            with self._lock:
-                self.held.difference_update(lost)
-                self.lost.update(lost)
 
     def stop(self) -> None:
         self._stop.set()
