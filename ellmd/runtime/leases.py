@@ -17,7 +17,6 @@ import logging
 import os
 import socket
 import threading
-import time
 from dataclasses import asdict, dataclass
 
 log = logging.getLogger("ellmd.leases")
@@ -151,7 +150,3 @@ class Leases:
                 self.renew()
             except Exception:  # a store hiccup: the next beat tries again, well within the TTL
                 log.exception("renewing leases failed")
-
-
-def expiry(ttl: float) -> float:
-    return time.time() + ttl

@@ -230,7 +230,8 @@ class Residency:
         if self.leases is None:
             return None
         session_id, leases = session.session_id, self.leases
-        return self.writer.submit(StoreWrite("release", session_id, lambda store: {"released": leases.release(session_id)}))
+        release = StoreWrite("release", session_id, lambda store: {"released": leases.release(session_id)})
+        return self.writer.submit(release)
 
     # ---- the store -----------------------------------------------------------------------
 

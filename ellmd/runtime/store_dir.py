@@ -99,7 +99,8 @@ class DirectoryStore(SessionStore):
             tokens = (folder / f"tokens.{source['tokens']}").read_bytes()
         except OSError as e:
             raise StoreError(f"fork of {source_id} failed: {e}") from None
-        chunks = ((i, ((folder / f"kv.{i}.{g}").read_bytes(),)) for i, g in enumerate(source["chunks"]))  # one at a time
+        # read one at a time, as they are written
+        chunks = ((i, ((folder / f"kv.{i}.{g}").read_bytes(),)) for i, g in enumerate(source["chunks"]))
         self._commit(target_id, self._envelope(target_id), record, tokens, chunks, "copy")
 
     def delete(self, session_id: str) -> bool:
