@@ -91,6 +91,7 @@ class FakeDaemon:
         self.protocol = 1
         self.max_frame = 16 * 2**20
         self.sessions: dict[str, dict] = {}
+        self.released: set[str] = set()  # sessions handed back by session.release
         self.requests: list[tuple[str, dict]] = []  # every request, in arrival order
         self.imported: list[bytes] = []
         self.blob = bytes(range(256)) * 1000  # what session.export sends: several chunks
@@ -332,6 +333,14 @@ class FakeDaemon:
         info["resident"] = False
         return {"session_id": info["session_id"], "snapshotted": True}
 
+    async def op_session_release(self, conn, rid, args):
+        info = self.sessions.get(args["session_id"])
+        if info is None or info["session_id"] in self.released:
+            return {"session_id": args["session_id"], "tokens": None, "released": False}
+        self.released.add(info["session_id"])
+        info["resident"] = False
+        return {"session_id": info["session_id"], "tokens": info["tokens"], "released": True}
+
     async def op_session_delete(self, conn, rid, args):
         self.session(args)
         del self.sessions[args["session_id"]]
@@ -345,7 +354,8 @@ class FakeDaemon:
                 "counters": {"prefilled": 10, "reused": 5, "shared": 0, "generated": 3},
                 "scheduler": {"gap_ratio": 1.0, "decode_step_ms": 12.5, "prefill_token_ms": 3.1,
                               "riding_token_ms": None},
-                "store": {"path": "/fake/store", "bytes_used": 4096, "map_size": 1 << 30}, "uptime_s": 12.5}
+                "store": {"path": "/fake/store", "backend": "lmdb", "bytes_used": 4096, "map_size": 1 << 30},
+                "replica": None, "uptime_s": 12.5}
 
     async def op_shutdown(self, conn, rid, args):
         return {}
@@ -895,6 +905,8 @@ def contract_script(client: Client) -> dict:
     record("rewind past the last turn", "session.rewind", session_id=sid, turn=turns + 5)
     record("rewind past the end", "session.rewind", session_id=sid, tokens=10**6)
     record("resume", "session.resume", session_id=sid)
+    record("release", "session.release", session_id=sid)
+    record("release again", "session.release", session_id=sid)
     record("close", "session.close", session_id=sid)
     record("delete", "session.delete", session_id=forked["session_id"])
     record("info missing", "session.info", session_id="no-such-session")

@@ -12,10 +12,11 @@ import textwrap
 import numpy as np
 import pytest
 
-from ellmd.errors import BadRequest
+from ellmd.errors import BadRequest, EllmError
 from ellmd.runtime.leases import Holder, Lease, Leases, may_take, pid_alive
 from ellmd.runtime.store import open_store
 from ellmd.runtime.store_base import CHUNK_TOKENS, StoreError
+from ellmd.server.config import load_settings
 
 BYTES_PER_TOKEN = 12
 FINGERPRINT = {"model": "m1", "tokenizer": "t1", "template": "c1", "kv": "bf16:2x1x3"}
@@ -259,3 +260,16 @@ def test_a_lease_lock_left_by_a_dead_process_is_broken(tmp_path):
     assert store.take_lease("s1", store.holder, ttl=30) is None
     assert not (store.path / "lease-locks" / "_s1").exists()
     store.close()
+
+
+def test_fleet_settings_are_checked_before_anything_opens(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))  # no config file of the user's
+    settings = load_settings(None, {"store_backend": "directory", "replica": "a-1", "lease_ttl_s": 2.5})
+    assert (settings.store_backend, settings.replica, settings.lease_ttl_s) == ("directory", "a-1", 2.5)
+    assert load_settings(None, {}).replica is None and load_settings(None, {}).store_backend == "lmdb"
+    with pytest.raises(EllmError, match="setting replica must match"):
+        load_settings(None, {"replica": "a/b"})
+    with pytest.raises(EllmError, match="setting lease_ttl_s must be positive"):
+        load_settings(None, {"lease_ttl_s": 0})
+    with pytest.raises(EllmError, match="store_backend must be one of lmdb, directory, not 's3'"):
+        open_store("s3", tmp_path / "store")

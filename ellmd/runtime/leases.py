@@ -17,7 +17,6 @@ import logging
 import os
 import socket
 import threading
-import time
 from dataclasses import asdict, dataclass
 
 log = logging.getLogger("ellmd.leases")
@@ -133,11 +132,12 @@ class Leases:
         with self._lock:
             held = sorted(self.held)
         lost = self.store.renew_leases(held, self.holder, self.ttl) if held else []
+        with self._lock:
+            lost = [i for i in lost if i in self.held]  # not those released meanwhile
+            self.held.difference_update(lost)
+            self.lost.update(lost)
         if lost:
             log.error("lost the lease of %s: another replica took them over", ", ".join(lost))
-            with self._lock:
-                self.held.difference_update(lost)
-                self.lost.update(lost)
 
     def stop(self) -> None:
         self._stop.set()
@@ -150,7 +150,3 @@ class Leases:
                 self.renew()
             except Exception:  # a store hiccup: the next beat tries again, well within the TTL
                 log.exception("renewing leases failed")
-
-
-def expiry(ttl: float) -> float:
-    return time.time() + ttl

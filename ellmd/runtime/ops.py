@@ -243,10 +243,12 @@ def generate(rt, request, session: Session, sampling: dict, prompt=None, restore
 
 
 def bound_session(rt, session_id: str, owner: str | None) -> Session:
-    """The session a completion names, created if new (a fleet replica leases the id first)."""
+    """The session a completion names, created if new (a fleet replica leases the id first, so
+    that no other replica makes it meanwhile)."""
+    if session_id not in rt.residency.sessions:
+        rt.residency.lease(session_id)
     if rt.residency.known(session_id):
         return rt.residency.session(session_id, owner)
-    rt.residency.lease(session_id)
     session = Session.new(rt.fingerprint, title=session_id, owner=owner)
     session.session_id, session.tokens = session_id, []
     return session

@@ -54,7 +54,7 @@ class Residency:
         """The session named by a request (its metadata loaded from the store if need be). A
         session stored with an owner is found only by that owner's requests, or by requests without one."""
         session = self.sessions.get(session_id)
-        if session is not None and self.leases is not None and self.leases.was_lost(session_id):
+        if session is not None and not session.busy and self.leases is not None and self.leases.was_lost(session_id):
             log.error("session %s was taken over by another replica: its copy here is dropped", session_id)
             self.release(session)
             self.sessions.pop(session_id)
@@ -230,7 +230,8 @@ class Residency:
         if self.leases is None:
             return None
         session_id, leases = session.session_id, self.leases
-        return self.writer.submit(StoreWrite("release", session_id, lambda store: {"released": leases.release(session_id)}))
+        release = StoreWrite("release", session_id, lambda store: {"released": leases.release(session_id)})
+        return self.writer.submit(release)
 
     # ---- the store -----------------------------------------------------------------------
 

@@ -41,10 +41,10 @@ from ellmd.errors import BadRequest, EllmError
 from ellmd.runtime import schemas
 from ellmd.runtime.errors import RuntimeError_, SlotsBusy, cancelled, protocol_error
 from ellmd.runtime.generations import Generations, brief
+from ellmd.runtime.leases import Leases
 from ellmd.runtime.ops import OPS
 from ellmd.runtime.residency import Residency
 from ellmd.runtime.scheduler import Policy
-from ellmd.runtime.leases import Leases
 from ellmd.runtime.store_base import SessionStore, StoreError
 from ellmd.runtime.turns import Prefill, Turns
 from ellmd.runtime.writer import StoreWrite

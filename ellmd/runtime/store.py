@@ -5,7 +5,9 @@ One LMDB environment, databases:
   tokens  session id -> int32 token ids, little-endian
   kv      session id + chunk index (u32 big-endian) -> 8-byte checksum + KV bytes of
           CHUNK_TOKENS tokens (the last chunk may be shorter), as KVCache.export lays them out
-  leases  session id -> msgpack lease record (fleet replicas only, leases.py)
+and, for fleet replicas only, a second environment in leases/ (session id -> msgpack lease record,
+leases.py), committed without fsync: a lease is about live processes, so it need not outlive a
+crash of its node, and taking one then costs no disk flush on the engine thread.
 
 KV is append-only, so a snapshot writes only the chunks from the first one that changed since the
 last snapshot, in one write transaction with the metadata: a crash leaves the previous snapshot whole.
@@ -37,12 +39,13 @@ from ellmd.runtime.store_base import (CHECKSUM_BYTES, CHUNK_TOKENS, DROP, KEEP, 
 log = logging.getLogger("ellmd.store")
 
 BACKENDS = ("lmdb", "directory")
+LEASES_MAP_SIZE = 1 << 30
 FULL = "the store is full: raise store_map_size or delete sessions (nothing was lost)"
 
 
 def open_store(backend: str, path: Path, map_size: int = 1 << 40, replica: str | None = None) -> SessionStore:
     """The store of that backend at path. replica: this process is that fleet replica (the store is
-    shared: no lock file; sessions are leased, leases.py); None: the store is this process' alone."""
+    shared: its lock is shared; sessions are leased, leases.py); None: the store is this process' alone."""
     holder = Holder.this_process(replica) if replica is not None else None
     if backend == "lmdb":
         return Store(path, map_size, holder)
@@ -66,7 +69,12 @@ class Store(SessionStore):
         try:
             private_dir(path)
             self._lock = lock(path / "ellmd.lock", shared=holder is not None)
-            self.env = lmdb.open(str(path), map_size=map_size, max_dbs=5, subdir=True, mode=0o600)
+            self.env = lmdb.open(str(path), map_size=map_size, max_dbs=4, subdir=True, mode=0o600)
+            self.lease_env = None
+            if holder is not None:
+                private_dir(path / "leases")
+                self.lease_env = lmdb.open(str(path / "leases"), map_size=LEASES_MAP_SIZE, subdir=True, mode=0o600,
+                                           sync=False)
             for name in ("data.mdb", "lock.mdb"):  # stores made before files were private
                 if (path / name).exists():
                     os.chmod(path / name, 0o600)
@@ -79,13 +87,14 @@ class Store(SessionStore):
         self.meta = self.env.open_db(b"meta")
         self.tokens = self.env.open_db(b"tokens")
         self.kv = self.env.open_db(b"kv")
-        self.leases = self.env.open_db(b"leases")
         self._scratch = bytearray()  # one chunk's value as it is written (see _value)
         self._hasher = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="store-checksum")
 
     def close(self) -> None:
         self._hasher.shutdown()
         self.env.close()
+        if self.lease_env is not None:
+            self.lease_env.close()
         os.close(self._lock)
 
     # ---- writes -----------------------------------------------------------------------------
@@ -97,7 +106,7 @@ class Store(SessionStore):
         written = 0
         try:
             with self.env.begin(write=True) as txn:
-                self._fence(txn, session_id)
+                self.fence(session_id)
                 old = txn.get(session_id.encode(), db=self.meta)
                 old = unpack(old) if old else {"tokens": 0, "chunks": 0}
                 record = checked_record({**meta, "tokens": count, "chunks": last})
@@ -130,15 +139,10 @@ class Store(SessionStore):
         value[:CHECKSUM_BYTES] = _checksum(data)
         return value
 
-    def _fence(self, txn, session_id: str) -> None:
-        if self.holder is not None:
-            raw = txn.get(session_id.encode(), db=self.leases)
-            self.check_writable(session_id, None if raw is None else Lease.from_record(unpack(raw)))
-
     def copy(self, source_id: str, target_id: str, target_meta: dict) -> None:
         try:
             with self.env.begin(write=True) as txn:
-                self._fence(txn, target_id)
+                self.fence(target_id)
                 raw = txn.get(source_id.encode(), db=self.meta)
                 if raw is None:
                     raise StoreError(f"session {source_id} is not in the store")
@@ -157,7 +161,7 @@ class Store(SessionStore):
     def delete(self, session_id: str) -> bool:
         try:
             with self.env.begin(write=True) as txn:
-                self._fence(txn, session_id)
+                self.fence(session_id)
                 raw = txn.get(session_id.encode(), db=self.meta)
                 if raw is None:
                     return False
@@ -176,7 +180,7 @@ class Store(SessionStore):
                 if txn.get(meta["session_id"].encode(), db=self.meta) is not None:  # keep the id if it is free
                     meta = {**meta, "session_id": uuid.uuid4().hex[:12]}
                 session_id = meta["session_id"]
-                self._fence(txn, session_id)
+                self.fence(session_id)
                 for index, value in enumerate(chunks):
                     txn.put(_chunk_key(session_id, index), value, db=self.kv)
                 txn.put(session_id.encode(), tokens, db=self.tokens)
@@ -243,25 +247,27 @@ class Store(SessionStore):
     # ---- leases -----------------------------------------------------------------------------
 
     def get_lease(self, session_id: str) -> Lease | None:
-        with self.env.begin() as txn:
-            raw = txn.get(session_id.encode(), db=self.leases)
+        if self.lease_env is None:
+            return None
+        with self.lease_env.begin() as txn:
+            raw = txn.get(session_id.encode())
         return None if raw is None else Lease.from_record(unpack(raw))
 
     def _update_leases(self, session_ids: list[str], decide) -> dict:
         """One write transaction: serialized with every other process' on this environment."""
+        if self.lease_env is None:
+            raise StoreError("this store is not shared: leases are for fleet replicas (--replica)")
         results = {}
         try:
-            with self.env.begin(write=True) as txn:
+            with self.lease_env.begin(write=True) as txn:
                 for session_id in session_ids:
                     key = session_id.encode()
-                    raw = txn.get(key, db=self.leases)
+                    raw = txn.get(key)
                     new, results[session_id] = decide(None if raw is None else Lease.from_record(unpack(raw)))
                     if new == DROP:
-                        txn.delete(key, db=self.leases)
+                        txn.delete(key)
                     elif new != KEEP:
-                        txn.put(key, pack(new.to_record()), db=self.leases)
-        except lmdb.MapFullError:
-            raise StoreError(FULL) from None
+                        txn.put(key, pack(new.to_record()))
         except lmdb.Error as e:
             raise StoreError(f"updating leases failed: {e}") from None
         return results

@@ -182,9 +182,10 @@ class SessionStore(abc.ABC):
             return (DROP, True) if current is not None and current.holder == holder else (KEEP, False)
         return self._update_leases([session_id], decide)[session_id]
 
-    def check_writable(self, session_id: str, lease: Lease | None) -> None:
-        """The fence: refuse to write a session another live replica holds (see leases.py)."""
-        if self.holder is not None and lease is not None and not may_take(lease, self.holder, time.time()):
+    def fence(self, session_id: str) -> None:
+        """Refuse to write a session another live replica holds (see leases.py): StoreError."""
+        lease = None if self.holder is None else self.get_lease(session_id)
+        if lease is not None and not may_take(lease, self.holder, time.time()):
             raise StoreError(f"session {session_id} is leased to {lease.holder.describe()}: "
                              f"{self.holder.describe()} may not write it")
 

@@ -99,12 +99,13 @@ class DirectoryStore(SessionStore):
             tokens = (folder / f"tokens.{source['tokens']}").read_bytes()
         except OSError as e:
             raise StoreError(f"fork of {source_id} failed: {e}") from None
-        chunks = ((i, ((folder / f"kv.{i}.{g}").read_bytes(),)) for i, g in enumerate(source["chunks"]))  # one at a time
+        # read one at a time, as they are written
+        chunks = ((i, ((folder / f"kv.{i}.{g}").read_bytes(),)) for i, g in enumerate(source["chunks"]))
         self._commit(target_id, self._envelope(target_id), record, tokens, chunks, "copy")
 
     def delete(self, session_id: str) -> bool:
         folder = self._folder(session_id)
-        self.check_writable(session_id, self.get_lease(session_id))
+        self.fence(session_id)
         if not (folder / "meta").exists():
             return False
         _test_sleep("delete")
@@ -138,7 +139,7 @@ class DirectoryStore(SessionStore):
                 raise StoreError(f"{kind} of {session_id} refused: KV chunk {files.index(0)} would be missing")
             _write_file(folder / f"tokens.{generation}", (tokens,))
             _fsync_dir(folder)
-            self.check_writable(session_id, self.get_lease(session_id))
+            self.fence(session_id)
             _test_sleep(kind)
             envelope = {"generation": generation, "meta": pack(record), "tokens": generation, "chunks": files}
             _write_file(folder / "meta", (pack(envelope),))
@@ -288,7 +289,7 @@ class LeaseLock:
             return False  # released meanwhile: try again
         if age > LEASE_LOCK_STALE_S:
             return True
-        return len(held) == 2 and held[0].decode(errors="replace") == socket.gethostname() \
+        return len(held) == 2 and held[1].isdigit() and held[0].decode(errors="replace") == socket.gethostname() \
             and not pid_alive(int(held[1]))
 
     def __exit__(self, *exc):
