@@ -12,7 +12,9 @@ import openai
 import pytest
 from openai import OpenAI
 from pydantic import BaseModel, Field
+from typer.testing import CliRunner
 
+from ellm.cli import app
 from ellm.errors import BadRequest
 
 from test_http import QUESTION, post, start_daemon, write_tool_caller
@@ -143,6 +145,19 @@ def test_socket_chat_with_a_schema(smol):
         assert len(info["turns"]) == 7 and not info["busy"]
         with pytest.raises(BadRequest, match="take one constraint"):
             session.chat("x", regex="a", grammar="start: \"a\"")
+
+
+def test_cli_chat_with_a_json_schema_file(smol, tmp_path):
+    schema = tmp_path / "city.json"
+    schema.write_text(json.dumps(CITY))
+    socket = str(smol[0].socket)
+    result = CliRunner().invoke(app, ["--socket", socket, "chat", "-m", "Tell me about Rome.", "--json-schema",
+                                      str(schema), "--max-tokens", "120", "--json"])
+    assert result.exit_code == 0, result.output
+    jsonschema.validate(json.loads(json.loads(result.output)["text"]), CITY)
+    schema.write_text("{not json")
+    result = CliRunner().invoke(app, ["--socket", socket, "chat", "-m", "x", "--json-schema", str(schema)])
+    assert result.exit_code == 2 and "--json-schema" in result.output
 
 
 # ---- strict tools: the model of test_http that always calls get_weather(city="Paris") -----------
