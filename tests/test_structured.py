@@ -134,7 +134,7 @@ def test_socket_chat_with_a_schema(smol):
         assert len(session.info()["turns"]) == 1  # nothing was appended
         reply = session.chat("Tell me about Paris.", json_schema=CITY, max_tokens=120)
         assert reply.finish_reason == "stop"
-        jsonschema.validate(json.loads(reply.text), CITY)
+        jsonschema.validate(reply.json(), CITY)
         streamed = session.chat("And Rome?", json_schema=CITY, max_tokens=120, stream=True)
         text = "".join(streamed)
         assert text == streamed.result.text

@@ -19,9 +19,13 @@ nothing; "required" or a named function appends the opening of a call to the pro
 model can only complete it. Streaming holds text back from a call's opening marker on, so markup
 never reaches `content`; the calls follow in one `tool_calls` delta.
 
+Structured output: `response_format` (json_object, json_schema), tools marked `strict` (a grammar of
+the model's call format with each tool's schema, ellmd.text.tool_grammar) and vLLM's `guided_json`,
+`guided_regex`, `guided_grammar` and `guided_choice` become the runtime's `json_schema` or
+`grammar` argument, compiled when the request is validated (a bad one is a 400). One per request.
+
 Where ellm differs from OpenAI it answers 400 rather than differ silently: `n` and `best_of` must
-be 1; `echo` and `suffix` are not supported; nor is a `response_format` other than text (there is
-no constrained decoding: ask for JSON in the prompt), nor content parts other than text. Defaults
+be 1; `echo` and `suffix` are not supported; nor are content parts other than text. Defaults
 are OpenAI's (temperature 1, max_tokens up to the end of the context); vLLM's extra sampling
 fields `top_k`, `min_p`, `repetition_penalty`, `stop_token_ids` and `ignore_eos` are accepted;
 unknown fields are ignored. A generation the daemon's shutdown interrupts ends with finish_reason
