@@ -131,6 +131,8 @@ class Runtime:
 
     def start(self) -> None:
         """Run the engine loop on a thread of its own (see `run`)."""
+        if self.grammars is not None:
+            self.grammars.warm_up()
         self._thread.start()
 
     def submit(self, op: str, args: dict, emit=None) -> Request:

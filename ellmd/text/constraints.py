@@ -63,7 +63,7 @@ class Grammars:
     """Compiles constraints for one model: its tokenizer, vocabulary size and end-of-sequence tokens.
 
     llguidance's view of the tokenizer takes a fraction of a second to build (longer for large
-    vocabularies): it is built on the first constrained request, once. Thread-safe.
+    vocabularies): it is built once, by `warm_up` or the first constrained request. Thread-safe.
     """
 
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, eos_token_ids):
@@ -84,6 +84,11 @@ class Grammars:
                     self.tokenizer.backend.to_str(), n_vocab=self.vocab_size, eos_token=self.eos_token_ids)
                 self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="constraint")
             return self._llg_tokenizer
+
+    def warm_up(self) -> None:
+        """Build llguidance's tokenizer on a thread of its own now, so that the first constrained
+        request does not wait for it on the thread that validates it (a server's event loop)."""
+        threading.Thread(target=lambda: self.llg_tokenizer, name="constraint-warm-up", daemon=True).start()
 
     def compile(self, kind: str, source) -> Constraint:
         """A fresh constraint (one generation's state), or GrammarError saying what is wrong."""

@@ -1,9 +1,10 @@
 """Strict tool calls: a grammar (llguidance's Lark) whose texts are the calls a model may write,
 in its own format, with arguments valid for each tool's JSON Schema.
 
-With tool_choice "auto" the reply is free text and calls; when tool_choice forced the opening of a call into the prompt, the grammar starts
-after that opening. Tools marked `strict` get their schema; the others any arguments. Newlines
-around the markup are optional, as models differ in where they put them.
+With tool_choice "auto" the reply is free text and calls; when tool_choice forced the opening of a
+call into the prompt, the grammar starts after that opening. Tools marked `strict` get their
+schema; the others any arguments. Newlines around the markup are optional, as models differ in
+where they put them.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ def is_strict(tool: dict) -> bool:
 
 
 def lark_string(text: str) -> str:
-    return json.dumps(text)  # a JSON string is a Lark string literal
+    return json.dumps(text, ensure_ascii=False)  # a JSON string is a Lark string literal
 
 
 def json_rule(schema: dict) -> str:
