@@ -99,8 +99,8 @@ class Runtime:
         self.residency = Residency(engine, store, self.policy, on_written=self.queue.put)
         self.turns = Turns(engine, self.residency, self.counters, context_role, self.after_turn)
         self.generations = Generations(engine, self.turns, self.counters, self.snapshot_turn, self.reply_after)
-        self.grammars = Grammars(engine.tokenizer, engine.spec.vocab_size,
-                                 engine.spec.eos_token_id or engine.tokenizer.eos_token_ids) \
+        # the matcher lets through the tokens that end a generation (Generations.accept)
+        self.grammars = Grammars(engine.tokenizer, engine.spec.vocab_size, engine.spec.eos_token_id) \
             if engine.tokenizer is not None else None
         self.ops = dict(OPS)
         self.fingerprint = self.residency.fingerprint

@@ -17,12 +17,15 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import logging
 import threading
 
 import llguidance
 import numpy as np
 
 from ellmd.text.tokenizer import Tokenizer
+
+log = logging.getLogger("ellmd.text")
 
 KINDS = ("json_schema", "regex", "grammar")
 
@@ -68,10 +71,9 @@ class Grammars:
 
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, eos_token_ids):
         self.tokenizer = tokenizer
-        # The model's logits may be wider than the tokenizer (padded embeddings): those ids have no
-        # text, and the mask never allows them.
-        self.vocab_size = max(vocab_size, tokenizer.vocab_size)
+        self.model_vocab_size = vocab_size
         self.eos_token_ids = sorted(set(eos_token_ids)) or None  # None: the tokenizer's own
+        self.vocab_size = 0  # the masks' width, once llguidance's tokenizer is built
         self._llg_tokenizer: llguidance.LLTokenizer | None = None
         self._lock = threading.Lock()
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None  # computes masks beside the forward
@@ -80,20 +82,33 @@ class Grammars:
     def llg_tokenizer(self) -> llguidance.LLTokenizer:
         with self._lock:
             if self._llg_tokenizer is None:
-                self._llg_tokenizer = llguidance.LLTokenizer(
-                    self.tokenizer.backend.to_str(), n_vocab=self.vocab_size, eos_token=self.eos_token_ids)
+                # The model's logits may be wider than the tokenizer (padded embeddings): those ids
+                # have no text, and the masks never allow them.
+                vocab_size = max(self.model_vocab_size, self.tokenizer.vocab_size)
+                try:
+                    self._llg_tokenizer = llguidance.LLTokenizer(
+                        self.tokenizer.backend.to_str(), n_vocab=vocab_size, eos_token=self.eos_token_ids)
+                except (ValueError, RuntimeError) as e:
+                    raise GrammarError(f"this model's tokenizer cannot take constraints: {first_line(e)}") from None
+                self.vocab_size = vocab_size
                 self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="constraint")
             return self._llg_tokenizer
 
     def warm_up(self) -> None:
         """Build llguidance's tokenizer on a thread of its own now, so that the first constrained
         request does not wait for it on the thread that validates it (a server's event loop)."""
-        threading.Thread(target=lambda: self.llg_tokenizer, name="constraint-warm-up", daemon=True).start()
+        def build():
+            try:
+                self.llg_tokenizer
+            except Exception as e:  # the requests that ask for a constraint will say why
+                log.warning("constrained decoding is unavailable: %s", e)
+
+        threading.Thread(target=build, name="constraint-warm-up", daemon=True).start()
 
     def compile(self, kind: str, source) -> Constraint:
         """A fresh constraint (one generation's state), or GrammarError saying what is wrong."""
         grammar = grammar_text(kind, source)
-        matcher = llguidance.LLMatcher(self.llg_tokenizer, grammar, log_level=0)
+        matcher = llguidance.LLMatcher(self.llg_tokenizer, grammar, log_level=0)  # builds it on first use
         if matcher.is_error():
             raise GrammarError(f"{kind}: {first_line(matcher.get_error())}")
         return Constraint(matcher, self.vocab_size, self._pool)
