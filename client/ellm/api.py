@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 import io
+import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import BinaryIO
@@ -22,6 +23,10 @@ class Generation:
     tool_calls: list[dict] = field(default_factory=list)
     usage: dict = field(default_factory=dict)  # prompt/prefilled/reused/generated tokens and timings
     logprobs: list[dict] | None = None  # per token {token, logprob, top: [[id, logprob], ...]} when asked
+
+    def json(self):
+        """The text parsed as JSON (as a `json_schema` constraint makes it, once finished with "stop")."""
+        return json.loads(self.text)
 
     @classmethod
     def from_result(cls, result: dict) -> Generation:

@@ -456,6 +456,20 @@ def repl(session: Session, sampling: dict) -> None:
                 typer.echo(f"ellm: {error_line(exc)}", err=True)
 
 
+def constraint_options(json_schema: Path | None, regex: str | None, grammar: Path | None) -> dict:
+    """The sampling options of chat's --json-schema, --regex and --grammar (at most one)."""
+    if sum(x is not None for x in (json_schema, regex, grammar)) > 1:
+        raise typer.BadParameter("take one of them", param_hint="--json-schema / --regex / --grammar")
+    if json_schema is not None:
+        try:
+            return {"json_schema": json.loads(json_schema.read_text(encoding="utf-8"))}
+        except ValueError as e:
+            raise typer.BadParameter(f"{json_schema}: not JSON: {e}", param_hint="--json-schema") from None
+    if grammar is not None:
+        return {"grammar": grammar.read_text(encoding="utf-8")}
+    return present(regex=regex)
+
+
 @app.command()
 def chat(
     ctx: typer.Context,
@@ -469,13 +483,21 @@ def chat(
     top_k: Optional[int] = typer.Option(None, help="Sample from the k most likely tokens"),
     seed: Optional[int] = typer.Option(None, help="Seed, for reproducible sampling"),
     json_output: bool = typer.Option(False, "--json", help="With -m: print one JSON object (session_id, text, usage, ...)"),
+    json_schema: Optional[Path] = typer.Option(None, "--json-schema", help="Replies are JSON valid for this JSON Schema file",
+                                               exists=True, dir_okay=False),
+    regex: Optional[str] = typer.Option(None, help="Replies match this regular expression"),
+    grammar: Optional[Path] = typer.Option(None, help="Replies follow this grammar file (Lark or GBNF)",
+                                           exists=True, dir_okay=False),
 ):
-    """Chat with the model: an interactive session with streamed replies, or one message with -m."""
+    """Chat with the model: an interactive session with streamed replies, or one message with -m.
+
+    --json-schema, --regex or --grammar constrain every reply (the daemon masks what would break it)."""
     if session_id is not None and (system is not None or title is not None):
         raise typer.BadParameter("only for a new session, not with --session", param_hint="--system / --title")
     if json_output and message is None:
         raise typer.BadParameter("needs -m", param_hint="--json")
-    sampling = present(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+    sampling = present(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
+                       **constraint_options(json_schema, regex, grammar))
     with connect(ctx) as client:
         session = client.session(session_id) if session_id else client.open_session(title=title, system=system)
         if message is None:

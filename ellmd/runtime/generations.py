@@ -19,6 +19,7 @@ from ellmd.errors import EllmError
 from ellmd.runtime.errors import RuntimeError_
 from ellmd.runtime.session import Session
 from ellmd.text import IncrementalDetokenizer, StopMatcher, detect_format, parse_tool_calls
+from ellmd.text.constraints import Constraint
 
 log = logging.getLogger("ellmd.runtime")
 
@@ -43,6 +44,11 @@ class Generation:
     token_logprobs: list[dict] = field(default_factory=list)
     first_token_at: float | None = None
     restore: tuple = ()  # the session before the op (turns.snapshot_of): a failure goes back to it
+    constraint: Constraint | None = None  # a schema or grammar: masks the logits, consumes the tokens
+
+    def sample(self, logits) -> int:
+        """The next token from this position's logits [V], within the constraint if any."""
+        return self.sampler(logits if self.constraint is None else self.constraint.apply(logits))
 
 
 class Generations:
@@ -67,16 +73,17 @@ class Generations:
         """Begin decoding after a prefilled prompt: sample the first token from its logits."""
         stream = sampling.pop("stream", True)
         logprobs = sampling.pop("logprobs", 0)
+        constraint = sampling.pop("constraint", None)
         params = SamplingParams(**sampling)
         gen = Generation(
             request=request, session=session, sampler=Sampler(params, session.tokens), params=params,
             stream=stream, logprobs=logprobs, detok=IncrementalDetokenizer(self.engine.tokenizer, skip_special_tokens=True),
-            stopper=StopMatcher(params.stop), start=start, usage=usage, restore=restore,
+            stopper=StopMatcher(params.stop), start=start, usage=usage, restore=restore, constraint=constraint,
         )
         session.busy = True
         self.active.append(gen)
         try:
-            self.accept(gen, gen.sampler(logits), logits)
+            self.accept(gen, gen.sample(logits), logits)
         except Exception as e:
             self.fail(gen, e)
 
@@ -85,6 +92,9 @@ class Generations:
         returns extend's logits. A failure ends the generations it touched; one of a step that
         carried a prefill goes up instead, and the loop runs the step again without it."""
         gens = list(self.active)
+        for gen in gens:
+            if gen.constraint:  # the next masks are computed while the forward runs
+                gen.constraint.start_mask()
         try:
             logits, last = self.engine.step([g.session.slot for g in gens], [g.next_token for g in gens],
                                             extend, extend_logits)
@@ -97,7 +107,7 @@ class Generations:
         for gen, row in zip(gens, logits):
             try:
                 gen.session.tokens.append(gen.next_token)
-                self.accept(gen, gen.sampler(row), row)
+                self.accept(gen, gen.sample(row), row)
             except Exception as e:
                 self.fail(gen, e)
         return last
@@ -107,6 +117,8 @@ class Generations:
         gen.first_token_at = gen.first_token_at or time.perf_counter()
         if gen.logprobs:
             gen.token_logprobs.append(top_logprobs(logits, token, gen.logprobs))
+        if gen.constraint:
+            gen.constraint.consume(token)
         gen.sampler.accept(token)
         gen.generated.append(token)
         self.counters["generated"] += 1

@@ -48,6 +48,7 @@ from ellmd.runtime.scheduler import Policy
 from ellmd.runtime.store_base import SessionStore, StoreError
 from ellmd.runtime.turns import Prefill, Turns
 from ellmd.runtime.writer import StoreWrite
+from ellmd.text.constraints import GrammarError, Grammars
 
 SNAPSHOT_ACKS = ("written", "queued")
 
@@ -99,6 +100,9 @@ class Runtime:
         self.residency = Residency(engine, store, self.policy, on_written=self.queue.put, leases=leases)
         self.turns = Turns(engine, self.residency, self.counters, context_role, self.after_turn)
         self.generations = Generations(engine, self.turns, self.counters, self.snapshot_turn, self.reply_after)
+        # the matcher lets through the tokens that end a generation (Generations.accept)
+        self.grammars = Grammars(engine.tokenizer, engine.spec.vocab_size, engine.spec.eos_token_id) \
+            if engine.tokenizer is not None else None
         self.ops = dict(OPS)
         self.fingerprint = self.residency.fingerprint
         self.tool_format = self.generations.tool_format
@@ -128,6 +132,8 @@ class Runtime:
 
     def start(self) -> None:
         """Run the engine loop on a thread of its own (see `run`)."""
+        if self.grammars is not None:
+            self.grammars.warm_up()
         self._thread.start()
 
     def submit(self, op: str, args: dict, emit=None) -> Request:
@@ -142,6 +148,7 @@ class Runtime:
                 raise RuntimeError_("unknown_op", f"unknown op {op!r}")
             request.args = schemas.validate(op, args, self.engine.spec.vocab_size)
             request.owner = request.args.pop("owner", None)
+            self._compile_constraint(op, request.args)
             if self._closed:
                 raise cancelled("the daemon is shutting down")
         except (RuntimeError_, BadRequest) as e:
@@ -158,6 +165,19 @@ class Runtime:
         else:
             self.queue.put(request)
         return request
+
+    def _compile_constraint(self, op: str, args: dict) -> None:
+        """Replace a json_schema, regex or grammar argument by its compiled constraint: a bad one
+        is the request's bad_request, before anything is queued."""
+        kind = next((name for name in schemas.CONSTRAINTS if name in args), None)
+        if kind is None:
+            return
+        if self.grammars is None:
+            raise BadRequest(f"{op}: {kind}: this model has no tokenizer to constrain text with")
+        try:
+            args["constraint"] = self.grammars.compile(kind, args.pop(kind))
+        except GrammarError as e:
+            raise BadRequest(f"{op}: {e}") from None
 
     def stop(self, timeout: float | None = None) -> None:
         """End generations cleanly, snapshot every resident session, end the engine loop.
@@ -391,6 +411,8 @@ class Runtime:
         self.residency.writer.flush()
         self._drain()  # a failed write is logged as it settles
         self.residency.close()
+        if self.grammars is not None:
+            self.grammars.close()
         for request in self.waiting:
             reply(request, error=cancelled("the daemon is shutting down"))
         self.waiting = []

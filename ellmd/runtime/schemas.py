@@ -26,6 +26,7 @@ INDEX_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"  # a folder name: no l
 OWNER_PATTERN = r"^[A-Za-z0-9_.:-]{1,128}$"
 MIN_TEMPERATURE = 1e-2  # below it, logits / temperature overflows float32 for ordinary logits
 MAX_JSON_DEPTH = 32
+CONSTRAINTS = ("json_schema", "regex", "grammar")  # the Sampling fields that constrain the text
 
 SessionId = Annotated[str, msgspec.Meta(pattern=SESSION_ID_PATTERN)]
 IndexName = Annotated[str, msgspec.Meta(pattern=INDEX_NAME_PATTERN)]
@@ -70,8 +71,17 @@ class Sampling(Owned, kw_only=True):
     ignore_eos: bool | None = None
     stream: bool | None = None
     logprobs: Annotated[int, msgspec.Meta(ge=0, le=20)] | None = None
+    # constrained decoding (at most one; compiled at submit, see Runtime.submit)
+    json_schema: JsonMap | None = None
+    regex: Annotated[str, msgspec.Meta(min_length=1, max_length=1 << 16)] | None = None
+    grammar: Annotated[str, msgspec.Meta(min_length=1, max_length=1 << 20)] | None = None
 
     def __post_init__(self):
+        constraints = [name for name in CONSTRAINTS if getattr(self, name) is not None]
+        if len(constraints) > 1:
+            raise ValueError(f"take one constraint, not {' and '.join(constraints)}")
+        if constraints and self.ignore_eos:
+            raise ValueError("ignore_eos cannot be combined with a constraint (it ends the text itself)")
         if self.temperature is not None and 0 < self.temperature < MIN_TEMPERATURE:
             raise ValueError(f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE} - at `$.temperature`")
         if self.logit_bias is not None:
@@ -194,7 +204,7 @@ OPS: dict[str, type[Args]] = {
 }
 
 # Fields holding maps or lists of maps whose nested values must be JSON (the store keeps them).
-JSON_FIELDS = ("message", "messages", "tools")
+JSON_FIELDS = ("message", "messages", "tools", "json_schema")
 
 
 def validate(op: str, args, vocab_size: int) -> dict:

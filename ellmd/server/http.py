@@ -19,9 +19,13 @@ nothing; "required" or a named function appends the opening of a call to the pro
 model can only complete it. Streaming holds text back from a call's opening marker on, so markup
 never reaches `content`; the calls follow in one `tool_calls` delta.
 
+Structured output: `response_format` (json_object, json_schema), tools marked `strict` (a grammar of
+the model's call format with each tool's schema, ellmd.text.tool_grammar) and vLLM's `guided_json`,
+`guided_regex`, `guided_grammar` and `guided_choice` become the runtime's `json_schema` or
+`grammar` argument, compiled when the request is validated (a bad one is a 400). One per request.
+
 Where ellm differs from OpenAI it answers 400 rather than differ silently: `n` and `best_of` must
-be 1; `echo` and `suffix` are not supported; nor is a `response_format` other than text (there is
-no constrained decoding: ask for JSON in the prompt), nor content parts other than text. Defaults
+be 1; `echo` and `suffix` are not supported; nor are content parts other than text. Defaults
 are OpenAI's (temperature 1, max_tokens up to the end of the context); vLLM's extra sampling
 fields `top_k`, `min_p`, `repetition_penalty`, `stop_token_ids` and `ignore_eos` are accepted;
 unknown fields are ignored. A generation the daemon's shutdown interrupts ends with finish_reason
@@ -58,6 +62,7 @@ from ellmd.runtime.errors import RuntimeError_
 from ellmd.server.limits import Admission, Limits, QueueFull
 from ellmd.server.metrics import Metrics
 from ellmd.text import TemplateError, parse_tool_calls
+from ellmd.text.tool_grammar import is_strict, tool_call_grammar
 
 log = logging.getLogger("ellmd.http")
 
@@ -97,6 +102,8 @@ SAMPLING_FIELDS = {
     "frequency_penalty": NUMBER, "repetition_penalty": NUMBER, "seed": INT, "stop_token_ids": ARRAY,
     "ignore_eos": BOOL,
 }
+
+GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_grammar", "guided_choice")  # vLLM's, for constraints
 
 
 class ApiError(Exception):
@@ -266,8 +273,9 @@ def text_part(part, where: str) -> str:
     raise ApiError(400, f"{where}: only text content parts are supported, not {kind!r}", param=where)
 
 
-def chat_tools(body: dict, fmt: str | None) -> tuple[list | None, str]:
-    """The tools to render and parse (None: no tool calls), and the text forcing a call (tool_choice)."""
+def chat_tools(body: dict, fmt: str | None) -> tuple[list | None, str, str]:
+    """The tools to render and parse (None: no tool calls), the text forcing a call, and the choice
+    ("auto", "required" or the forced function's name)."""
     tools = field(body, "tools", ARRAY)
     for i, tool in enumerate(tools or ()):
         function = tool.get("function") if isinstance(tool, dict) else None
@@ -276,11 +284,11 @@ def chat_tools(body: dict, fmt: str | None) -> tuple[list | None, str]:
                            param=f"tools[{i}]")
     choice = body.get("tool_choice") or "auto"
     if choice == "none" or (choice == "auto" and not tools):
-        return None, ""
+        return None, "", "auto"
     if not tools:
         raise ApiError(400, "tool_choice needs tools", param="tool_choice")
     if choice == "auto":
-        return tools, ""
+        return tools, "", "auto"
     function = choice.get("function") if isinstance(choice, dict) else None
     name = function.get("name") if isinstance(function, dict) else None
     if choice != "required" and not isinstance(name, str):
@@ -290,10 +298,64 @@ def chat_tools(body: dict, fmt: str | None) -> tuple[list | None, str]:
         raise ApiError(400, "tool_choice: this model's chat template has no tool-call format to force",
                        param="tool_choice")
     if choice == "required":
-        return tools, TOOL_CALL_MARKER + "\n"
+        return tools, TOOL_CALL_MARKER + "\n", "required"
     if name not in {tool["function"]["name"] for tool in tools}:
         raise ApiError(400, f"tool_choice names {name!r}, which is not among the tools", param="tool_choice")
-    return tools, NAMED_CALL_OPENINGS[fmt](name)
+    return tools, NAMED_CALL_OPENINGS[fmt](name), name
+
+
+def response_format_schema(body: dict) -> dict | None:
+    """The JSON Schema a chat's `response_format` asks for (None: plain text)."""
+    spec = field(body, "response_format", OBJECT)
+    kind = (spec or {}).get("type", "text")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "object"}
+    if kind != "json_schema":
+        raise ApiError(400, "response_format.type must be text, json_object or json_schema", param="response_format")
+    inner = spec.get("json_schema")
+    schema = inner.get("schema", {"type": "object"}) if isinstance(inner, dict) else None
+    if not isinstance(schema, dict):
+        raise ApiError(400, 'response_format must be {"type": "json_schema", "json_schema": {"name": ..., '
+                            '"schema": {...}}}', param="response_format")
+    return schema
+
+
+def guided_args(body: dict) -> dict:
+    """The runtime's constraint from vLLM's extension fields: guided_json (a schema, or its text),
+    guided_regex, guided_grammar (Lark or GBNF) and guided_choice (one of some strings)."""
+    given = [name for name in GUIDED_FIELDS if body.get(name) is not None]
+    if len(given) > 1:
+        raise ApiError(400, f"take one of {', '.join(GUIDED_FIELDS)}, not {' and '.join(given)}")
+    found = {}
+    if (schema := body.get("guided_json")) is not None:
+        try:
+            found["json_schema"] = json.loads(schema) if isinstance(schema, str) else schema
+        except ValueError:
+            raise ApiError(400, "guided_json must be a JSON Schema (an object or its JSON text)",
+                           param="guided_json") from None
+    for name, kind in (("guided_regex", "regex"), ("guided_grammar", "grammar")):
+        if (value := field(body, name, STRING)) is not None:
+            found[kind] = value
+    if (choices := field(body, "guided_choice", ARRAY)) is not None:
+        if not choices or not all(isinstance(c, str) for c in choices):
+            raise ApiError(400, "guided_choice must be a non-empty array of strings", param="guided_choice")
+        found["grammar"] = "start: " + " | ".join(json.dumps(c) for c in choices)
+    return found
+
+
+def constraint_args(body: dict, tools: list | None, choice: str, fmt: str | None, added: dict) -> dict:
+    """A chat's constraint: response_format, a guided_* field, or the grammar of strict tools."""
+    schema = response_format_schema(body)
+    found = [args for args in (guided_args(body), {} if schema is None else {"json_schema": schema}) if args]
+    if tools and any(is_strict(tool) for tool in tools):
+        if fmt is None:
+            raise ApiError(400, "strict tools: this model's chat template has no tool-call format", param="tools")
+        found.append({"grammar": tool_call_grammar(fmt, tools, choice, added)})
+    if len(found) > 1:
+        raise ApiError(400, "take one constraint: response_format, a guided_* field or strict tools")
+    return found[0] if found else {}
 
 
 def openai_usage(usage: dict) -> dict:
@@ -579,6 +641,10 @@ class HttpServer:
         self.context = engine.kv.sequence_length
         self.model = model_name(engine.model_path)
         self.fingerprint = f"ellm-{runtime.fingerprint['model']}"
+        stops = set(engine.spec.eos_token_id) | (self.tokenizer.eos_token_ids if self.tokenizer else set())
+        # added tokens other than end-of-sequence ones, for the grammar of strict tools
+        self.added_tokens = {token.content: i for i, token in self.tokenizer.backend.get_added_tokens_decoder().items()
+                             if i not in stops} if self.tokenizer else {}
         self.metrics = Metrics(runtime)
         self.closing = False
         app = web.Application(middlewares=[openai_errors, Guard(host, list(api_keys)).check],
@@ -692,17 +758,15 @@ class HttpServer:
         if self.template is None:
             raise ApiError(400, "this model has no chat template: use /v1/completions")
         require_one(body, "n")
-        if (field(body, "response_format", OBJECT) or {}).get("type", "text") != "text":
-            raise ApiError(400, "response_format: ellm has no constrained decoding; ask for JSON in the prompt",
-                           param="response_format")
         messages = chat_messages(body)
-        tools, forced = chat_tools(body, self.runtime.tool_format)
+        tools, forced, choice = chat_tools(body, self.runtime.tool_format)
+        constraint = constraint_args(body, tools, choice, self.runtime.tool_format, self.added_tokens)
         extra = field(body, "chat_template_kwargs", OBJECT, {})
         if extra.keys() & {"messages", "tools", "add_generation_prompt"}:
             raise ApiError(400, "chat_template_kwargs cannot set messages, tools or add_generation_prompt",
                            param="chat_template_kwargs")
         tokens = await self.in_thread(self.render_chat, messages, tools, forced, extra)
-        args = {"tokens": tokens, "messages": messages, "tools": tools,
+        args = {"tokens": tokens, "messages": messages, "tools": tools, **constraint,
                 **sampling_args(body, self.context - len(tokens)), **session_arg(request, body)}
         top = field(body, "top_logprobs", INT, 0) if field(body, "logprobs", BOOL) else None
         if top is not None:
@@ -720,7 +784,8 @@ class HttpServer:
             if body.get(name):
                 raise ApiError(400, f"{name} is not supported", param=name)
         tokens = await self.prompt_tokens(body.get("prompt"))
-        args = {"tokens": tokens, **sampling_args(body, self.context - len(tokens)), **session_arg(request, body)}
+        args = {"tokens": tokens, **guided_args(body), **sampling_args(body, self.context - len(tokens)),
+                **session_arg(request, body)}
         top = field(body, "logprobs", INT)
         if top is not None:
             args["logprobs"] = max(top, 1)
