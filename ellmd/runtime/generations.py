@@ -43,6 +43,7 @@ class Generation:
     token_logprobs: list[dict] = field(default_factory=list)
     first_token_at: float | None = None
     restore: tuple = ()  # the session before the op (turns.snapshot_of): a failure goes back to it
+    name: str | None = None  # of the turn it logs: a point to continue from (session.continue)
 
 
 class Generations:
@@ -67,11 +68,12 @@ class Generations:
         """Begin decoding after a prefilled prompt: sample the first token from its logits."""
         stream = sampling.pop("stream", True)
         logprobs = sampling.pop("logprobs", 0)
+        name = sampling.pop("name", None)
         params = SamplingParams(**sampling)
         gen = Generation(
             request=request, session=session, sampler=Sampler(params, session.tokens), params=params,
             stream=stream, logprobs=logprobs, detok=IncrementalDetokenizer(self.engine.tokenizer, skip_special_tokens=True),
-            stopper=StopMatcher(params.stop), start=start, usage=usage, restore=restore,
+            stopper=StopMatcher(params.stop), start=start, usage=usage, restore=restore, name=name,
         )
         session.busy = True
         self.active.append(gen)
@@ -137,7 +139,7 @@ class Generations:
         text = "".join(gen.text)
         messages_before = len(session.messages)
         tool_calls = self.close_turn(gen, text)
-        session.add_turn("generation", gen.start, role="assistant", messages=messages_before)
+        session.add_turn("generation", gen.start, role="assistant", name=gen.name, messages=messages_before)
         session.busy = False
         usage = self.final_usage(gen)
         write = None

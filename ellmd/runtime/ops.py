@@ -200,6 +200,50 @@ def completion(rt, request, tokens, session_id=None, messages=None, tools=None, 
     yield from generate(rt, request, session, sampling, prompt=tokens[keep:])
 
 
+def session_continue(rt, request, session_id, after, messages, tools=None, forced="", **sampling):
+    """Generate after chat messages appended at a point of a session: the end of its generation
+    turn named `after` (the `name` a completion or an earlier continue gave it).
+
+    At the session's end, the session goes on. Earlier (the conversation was continued from that
+    point before), the messages go to a branch: a new session holding the conversation up to the
+    point, whose KV is copied from this one (Residency.share_prefix), so that the later turns stay
+    as they were and each point can still be continued. Only the new messages are prefilled.
+    """
+    template = rt.engine.chat_template
+    if template is None:
+        raise RuntimeError_("bad_request", "this model has no chat template")
+    source = idle(rt.residency.session(session_id, request.owner))
+    at = next((t["end"] for t in source.turns if t["kind"] == "generation" and t["name"] == after), None)
+    if at is None:
+        raise RuntimeError_("not_found", f"session {session_id} has no generation turn named {after!r} "
+                                         "(rewound or deleted since?)")
+    rt.residency.resident(source)  # its tokens: what a branch starts from
+    session = source if source.length == at else branch(rt, source, at)
+    rt.residency.resident(session)  # before anything changes: SlotsBusy runs the op again later
+    rt.residency.sessions.setdefault(session.session_id, session)
+    text = template.render_fragment(session.messages, messages, tools=tools, add_generation_prompt=True,
+                                    allow_rewrite=True)
+    prompt = rt.engine.tokenizer.encode(text + forced)
+    before = snapshot_of(session)
+    session.messages.extend(messages)
+    session.tools = tools
+    if request.emit and sampling.get("stream", True):
+        request.emit("session", {"session_id": session.session_id})
+    yield from generate(rt, request, session, sampling, prompt=prompt, restore=before)
+
+
+def branch(rt, source: Session, at: int) -> Session:
+    """A new session holding `source` up to token `at` (the end of one of its turns), as pending
+    tokens: its first prefill copies their KV from `source` instead of computing it."""
+    fork = Session.new(rt.fingerprint, f"branch of {source.title or source.session_id}", source.tags,
+                       source.tools, owner=source.owner)
+    fork.tokens, fork.pending = [], source.tokens + source.pending
+    fork.turns, fork.messages = copy.deepcopy(source.turns), copy.deepcopy(source.messages)
+    fork.skills = list(source.skills)
+    fork.truncate(at)
+    return fork
+
+
 def generate(rt, request, session: Session, sampling: dict, prompt=None, restore: tuple | None = None):
     """Prefill the generation prompt (rendered, or the given tokens) and start decoding (generator).
 
@@ -326,6 +370,7 @@ OPS: dict[str, Op] = {
     "session.info": Op(session_info), "session.list": Op(session_list), "session.export": Op(session_export),
     "session.import": Op(session_import),
     "session.generate": Op(session_generate), "session.chat": Op(session_chat), "completion": Op(completion),
+    "session.continue": Op(session_continue),
     "skill.list": Op(skill_list, aside="read"), "skill.load": Op(skill_load),
     "rag.index": Op(rag_index, aside="write"), "rag.list": Op(rag_list, aside="read"),
     "rag.remove": Op(rag_remove, aside="write"), "rag.inject": Op(rag_inject),

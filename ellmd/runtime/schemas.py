@@ -139,6 +139,21 @@ class Completion(Sampling, kw_only=True):
     session_id: SessionId | None = None
     messages: list[JsonMap] | None = None
     tools: Annotated[list[JsonMap], msgspec.Meta(max_length=256)] | None = None
+    name: Short | None = None  # of the generation's turn: a point session.continue can continue from
+
+
+class SessionContinue(Sampling, kw_only=True):
+    session_id: SessionId
+    after: Short
+    messages: Annotated[list[JsonMap], msgspec.Meta(min_length=1)]
+    tools: Annotated[list[JsonMap], msgspec.Meta(max_length=256)] | None = None
+    forced: Annotated[str, msgspec.Meta(max_length=4096)] | None = None
+    name: Short | None = None
+
+    def __post_init__(self):
+        if not all(isinstance(m.get("role"), str) for m in self.messages):
+            raise ValueError("every message needs a string role - at `$.messages`")
+        super().__post_init__()
 
 
 class SkillLoad(Named, kw_only=True):
@@ -188,7 +203,8 @@ OPS: dict[str, type[Args]] = {
     "session.chat": SessionChat, "session.fork": SessionFork, "session.rewind": SessionRewind,
     "session.snapshot": Named, "session.resume": Named, "session.close": Named, "session.delete": Named,
     "session.info": Named, "session.export": Named, "session.import": SessionImport,
-    "session.list": Owned, "completion": Completion, "skill.list": NoArgs, "skill.load": SkillLoad,
+    "session.list": Owned, "completion": Completion, "session.continue": SessionContinue, "skill.list": NoArgs,
+    "skill.load": SkillLoad,
     "rag.index": RagIndex, "rag.list": NoArgs, "rag.remove": RagRemove, "rag.inject": RagInject, "stats": NoArgs,
 }
 
