@@ -10,6 +10,7 @@ continued from a stored point must be that conversation, token for token.
 from __future__ import annotations
 
 import json
+import socket
 
 import anthropic
 import openai
@@ -23,6 +24,7 @@ WEATHER = {"type": "function", "name": "get_weather", "description": "The weathe
 WEATHER_TOOL = {"name": "get_weather", "description": "The weather in a city.", "input_schema": WEATHER["parameters"]}
 INSTRUCTIONS = "You are a terse geography assistant."
 GREEDY = {"temperature": 0}
+LOOPBACK = ("127.0.0.1", "::1", "localhost", b"127.0.0.1", b"localhost")
 
 
 class Served:
@@ -303,6 +305,69 @@ def test_messages_tool_use(tools):
     plain = client.messages.create(model="tool-caller", max_tokens=40, messages=question, tools=[WEATHER_TOOL],
                                    tool_choice={"type": "none"}, extra_body=GREEDY)
     assert plain.stop_reason == "end_turn" and plain.content[0].text == CALL_HEAD + CALL_REST
+
+
+# ---- LangChain and LiteLLM over chat completions, offline ------------------------------------
+
+
+@pytest.fixture
+def offline(monkeypatch):
+    """Name look-ups and connections anywhere but loopback fail, and are listed (the test asserts
+    there were none): LiteLLM fetches a model cost map and tiktoken its encodings unless kept from it."""
+    attempts, connect, getaddrinfo = [], socket.socket.connect, socket.getaddrinfo
+
+    def refuse(host):
+        attempts.append(host)
+        raise OSError(f"the tests run offline: no connection to {host}")
+
+    def connect_loopback(sock, address):
+        if sock.family in (socket.AF_INET, socket.AF_INET6) and address[0] not in LOOPBACK:
+            refuse(address[0])
+        return connect(sock, address)
+
+    def resolve_loopback(host, *args, **kwargs):
+        if host not in LOOPBACK:
+            refuse(host)
+        return getaddrinfo(host, *args, **kwargs)
+
+    monkeypatch.setattr(socket.socket, "connect", connect_loopback)
+    monkeypatch.setattr(socket, "getaddrinfo", resolve_loopback)
+    monkeypatch.setenv("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # read at import: before litellm is imported
+    yield attempts
+    assert attempts == []
+
+
+def test_langchain_chat_openai(smol, tools, offline):
+    from langchain_openai import ChatOpenAI
+
+    llm = ChatOpenAI(base_url=f"http://127.0.0.1:{smol.port}/v1", api_key="none", model="smol", max_tokens=10,
+                     max_retries=0, **GREEDY)
+    question = "What is the capital of France?"
+    reply = llm.invoke(question)
+    reference = smol.openai().chat.completions.create(model="smol", messages=[{"role": "user", "content": question}],
+                                                      max_tokens=10, **GREEDY)
+    assert reply.content == reference.choices[0].message.content
+    assert reply.usage_metadata["input_tokens"] == reference.usage.prompt_tokens
+    assert "".join(chunk.content for chunk in llm.stream(question)) == reply.content
+
+    caller = ChatOpenAI(base_url=f"http://127.0.0.1:{tools.port}/v1", api_key="none", model="tool-caller",
+                        max_tokens=40, max_retries=0, **GREEDY)
+    call = caller.bind_tools([WEATHER_TOOL | {"parameters": WEATHER["parameters"]}]).invoke("Weather in Paris?")
+    assert [(c["name"], c["args"]) for c in call.tool_calls] == [("get_weather", {"city": "Paris"})]
+
+
+def test_litellm_completion(smol, offline):
+    import litellm
+
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    where = dict(model="openai/smol", api_base=f"http://127.0.0.1:{smol.port}/v1", api_key="none", max_tokens=10,
+                 **GREEDY)
+    reply = litellm.completion(messages=question, **where)
+    reference = smol.openai().chat.completions.create(model="smol", messages=question, max_tokens=10, **GREEDY)
+    assert reply.choices[0].message.content == reference.choices[0].message.content
+    assert reply.usage.prompt_tokens == reference.usage.prompt_tokens
+    chunks = litellm.completion(messages=question, stream=True, **where)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == reply.choices[0].message.content
 
 
 # ---- last: a restart of the SmolLM2 daemon ----------------------------------------------------
