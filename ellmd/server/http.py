@@ -2,7 +2,8 @@
 
 Endpoints: `GET /v1/models`, `POST /v1/chat/completions` and `POST /v1/completions` (streamed as
 server-sent events with `stream: true`), `GET /health`, `GET /metrics` (Prometheus text, see
-ellmd.server.metrics).
+ellmd.server.metrics); OpenAI's Responses API (ellmd.server.responses) and Anthropic's Messages API
+(ellmd.server.anthropic) are built on this module's helpers.
 
 A handler renders the conversation with the chat template and tokenizes it (in a worker thread:
 both take a while on long prompts), then submits one `completion` op holding the whole prompt. The
