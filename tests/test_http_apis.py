@@ -208,7 +208,7 @@ def test_messages_whole_streamed_and_reused(smol):
     assert second.usage.input_tokens < 20
 
 
-def test_messages_stop_sequences(smol):
+def test_messages_stop_sequences_and_prefill(smol):
     client = smol.anthropic()
     question = [{"role": "user", "content": "What is the capital of France?"}]
     whole = client.messages.create(model="smol", max_tokens=10, messages=question, extra_body=GREEDY).content[0].text
@@ -217,11 +217,17 @@ def test_messages_stop_sequences(smol):
                                  extra_body=GREEDY)
     assert cut.stop_reason == "stop_sequence" and cut.stop_sequence == word
     assert cut.content[0].text == whole[:whole.index(word)]
+    # a final assistant message is a prefill: the reply continues it (and holds only the continuation)
+    start = " ".join(whole.split()[:2])
+    rest = client.messages.create(model="smol", max_tokens=10, extra_body=GREEDY,
+                                  messages=[*question, {"role": "assistant", "content": start}])
+    assert (start + rest.content[0].text).startswith(whole)  # as long or longer: fewer tokens were spent on `start`
 
 
 def test_messages_errors_are_anthropic_errors(smol):
     client = smol.anthropic()
-    status, body = post(smol.port, "/v1/messages", json.dumps({"messages": [{"role": "user", "content": "Hi"}]}).encode())
+    hello = [{"role": "user", "content": "Hi"}]
+    status, body = post(smol.port, "/v1/messages", json.dumps({"messages": hello}).encode())
     assert status == 400 and body == {"type": "error", "error": {"type": "invalid_request_error",
                                                                  "message": "max_tokens: Field required"}}
     status, body = post(smol.port, "/v1/messages", b"{not json")
@@ -296,10 +302,10 @@ def test_messages_tool_use(tools):
     assert [d.type for d in deltas] == ["input_json_delta"] and json.loads(deltas[0].partial_json) == {"city": "Paris"}
     assert final.stop_reason == "tool_use" and final.content[0].input == {"city": "Paris"}
 
+    result = {"type": "tool_result", "tool_use_id": use.id, "content": "Sunny, 21 C"}
     follow = client.messages.create(model="tool-caller", max_tokens=40, tools=[WEATHER_TOOL], extra_body=GREEDY,
                                     messages=[*question, {"role": "assistant", "content": [use.model_dump()]},
-                                              {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id,
-                                                                            "content": "Sunny, 21 C"}]}])
+                                              {"role": "user", "content": [result]}])
     assert follow.stop_reason == "tool_use" and follow.usage.cache_read_input_tokens > 0
 
     plain = client.messages.create(model="tool-caller", max_tokens=40, messages=question, tools=[WEATHER_TOOL],

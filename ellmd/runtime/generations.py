@@ -64,11 +64,11 @@ class Generations:
         return next((g for g in self.active if g.session is session), None)
 
     def start(self, request, session: Session, sampling: dict, start: int, logits, usage: dict,
-              restore: tuple) -> None:
-        """Begin decoding after a prefilled prompt: sample the first token from its logits."""
+              restore: tuple, name: str | None = None) -> None:
+        """Begin decoding after a prefilled prompt: sample the first token from its logits; `name`
+        names the turn it logs."""
         stream = sampling.pop("stream", True)
         logprobs = sampling.pop("logprobs", 0)
-        name = sampling.pop("name", None)
         params = SamplingParams(**sampling)
         gen = Generation(
             request=request, session=session, sampler=Sampler(params, session.tokens), params=params,

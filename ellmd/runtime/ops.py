@@ -172,7 +172,7 @@ def session_chat(rt, request, session_id, content=None, message=None, **sampling
     yield from generate(rt, request, session, sampling, restore=before)
 
 
-def completion(rt, request, tokens, session_id=None, messages=None, tools=None, **sampling):
+def completion(rt, request, tokens, session_id=None, messages=None, tools=None, name=None, **sampling):
     """Generate after a whole prompt, reusing the KV of its longest prefix already computed.
 
     With session_id, that session (created if new) is rewound to the common prefix; without, the
@@ -197,10 +197,10 @@ def completion(rt, request, tokens, session_id=None, messages=None, tools=None, 
     session.messages, session.tools = list(messages or []), tools
     if request.emit and sampling.get("stream", True):  # the caller may not know which session it got
         request.emit("session", {"session_id": session.session_id})
-    yield from generate(rt, request, session, sampling, prompt=tokens[keep:])
+    yield from generate(rt, request, session, sampling, prompt=tokens[keep:], name=name)
 
 
-def session_continue(rt, request, session_id, after, messages, tools=None, forced="", **sampling):
+def session_continue(rt, request, session_id, after, messages, tools=None, forced="", name=None, **sampling):
     """Generate after chat messages appended at a point of a session: the end of its generation
     turn named `after` (the `name` a completion or an earlier continue gave it).
 
@@ -229,7 +229,7 @@ def session_continue(rt, request, session_id, after, messages, tools=None, force
     session.tools = tools
     if request.emit and sampling.get("stream", True):
         request.emit("session", {"session_id": session.session_id})
-    yield from generate(rt, request, session, sampling, prompt=prompt, restore=before)
+    yield from generate(rt, request, session, sampling, prompt=prompt, restore=before, name=name)
 
 
 def branch(rt, source: Session, at: int) -> Session:
@@ -244,8 +244,9 @@ def branch(rt, source: Session, at: int) -> Session:
     return fork
 
 
-def generate(rt, request, session: Session, sampling: dict, prompt=None, restore: tuple | None = None):
-    """Prefill the generation prompt (rendered, or the given tokens) and start decoding (generator).
+def generate(rt, request, session: Session, sampling: dict, prompt=None, restore: tuple | None = None, name=None):
+    """Prefill the generation prompt (rendered, or the given tokens) and start decoding (generator);
+    `name` names the generation's turn.
 
     restore: the session before the op (turns.snapshot_of); if the generation fails, from its
     prompt to its last token, the session goes back to it (default: as it is now).
@@ -260,7 +261,7 @@ def generate(rt, request, session: Session, sampling: dict, prompt=None, restore
     except BaseException:
         rt.turns.restore(session, restore)
         raise
-    rt.generations.start(request, session, sampling, start, logits, usage(request, session), restore)
+    rt.generations.start(request, session, sampling, start, logits, usage(request, session), restore, name)
 
 
 def bound_session(rt, session_id: str, owner: str | None) -> Session:

@@ -24,8 +24,8 @@ import uuid
 
 from aiohttp import web
 
-from ellmd.server.http import (ARRAY, BOOL, OBJECT, TOOL_CALL_MARKER, ApiError, EventStream, Holdback, chat_tools, field,
-                               read_json, reply_parts, sampling_args, session_arg)
+from ellmd.server.http import (ARRAY, BOOL, OBJECT, TOOL_CALL_MARKER, ApiError, EventStream, Holdback, chat_tools,
+                               content_text, field, read_json, reply_parts, sampling_args, session_arg)
 
 # tool_choice type -> the chat completions' tool_choice
 TOOL_CHOICES = {"auto": "auto", "any": "required", "none": "none"}
@@ -35,21 +35,6 @@ STOP_REASONS = {"length": "max_tokens"}  # else end_turn (or tool_use, stop_sequ
 def routes(server) -> list:
     api = MessagesApi(server)
     return [web.post("/v1/messages", api.messages), web.post("/v1/messages/count_tokens", api.count_tokens)]
-
-
-def block_text(blocks, where: str) -> str:
-    """The text of a string or an array of text blocks."""
-    if isinstance(blocks, str):
-        return blocks
-    if not isinstance(blocks, list):
-        raise ApiError(400, f"{where} must be a string or an array of content blocks")
-    texts = []
-    for i, block in enumerate(blocks):
-        if not isinstance(block, dict) or block.get("type") != "text" or not isinstance(block.get("text"), str):
-            kind = block.get("type") if isinstance(block, dict) else type(block).__name__
-            raise ApiError(400, f"{where}[{i}]: only text blocks are supported here, not {kind!r}")
-        texts.append(block["text"])
-    return "\n".join(texts)
 
 
 def assistant_message(content, where: str) -> dict:
@@ -80,7 +65,7 @@ def user_messages(content, where: str) -> list[dict]:
     for i, block in enumerate(content):
         kind = block.get("type") if isinstance(block, dict) else None
         if kind == "tool_result":
-            output = block_text(block.get("content") or "", f"{where}.content[{i}].content")
+            output = content_text(block.get("content") or "", f"{where}.content[{i}].content")
             output = f"Error: {output}" if block.get("is_error") else output
             results.append({"role": "tool", "tool_call_id": str(block.get("tool_use_id", "")), "content": output})
         elif kind == "text" and isinstance(block.get("text"), str):
@@ -94,7 +79,7 @@ def user_messages(content, where: str) -> list[dict]:
 def chat_messages(body: dict) -> list[dict]:
     """The conversation as chat messages: `system`, then each turn's."""
     system = body.get("system")
-    result = [{"role": "system", "content": block_text(system, "system")}] if system else []
+    result = [{"role": "system", "content": content_text(system, "system")}] if system else []
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "messages: must be a non-empty array")
@@ -273,7 +258,8 @@ class MessageStream(EventStream):
     async def text(self, text: str) -> None:
         """A piece of the text block (opened by its first piece)."""
         if not self.text_open:
-            await self.event("content_block_start", {"index": self.index, "content_block": {"type": "text", "text": ""}})
+            await self.event("content_block_start",
+                             {"index": self.index, "content_block": {"type": "text", "text": ""}})
             self.text_open = True
         await self.event("content_block_delta", {"index": self.index, "delta": {"type": "text_delta", "text": text}})
 

@@ -263,7 +263,7 @@ def chat_messages(body: dict) -> list[dict]:
             raise ApiError(400, f"{where} must be an object with a string role", param=where)
         content = message.get("content")
         if isinstance(content, list):
-            content = "\n".join(text_part(part, where) for part in content)
+            content = content_text(content, f"{where}.content")
         elif content is not None and not isinstance(content, str):
             raise ApiError(400, f"{where}.content must be a string or an array of content parts", param=where)
         role = "system" if message["role"] == "developer" else message["role"]  # templates know only system
@@ -271,11 +271,19 @@ def chat_messages(body: dict) -> list[dict]:
     return result
 
 
-def text_part(part, where: str) -> str:
-    if isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
-        return part["text"]
-    kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-    raise ApiError(400, f"{where}: only text content parts are supported, not {kind!r}", param=where)
+def content_text(content, where: str, kinds=("text",)) -> str:
+    """A string, or the text of an array of text parts (of the `type`s in kinds), joined by newlines."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise ApiError(400, f"{where} must be a string or an array of content parts", param=where)
+    texts = []
+    for i, part in enumerate(content):
+        if not isinstance(part, dict) or part.get("type") not in kinds or not isinstance(part.get("text"), str):
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise ApiError(400, f"{where}[{i}]: only text parts are supported, not {kind!r}", param=where)
+        texts.append(part["text"])
+    return "\n".join(texts)
 
 
 def chat_tools(body: dict, fmt: str | None) -> tuple[list | None, str]:

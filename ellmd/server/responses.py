@@ -34,7 +34,7 @@ import uuid
 from aiohttp import web
 
 from ellmd.server.http import (ARRAY, BOOL, OBJECT, SAMPLING_FIELDS, STRING, TOOL_CALL_MARKER, ApiError, EventStream,
-                               Holdback, chat_tools, field, read_json, reply_parts, sampling_args)
+                               Holdback, chat_tools, content_text, field, read_json, reply_parts, sampling_args)
 
 ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 TEXT_PARTS = ("input_text", "output_text", "text")
@@ -53,20 +53,6 @@ def point_of(response_id: str) -> tuple[str, str] | None:
     return session_id, turn
 
 
-def part_text(content, where: str) -> str:
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise ApiError(400, f"{where}.content must be a string or an array of content parts", param="input")
-    texts = []
-    for i, part in enumerate(content):
-        if not isinstance(part, dict) or part.get("type") not in TEXT_PARTS or not isinstance(part.get("text"), str):
-            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-            raise ApiError(400, f"{where}.content[{i}]: only text parts are supported, not {kind!r}", param="input")
-        texts.append(part["text"])
-    return "\n".join(texts)
-
-
 def input_messages(body: dict) -> list[dict]:
     """`input` as chat messages; consecutive function_call items join one assistant message."""
     items = body.get("input")
@@ -79,7 +65,8 @@ def input_messages(body: dict) -> list[dict]:
         where = f"input[{i}]"
         kind = item.get("type", "message") if isinstance(item, dict) else None
         if kind == "message" and item.get("role") in ROLES:
-            messages.append({"role": ROLES[item["role"]], "content": part_text(item.get("content"), where)})
+            content = content_text(item.get("content"), f"{where}.content", TEXT_PARTS)
+            messages.append({"role": ROLES[item["role"]], "content": content})
         elif kind == "function_call" and isinstance(item.get("name"), str):
             call = {"id": str(item.get("call_id", "")), "type": "function",
                     "function": {"name": item["name"], "arguments": str(item.get("arguments", "{}"))}}
@@ -90,7 +77,7 @@ def input_messages(body: dict) -> list[dict]:
                 messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
         elif kind == "function_call_output":
             messages.append({"role": "tool", "tool_call_id": str(item.get("call_id", "")),
-                             "content": part_text(item.get("output", ""), where)})
+                             "content": content_text(item.get("output", ""), f"{where}.output", TEXT_PARTS)})
         elif kind != "reasoning":  # the model's reasoning as a client sends it back: not rendered
             raise ApiError(400, f"{where}: expected a message, function_call or function_call_output item",
                            param="input")
