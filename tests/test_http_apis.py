@@ -144,6 +144,22 @@ def test_an_earlier_point_continues_in_a_branch(smol):
     assert germany.usage.input_tokens_details.cached_tokens == italy.usage.input_tokens + italy.usage.output_tokens - 1
 
 
+def test_a_stored_conversation_resent_whole_goes_on_in_its_session(smol):
+    """The Agents SDK's default: every request resends the whole input, stored. It extends the
+    stored session, whose earlier responses stay continuable."""
+    client = smol.openai()
+    first = ask(client, "What is the capital of France?")
+    items = [{"role": "user", "content": "What is the capital of France?"},
+             {"role": "assistant", "content": first.output_text}, {"role": "user", "content": "And of Italy?"}]
+    second = client.responses.create(model="smol", input=items, instructions=INSTRUCTIONS, max_output_tokens=10,
+                                     **GREEDY)
+    assert second.id.split("_", 2)[2] == first.id.split("_", 2)[2]  # the same session
+    assert second.usage.input_tokens_details.cached_tokens == first.usage.input_tokens + first.usage.output_tokens - 1
+    spain = ask(client, "And of Spain?", previous=first)  # the earlier point is still there: a branch
+    reference = chat_reference(client, ["What is the capital of France?", "And of Spain?"], [first.output_text], 10)
+    assert spain.output_text == reference.choices[0].message.content
+
+
 def test_unstored_responses_reuse_by_prefix_and_continue_nothing(smol):
     client = smol.openai()
     first = ask(client, "Name a large ocean.", store=False)

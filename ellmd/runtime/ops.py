@@ -172,28 +172,37 @@ def session_chat(rt, request, session_id, content=None, message=None, **sampling
     yield from generate(rt, request, session, sampling, restore=before)
 
 
-def completion(rt, request, tokens, session_id=None, messages=None, tools=None, name=None, **sampling):
+def completion(rt, request, tokens, session_id=None, messages=None, tools=None, name=None, tag=None, **sampling):
     """Generate after a whole prompt, reusing the KV of its longest prefix already computed.
 
     With session_id, that session (created if new) is rewound to the common prefix; without, the
-    resident anonymous session sharing the longest prefix is continued (see anonymous_session),
-    so plain OpenAI clients get incremental prefill too.
+    resident session of that `tag` (default anonymous) sharing the longest prefix is continued
+    (see anonymous_session), so plain OpenAI clients get incremental prefill too. A prompt that
+    extends the whole session (its pending end of turn included) rewinds nothing: its turns, and
+    the points they name, stay.
     """
     sequence_length = rt.engine.kv.sequence_length
     if len(tokens) + 1 > sequence_length:
         raise CapacityError(f"the prompt holds {len(tokens)} tokens: no room left to generate within "
                             f"the sequence length {sequence_length}")
     owner = request.owner
-    session = bound_session(rt, session_id, owner) if session_id is not None else anonymous_session(rt, tokens, owner)
+    if session_id is not None:
+        session = bound_session(rt, session_id, owner)
+    else:
+        session = anonymous_session(rt, tokens, owner, tag or ANONYMOUS)
     idle(session)
     slot = rt.residency.resident(session)
     rt.residency.sessions.setdefault(session.session_id, session)  # new sessions once they hold a slot
-    # Keep the longest common prefix that is in the KV (pending tokens are not), and at least
-    # one prompt token to run, whose logits start the generation.
-    keep = min(common_prefix(session.tokens, tokens), len(tokens) - 1)
-    if keep < len(session.tokens) or session.pending:
-        session.truncate(keep)
-        rt.engine.rewind(slot, keep)
+    held = session.tokens + session.pending
+    if len(held) < len(tokens) and common_prefix(held, tokens) == len(held):
+        keep = len(held)  # the pending tokens join the prefill
+    else:
+        # Keep the longest common prefix that is in the KV (pending tokens are not), and at least
+        # one prompt token to run, whose logits start the generation.
+        keep = min(common_prefix(session.tokens, tokens), len(tokens) - 1)
+        if keep < len(session.tokens) or session.pending:
+            session.truncate(keep)
+            rt.engine.rewind(slot, keep)
     session.messages, session.tools = list(messages or []), tools
     if request.emit and sampling.get("stream", True):  # the caller may not know which session it got
         request.emit("session", {"session_id": session.session_id})
@@ -273,20 +282,20 @@ def bound_session(rt, session_id: str, owner: str | None) -> Session:
     return session
 
 
-def anonymous_session(rt, tokens: list[int], owner: str | None) -> Session:
-    """The anonymous session to continue: the resident one (of the same owner) sharing the
-    longest prefix, or a new one."""
+def anonymous_session(rt, tokens: list[int], owner: str | None, tag: str = ANONYMOUS) -> Session:
+    """The session of that tag to continue: the resident one (of the same owner) sharing the
+    longest prefix, or a new one. Only anonymous sessions are ever cut back to make room."""
     residency = rt.residency
     shared, best = max(((common_prefix(s.tokens, tokens), s) for s in residency.resident_sessions()
-                        if not s.busy and ANONYMOUS in s.tags and s.owner == owner),
+                        if not s.busy and tag in s.tags and s.owner == owner),
                        key=lambda pair: pair[0], default=(0, None))
     free = residency.free_slot_index()
     if shared and shared == len(best.tokens):
         return best  # the prompt extends that conversation
-    if shared and free is None and 2 * shared >= len(best.tokens):
+    if shared and free is None and 2 * shared >= len(best.tokens) and tag == ANONYMOUS:
         return best  # most of it is shared (a retry, an edited turn) and no slot to fork into: drop its tail
     # A new session: its first prefill copies the shared prefix (Residency.share_prefix).
-    session = Session.new(rt.fingerprint, title="anonymous", tags=[ANONYMOUS], owner=owner)
+    session = Session.new(rt.fingerprint, title=tag, tags=[tag], owner=owner)
     session.tokens = []
     return session
 

@@ -140,6 +140,7 @@ class Completion(Sampling, kw_only=True):
     messages: list[JsonMap] | None = None
     tools: Annotated[list[JsonMap], msgspec.Meta(max_length=256)] | None = None
     name: Short | None = None  # of the generation's turn: a point session.continue can continue from
+    tag: Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_.-]{1,64}$")] | None = None
 
 
 class SessionContinue(Sampling, kw_only=True):

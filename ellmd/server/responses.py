@@ -5,8 +5,9 @@ function_call_output items) and `instructions` become chat messages, rendered as
 completion is; `tools` are function tools in the Responses shape (`{"type": "function", "name",
 "parameters"}`), tool calls come back as function_call items.
 
-`store` (default true) keeps the conversation in a session, and the response's id names the point
-it reached: `resp_<turn>_<session>`, where `turn` is the name of the generation turn the reply
+`store` (default true) keeps the conversation in a session (tagged `responses`: a later request
+whose input extends it, resent whole, goes on in it), and the response's id names the point it
+reached: `resp_<turn>_<session>`, where `turn` is the name of the generation turn the reply
 logged. `previous_response_id` continues from that point with the `session.continue` op: only the
 new input is rendered (as a fragment after what the session holds) and prefilled, also after a
 daemon restart (the session's KV comes back from the store). A point earlier than its session's
@@ -39,6 +40,7 @@ from ellmd.server.http import (ARRAY, BOOL, OBJECT, SAMPLING_FIELDS, STRING, TOO
 ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 TEXT_PARTS = ("input_text", "output_text", "text")
 TURN_NAME = 16  # hex digits of a response's turn name
+STORED_TAG = "responses"  # of the sessions holding stored responses (never cut back, unlike anonymous ones)
 
 
 def routes(server) -> list:
@@ -146,7 +148,7 @@ class ResponsesApi:
             op, args = "completion", {"tokens": tokens, "messages": messages, "tools": tools,
                                       **sampling_args(sampling, server.context - len(tokens))}
             if store:
-                args["session_id"] = f"resp-{turn}"
+                args["tag"] = STORED_TAG
         reply = Reply(server, body, turn if store else None, tools, forced)
         try:
             if field(body, "stream", BOOL):
