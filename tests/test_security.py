@@ -163,6 +163,27 @@ def test_sessions_belong_to_the_key_that_made_them(daemon):
     assert status == 200 and body["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
 
 
+def test_anthropic_clients_send_their_key_as_x_api_key(daemon):
+    port, alice = daemon.port, KEYS[0]
+    count = {"model": "smol", "messages": [{"role": "user", "content": "Hello."}]}
+    status, _, body = http(port, "/v1/messages/count_tokens", count, headers={"x-api-key": alice})
+    assert status == 200 and body["input_tokens"] > 0
+    status, _, body = http(port, "/v1/messages/count_tokens", count, headers={"x-api-key": "not-a-key"})
+    assert status == 401 and body["type"] == "error" and body["error"]["type"] == "authentication_error"
+
+
+def test_stored_responses_belong_to_the_key_that_made_them(daemon):
+    port, alice, bob = daemon.port, *KEYS
+    status, _, first = http(port, "/v1/responses", {"input": "Hello.", "max_output_tokens": 2, "temperature": 0},
+                            key=alice)
+    assert status == 200
+    follow = {"input": "Again.", "previous_response_id": first["id"], "max_output_tokens": 2, "temperature": 0}
+    status, _, body = http(port, "/v1/responses", follow, key=bob)
+    assert status == 404 and body["error"]["param"] == "previous_response_id"  # as if it did not exist
+    status, _, body = http(port, "/v1/responses", follow, key=alice)
+    assert status == 200 and body["usage"]["input_tokens_details"]["cached_tokens"] > 0
+
+
 # ---- what retrieval and skills read ------------------------------------------------------------
 
 

@@ -44,6 +44,7 @@ class Generation:
     token_logprobs: list[dict] = field(default_factory=list)
     first_token_at: float | None = None
     restore: tuple = ()  # the session before the op (turns.snapshot_of): a failure goes back to it
+    name: str | None = None  # of the turn it logs: a point to continue from (session.continue)
     constraint: Constraint | None = None  # a schema or grammar: masks the logits, consumes the tokens
 
     def sample(self, logits) -> int:
@@ -69,8 +70,9 @@ class Generations:
         return next((g for g in self.active if g.session is session), None)
 
     def start(self, request, session: Session, sampling: dict, start: int, logits, usage: dict,
-              restore: tuple) -> None:
-        """Begin decoding after a prefilled prompt: sample the first token from its logits."""
+              restore: tuple, name: str | None = None) -> None:
+        """Begin decoding after a prefilled prompt: sample the first token from its logits; `name`
+        names the turn it logs."""
         stream = sampling.pop("stream", True)
         logprobs = sampling.pop("logprobs", 0)
         constraint = sampling.pop("constraint", None)
@@ -79,6 +81,7 @@ class Generations:
             request=request, session=session, sampler=Sampler(params, session.tokens), params=params,
             stream=stream, logprobs=logprobs, detok=IncrementalDetokenizer(self.engine.tokenizer, skip_special_tokens=True),
             stopper=StopMatcher(params.stop), start=start, usage=usage, restore=restore, constraint=constraint,
+            name=name,
         )
         session.busy = True
         self.active.append(gen)
@@ -149,7 +152,7 @@ class Generations:
         text = "".join(gen.text)
         messages_before = len(session.messages)
         tool_calls = self.close_turn(gen, text)
-        session.add_turn("generation", gen.start, role="assistant", messages=messages_before)
+        session.add_turn("generation", gen.start, role="assistant", name=gen.name, messages=messages_before)
         session.busy = False
         usage = self.final_usage(gen)
         write = None

@@ -190,19 +190,24 @@ def session_chat(rt, request, session_id, content=None, message=None, **sampling
     yield from generate(rt, request, session, sampling, restore=before)
 
 
-def completion(rt, request, tokens, session_id=None, messages=None, tools=None, **sampling):
+def completion(rt, request, tokens, session_id=None, messages=None, tools=None, name=None, tag=None, **sampling):
     """Generate after a whole prompt, reusing the KV of its longest prefix already computed.
 
     With session_id, that session (created if new) is rewound to the common prefix; without, the
-    resident anonymous session sharing the longest prefix is continued (see anonymous_session),
-    so plain OpenAI clients get incremental prefill too.
+    resident session of that `tag` (default anonymous) sharing the longest prefix is continued
+    (see anonymous_session), so plain OpenAI clients get incremental prefill too. A prompt that
+    extends the whole session (its pending end of turn included) rewinds nothing: its turns, and
+    the points they name, stay.
     """
     sequence_length = rt.engine.kv.sequence_length
     if len(tokens) + 1 > sequence_length:
         raise CapacityError(f"the prompt holds {len(tokens)} tokens: no room left to generate within "
                             f"the sequence length {sequence_length}")
     owner = request.owner
-    session = bound_session(rt, session_id, owner) if session_id is not None else anonymous_session(rt, tokens, owner)
+    if session_id is not None:
+        session = bound_session(rt, session_id, owner)
+    else:
+        session = anonymous_session(rt, tokens, owner, tag or ANONYMOUS)
     try:
         idle(session)
         slot = rt.residency.resident(session)
@@ -211,20 +216,70 @@ def completion(rt, request, tokens, session_id=None, messages=None, tools=None, 
         raise
     if session.session_id not in rt.residency.sessions:  # new sessions once they hold a slot
         rt.residency.adopt(session)
-    # Keep the longest common prefix that is in the KV (pending tokens are not), and at least
-    # one prompt token to run, whose logits start the generation.
-    keep = min(common_prefix(session.tokens, tokens), len(tokens) - 1)
-    if keep < len(session.tokens) or session.pending:
-        session.truncate(keep)
-        rt.engine.rewind(slot, keep)
+    held = session.tokens + session.pending
+    if len(held) < len(tokens) and common_prefix(held, tokens) == len(held):
+        keep = len(held)  # the pending tokens join the prefill
+    else:
+        # Keep the longest common prefix that is in the KV (pending tokens are not), and at least
+        # one prompt token to run, whose logits start the generation.
+        keep = min(common_prefix(session.tokens, tokens), len(tokens) - 1)
+        if keep < len(session.tokens) or session.pending:
+            session.truncate(keep)
+            rt.engine.rewind(slot, keep)
     session.messages, session.tools = list(messages or []), tools
     if request.emit and sampling.get("stream", True):  # the caller may not know which session it got
         request.emit("session", {"session_id": session.session_id})
-    yield from generate(rt, request, session, sampling, prompt=tokens[keep:])
+    yield from generate(rt, request, session, sampling, prompt=tokens[keep:], name=name)
 
 
-def generate(rt, request, session: Session, sampling: dict, prompt=None, restore: tuple | None = None):
-    """Prefill the generation prompt (rendered, or the given tokens) and start decoding (generator).
+def session_continue(rt, request, session_id, after, messages, tools=None, forced="", name=None, **sampling):
+    """Generate after chat messages appended at a point of a session: the end of its generation
+    turn named `after` (the `name` a completion or an earlier continue gave it).
+
+    At the session's end, the session goes on. Earlier (the conversation was continued from that
+    point before), the messages go to a branch: a new session holding the conversation up to the
+    point, whose KV is copied from this one (Residency.share_prefix), so that the later turns stay
+    as they were and each point can still be continued. Only the new messages are prefilled.
+    """
+    template = rt.engine.chat_template
+    if template is None:
+        raise RuntimeError_("bad_request", "this model has no chat template")
+    source = idle(rt.residency.session(session_id, request.owner))
+    at = next((t["end"] for t in source.turns if t["kind"] == "generation" and t["name"] == after), None)
+    if at is None:
+        raise RuntimeError_("not_found", f"session {session_id} has no generation turn named {after!r} "
+                                         "(rewound or deleted since?)")
+    rt.residency.resident(source)  # its tokens: what a branch starts from
+    session = source if source.length == at else branch(rt, source, at)
+    rt.residency.resident(session)  # before anything changes: SlotsBusy runs the op again later
+    if session.session_id not in rt.residency.sessions:  # a new branch (a fleet replica leases it)
+        rt.residency.adopt(session)
+    text = template.render_fragment(session.messages, messages, tools=tools, add_generation_prompt=True,
+                                    allow_rewrite=True)
+    prompt = rt.engine.tokenizer.encode(text + forced)
+    before = snapshot_of(session)
+    session.messages.extend(messages)
+    session.tools = tools
+    if request.emit and sampling.get("stream", True):
+        request.emit("session", {"session_id": session.session_id})
+    yield from generate(rt, request, session, sampling, prompt=prompt, restore=before, name=name)
+
+
+def branch(rt, source: Session, at: int) -> Session:
+    """A new session holding `source` up to token `at` (the end of one of its turns), as pending
+    tokens: its first prefill copies their KV from `source` instead of computing it."""
+    fork = Session.new(rt.fingerprint, f"branch of {source.title or source.session_id}", source.tags,
+                       source.tools, owner=source.owner)
+    fork.tokens, fork.pending = [], source.tokens + source.pending
+    fork.turns, fork.messages = copy.deepcopy(source.turns), copy.deepcopy(source.messages)
+    fork.skills = list(source.skills)
+    fork.truncate(at)
+    return fork
+
+
+def generate(rt, request, session: Session, sampling: dict, prompt=None, restore: tuple | None = None, name=None):
+    """Prefill the generation prompt (rendered, or the given tokens) and start decoding (generator);
+    `name` names the generation's turn.
 
     restore: the session before the op (turns.snapshot_of); if the generation fails, from its
     prompt to its last token, the session goes back to it (default: as it is now).
@@ -239,7 +294,7 @@ def generate(rt, request, session: Session, sampling: dict, prompt=None, restore
     except BaseException:
         rt.turns.restore(session, restore)
         raise
-    rt.generations.start(request, session, sampling, start, logits, usage(request, session), restore)
+    rt.generations.start(request, session, sampling, start, logits, usage(request, session), restore, name)
 
 
 def bound_session(rt, session_id: str, owner: str | None) -> Session:
@@ -254,20 +309,20 @@ def bound_session(rt, session_id: str, owner: str | None) -> Session:
     return session
 
 
-def anonymous_session(rt, tokens: list[int], owner: str | None) -> Session:
-    """The anonymous session to continue: the resident one (of the same owner) sharing the
-    longest prefix, or a new one."""
+def anonymous_session(rt, tokens: list[int], owner: str | None, tag: str = ANONYMOUS) -> Session:
+    """The session of that tag to continue: the resident one (of the same owner) sharing the
+    longest prefix, or a new one. Only anonymous sessions are ever cut back to make room."""
     residency = rt.residency
     shared, best = max(((common_prefix(s.tokens, tokens), s) for s in residency.resident_sessions()
-                        if not s.busy and ANONYMOUS in s.tags and s.owner == owner),
+                        if not s.busy and tag in s.tags and s.owner == owner),
                        key=lambda pair: pair[0], default=(0, None))
     free = residency.free_slot_index()
     if shared and shared == len(best.tokens):
         return best  # the prompt extends that conversation
-    if shared and free is None and 2 * shared >= len(best.tokens):
+    if shared and free is None and 2 * shared >= len(best.tokens) and tag == ANONYMOUS:
         return best  # most of it is shared (a retry, an edited turn) and no slot to fork into: drop its tail
     # A new session: its first prefill copies the shared prefix (Residency.share_prefix).
-    session = Session.new(rt.fingerprint, title="anonymous", tags=[ANONYMOUS], owner=owner)
+    session = Session.new(rt.fingerprint, title=tag, tags=[tag], owner=owner)
     session.tokens = []
     return session
 
@@ -353,6 +408,7 @@ OPS: dict[str, Op] = {
     "session.info": Op(session_info), "session.list": Op(session_list), "session.export": Op(session_export),
     "session.import": Op(session_import),
     "session.generate": Op(session_generate), "session.chat": Op(session_chat), "completion": Op(completion),
+    "session.continue": Op(session_continue),
     "skill.list": Op(skill_list, aside="read"), "skill.load": Op(skill_load),
     "rag.index": Op(rag_index, aside="write"), "rag.list": Op(rag_list, aside="read"),
     "rag.remove": Op(rag_remove, aside="write"), "rag.inject": Op(rag_inject),

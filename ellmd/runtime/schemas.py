@@ -149,6 +149,22 @@ class Completion(Sampling, kw_only=True):
     session_id: SessionId | None = None
     messages: list[JsonMap] | None = None
     tools: Annotated[list[JsonMap], msgspec.Meta(max_length=256)] | None = None
+    name: Short | None = None  # of the generation's turn: a point session.continue can continue from
+    tag: Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_.-]{1,64}$")] | None = None
+
+
+class SessionContinue(Sampling, kw_only=True):
+    session_id: SessionId
+    after: Short
+    messages: Annotated[list[JsonMap], msgspec.Meta(min_length=1)]
+    tools: Annotated[list[JsonMap], msgspec.Meta(max_length=256)] | None = None
+    forced: Annotated[str, msgspec.Meta(max_length=4096)] | None = None
+    name: Short | None = None
+
+    def __post_init__(self):
+        if not all(isinstance(m.get("role"), str) for m in self.messages):
+            raise ValueError("every message needs a string role - at `$.messages`")
+        super().__post_init__()
 
 
 class SkillLoad(Named, kw_only=True):
@@ -199,7 +215,8 @@ OPS: dict[str, type[Args]] = {
     "session.snapshot": Named, "session.resume": Named, "session.close": Named, "session.delete": Named,
     "session.release": Named,
     "session.info": Named, "session.export": Named, "session.import": SessionImport,
-    "session.list": Owned, "completion": Completion, "skill.list": NoArgs, "skill.load": SkillLoad,
+    "session.list": Owned, "completion": Completion, "session.continue": SessionContinue, "skill.list": NoArgs,
+    "skill.load": SkillLoad,
     "rag.index": RagIndex, "rag.list": NoArgs, "rag.remove": RagRemove, "rag.inject": RagInject, "stats": NoArgs,
 }
 

@@ -2,7 +2,8 @@
 
 Endpoints: `GET /v1/models`, `POST /v1/chat/completions` and `POST /v1/completions` (streamed as
 server-sent events with `stream: true`), `GET /health`, `GET /metrics` (Prometheus text, see
-ellmd.server.metrics).
+ellmd.server.metrics); OpenAI's Responses API (ellmd.server.responses) and Anthropic's Messages API
+(ellmd.server.anthropic) are built on this module's helpers.
 
 A handler renders the conversation with the chat template and tokenizes it (in a worker thread:
 both take a while on long prompts), then submits one `completion` op holding the whole prompt. The
@@ -89,6 +90,12 @@ RUNTIME_ERRORS = {
     "cancelled": (503, "server_error", "cancelled"),
 }
 
+# HTTP status -> Anthropic error type (the Messages API's error bodies); others are "api_error"
+ANTHROPIC_ERRORS = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                    404: "not_found_error", 408: "timeout_error", 413: "request_too_large",
+                    415: "invalid_request_error", 429: "rate_limit_error", 503: "overloaded_error"}
+ANTHROPIC_PATHS = "/v1/messages"  # the routes whose errors take Anthropic's shape
+
 # JSON types a request field may have, and how an error message names them
 INT = ((int,), "an integer")
 NUMBER = ((int, float), "a number")
@@ -123,8 +130,14 @@ class ApiError(Exception):
     def body(self) -> dict:
         return {"error": {"message": str(self), "type": self.type, "param": self.param, "code": self.code}}
 
-    def response(self) -> web.Response:
-        return web.json_response(self.body(), status=self.status, headers=self.headers)
+    def anthropic_body(self) -> dict:
+        """The error in Anthropic's shape: {"type": "error", "error": {"type", "message"}}."""
+        kind = ANTHROPIC_ERRORS.get(self.status, "invalid_request_error" if self.status < 500 else "api_error")
+        return {"type": "error", "error": {"type": kind, "message": str(self)}}
+
+    def response(self, anthropic: bool = False) -> web.Response:
+        body = self.anthropic_body() if anthropic else self.body()
+        return web.json_response(body, status=self.status, headers=self.headers)
 
 
 def queue_full(error: QueueFull) -> ApiError:
@@ -258,7 +271,7 @@ def chat_messages(body: dict) -> list[dict]:
             raise ApiError(400, f"{where} must be an object with a string role", param=where)
         content = message.get("content")
         if isinstance(content, list):
-            content = "\n".join(text_part(part, where) for part in content)
+            content = content_text(content, f"{where}.content")
         elif content is not None and not isinstance(content, str):
             raise ApiError(400, f"{where}.content must be a string or an array of content parts", param=where)
         role = "system" if message["role"] == "developer" else message["role"]  # templates know only system
@@ -266,11 +279,19 @@ def chat_messages(body: dict) -> list[dict]:
     return result
 
 
-def text_part(part, where: str) -> str:
-    if isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
-        return part["text"]
-    kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-    raise ApiError(400, f"{where}: only text content parts are supported, not {kind!r}", param=where)
+def content_text(content, where: str, kinds=("text",)) -> str:
+    """A string, or the text of an array of text parts (of the `type`s in kinds), joined by newlines."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise ApiError(400, f"{where} must be a string or an array of content parts", param=where)
+    texts = []
+    for i, part in enumerate(content):
+        if not isinstance(part, dict) or part.get("type") not in kinds or not isinstance(part.get("text"), str):
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise ApiError(400, f"{where}[{i}]: only text parts are supported, not {kind!r}", param=where)
+        texts.append(part["text"])
+    return "\n".join(texts)
 
 
 def chat_tools(body: dict, fmt: str | None) -> tuple[list | None, str, str]:
@@ -358,6 +379,13 @@ def constraint_args(body: dict, tools: list | None, choice: str, fmt: str | None
     return found[0] if found else {}
 
 
+def reply_parts(text: str, tools: list | None, forced: str, fmt: str | None) -> tuple[str, list]:
+    """(content, tool_calls) of generated text, after the opening the prompt forced (see chat_tools)."""
+    if not tools:
+        return text, []
+    return parse_tool_calls(forced + text, fmt, tools)
+
+
 def openai_usage(usage: dict) -> dict:
     prompt, completion = usage["prompt_tokens"], usage["generated_tokens"]
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
@@ -395,6 +423,8 @@ class Holdback:
 class EventStream:
     """A server-sent event response, opened by its first event (so that an error before it is a plain reply)."""
 
+    done: str | None = "[DONE]"  # the data of the last event (None: the stream just ends)
+
     def __init__(self, request: web.Request, first: dict | None = None):
         self.request, self.first = request, first
         self.headers: dict = {}
@@ -412,13 +442,20 @@ class EventStream:
             if self.first is not None:
                 await self.send(self.first)
 
-    async def send(self, data: dict | str) -> None:
+    async def send(self, data: dict | str, event: str | None = None) -> None:
         await self.open()
         payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
-        await self.response.write(f"data: {payload}\n\n".encode())
+        named = f"event: {event}\n" if event else ""
+        await self.response.write(f"{named}data: {payload}\n\n".encode())
+
+    async def fail(self, error: ApiError) -> None:
+        """An error once the stream is open: one last event."""
+        await self.send(error.body())
+        await self.finish()
 
     async def finish(self) -> web.StreamResponse:
-        await self.send("[DONE]")
+        if self.done is not None:
+            await self.send(self.done)
         await self.response.write_eof()
         return self.response
 
@@ -538,14 +575,15 @@ class Guard:
             if origin is not None and urlsplit(origin).hostname not in self.names:
                 raise ApiError(403, f"requests from the web page at {origin} are refused")
         if self.owners and request.path != "/health":
-            request["owner"] = self.owner(request.headers.get("Authorization", ""))
+            request["owner"] = self.owner(request.headers.get("Authorization", ""), request.headers.get("x-api-key"))
         return await handler(request)
 
-    def owner(self, authorization: str) -> str:
+    def owner(self, authorization: str, api_key: str | None = None) -> str:
+        """The owner of a key sent as `Authorization: Bearer KEY`, or as `x-api-key: KEY` (Anthropic's clients)."""
         scheme, _, key = authorization.partition(" ")
-        given = key.strip().encode()
+        given = key.strip().encode() if scheme.lower() == "bearer" else (api_key or "").strip().encode()
         for known, owner in self.owners:
-            if scheme.lower() == "bearer" and hmac.compare_digest(given, known):
+            if given and hmac.compare_digest(given, known):
                 return owner
         raise ApiError(401, "a valid API key is needed: Authorization: Bearer <key>", code="invalid_api_key",
                        headers={"WWW-Authenticate": "Bearer"})
@@ -553,21 +591,22 @@ class Guard:
 
 @web.middleware
 async def openai_errors(request: web.Request, handler):
-    """Every failure as an OpenAI error body; user errors never log a traceback."""
+    """Every failure as an OpenAI error body (Anthropic's under /v1/messages); user errors never log a traceback."""
+    anthropic = request.path.startswith(ANTHROPIC_PATHS)
     try:
         return await handler(request)
     except ApiError as e:
-        return e.response()
+        return e.response(anthropic)
     except TemplateError as e:  # the template refused the conversation (say, roles out of order)
-        return ApiError(400, str(e)).response()
+        return ApiError(400, str(e)).response(anthropic)
     except web.HTTPException as e:  # no such route, wrong method, body too large
         if e.status < 400:
             raise
         kind = "not_found_error" if e.status == 404 else "invalid_request_error"
-        return ApiError(e.status, f"{request.method} {request.path}: {e.reason}", kind).response()
+        return ApiError(e.status, f"{request.method} {request.path}: {e.reason}", kind).response(anthropic)
     except Exception as e:
         log.exception("%s %s failed", request.method, request.path)
-        return ApiError(500, f"internal error: {type(e).__name__}: {e}", "server_error").response()
+        return ApiError(500, f"internal error: {type(e).__name__}: {e}", "server_error").response(anthropic)
 
 
 class Chat:
@@ -577,10 +616,7 @@ class Chat:
         self.server, self.head, self.tools, self.forced, self.top = server, head, tools, forced, top
 
     def parse(self, text: str) -> tuple[str, list]:
-        """(content, tool_calls) of the generated text, after the opening the prompt forced."""
-        if not self.tools:
-            return text, []
-        return parse_tool_calls(self.forced + text, self.server.runtime.tool_format, self.tools)
+        return reply_parts(text, self.tools, self.forced, self.server.runtime.tool_format)
 
     def logprobs(self, result: dict) -> dict | None:
         return self.server.chat_logprobs(result["logprobs"], self.top) if self.top is not None else None
@@ -656,6 +692,9 @@ class HttpServer:
             web.get("/health", self.health),
             web.get("/metrics", self.metrics_text),
         ])
+        from ellmd.server import anthropic, responses  # they build on this module's helpers
+
+        app.add_routes([*responses.routes(self), *anthropic.routes(self)])
         # A client that disconnects cancels its handler, which cancels its generation.
         # keepalive_timeout also closes a connection that never completes its request headers.
         self.runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=10,
@@ -676,9 +715,10 @@ class HttpServer:
 
     # ---- plumbing ---------------------------------------------------------------------------
 
-    async def generate(self, args: dict, on_text=None, on_session=None) -> dict:
-        """Run one `completion` op; `on_text(piece)` is awaited for each piece of text as it comes,
-        `on_session(session_id)` called once the runtime has chosen the session (before any text)."""
+    async def generate(self, args: dict, on_text=None, on_session=None, op: str = "completion") -> dict:
+        """Run one generating op (`completion`, or `session.continue`); `on_text(piece)` is awaited
+        for each piece of text as it comes, `on_session(session_id)` called once the runtime has
+        chosen the session (before any text)."""
         if self.closing:
             raise ApiError(503, "the daemon is shutting down", "server_error")
         loop = asyncio.get_running_loop()
@@ -689,7 +729,7 @@ class HttpServer:
                 loop.call_soon_threadsafe(pieces.put_nowait, (event, data))
 
         try:
-            job = self.admission.submit("completion", {**args, "stream": on_text is not None}, emit)
+            job = self.admission.submit(op, {**args, "stream": on_text is not None}, emit)
         except QueueFull as e:
             raise queue_full(e) from None
         # The future resolves after the last token event was emitted: the end marker queues behind it.
@@ -709,15 +749,14 @@ class HttpServer:
         except RuntimeError_ as e:
             raise ApiError.from_runtime(e) from None
 
-    async def stream(self, stream: EventStream, args: dict, on_text) -> dict | None:
+    async def stream(self, stream: EventStream, args: dict, on_text, op: str = "completion") -> dict | None:
         """generate() for a streamed reply; None when it ended early (error sent as an event, or client gone)."""
         try:
-            return await self.generate(args, on_text, stream.bind_session)
+            return await self.generate(args, on_text, stream.bind_session, op)
         except ApiError as e:
             if stream.response is None:
                 raise  # nothing sent yet: a plain error reply
-            await stream.send(e.body())
-            await stream.finish()
+            await stream.fail(e)
         except ConnectionError:
             pass
         return None

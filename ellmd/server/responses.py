@@ -1,0 +1,314 @@
+"""The OpenAI Responses API: `POST /v1/responses` (the OpenAI Agents SDK, Codex-style tools).
+
+`input` (a string, or items: messages with input_text content, function_call and
+function_call_output items) and `instructions` become chat messages, rendered as a chat
+completion is; `tools` are function tools in the Responses shape (`{"type": "function", "name",
+"parameters"}`), tool calls come back as function_call items.
+
+`store` (default true) keeps the conversation in a session (tagged `responses`: a later request
+whose input extends it, resent whole, goes on in it), and the response's id names the point it
+reached: `resp_<turn>_<session>`, where `turn` is the name of the generation turn the reply
+logged. `previous_response_id` continues from that point with the `session.continue` op: only the
+new input is rendered (as a fragment after what the session holds) and prefilled, also after a
+daemon restart (the session's KV comes back from the store). A point earlier than its session's
+end (a conversation continued twice from one response) continues in a branch whose KV is copied,
+so the later turns stay as they were. With `previous_response_id` the session keeps the
+instructions it was started with (they are in its KV); new ones are ignored. `store: false` runs
+the prompt as a chat completion does (reusing the KV of the resident conversation it extends) and
+gives an id that cannot be continued.
+
+Streaming sends the Responses events: response.created, response.in_progress, then per output item
+response.output_item.added, (response.content_part.added, response.output_text.delta...,
+response.output_text.done, response.content_part.done) or (response.function_call_arguments.delta,
+response.function_call_arguments.done), response.output_item.done, and response.completed (or
+response.incomplete at max_output_tokens); an error after the stream began is an `error` event.
+
+Not supported, with a clear 400: built-in tools (web search, file search, ...), input images and
+files, `text.format` other than text (no constrained decoding).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+from aiohttp import web
+
+from ellmd.server.http import (ARRAY, BOOL, OBJECT, SAMPLING_FIELDS, STRING, TOOL_CALL_MARKER, ApiError, EventStream,
+                               Holdback, chat_tools, content_text, field, read_json, reply_parts, sampling_args)
+
+ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
+TEXT_PARTS = ("input_text", "output_text", "text")
+TURN_NAME = 16  # hex digits of a response's turn name
+STORED_TAG = "responses"  # of the sessions holding stored responses (never cut back, unlike anonymous ones)
+
+
+def routes(server) -> list:
+    return [web.post("/v1/responses", ResponsesApi(server).create)]
+
+
+def point_of(response_id: str) -> tuple[str, str] | None:
+    """(session id, turn name) of a stored response's id, else None."""
+    turn, sep, session_id = response_id.removeprefix("resp_").partition("_")
+    if not response_id.startswith("resp_") or not sep or len(turn) != TURN_NAME or not session_id:
+        return None
+    return session_id, turn
+
+
+def input_messages(body: dict) -> list[dict]:
+    """`input` as chat messages; consecutive function_call items join one assistant message."""
+    items = body.get("input")
+    if isinstance(items, str):
+        return [{"role": "user", "content": items}]
+    if not isinstance(items, list) or not items:
+        raise ApiError(400, "input must be a string or a non-empty array of items", param="input")
+    messages = []
+    for i, item in enumerate(items):
+        where = f"input[{i}]"
+        kind = item.get("type", "message") if isinstance(item, dict) else None
+        if kind == "message" and item.get("role") in ROLES:
+            content = content_text(item.get("content"), f"{where}.content", TEXT_PARTS)
+            messages.append({"role": ROLES[item["role"]], "content": content})
+        elif kind == "function_call" and isinstance(item.get("name"), str):
+            call = {"id": str(item.get("call_id", "")), "type": "function",
+                    "function": {"name": item["name"], "arguments": str(item.get("arguments", "{}"))}}
+            last = messages[-1] if messages else None
+            if last is not None and last["role"] == "assistant":
+                last.setdefault("tool_calls", []).append(call)
+            else:
+                messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        elif kind == "function_call_output":
+            messages.append({"role": "tool", "tool_call_id": str(item.get("call_id", "")),
+                             "content": content_text(item.get("output", ""), f"{where}.output", TEXT_PARTS)})
+        elif kind != "reasoning":  # the model's reasoning as a client sends it back: not rendered
+            raise ApiError(400, f"{where}: expected a message, function_call or function_call_output item",
+                           param="input")
+    return messages
+
+
+def chat_tool_args(body: dict) -> dict:
+    """`tools` and `tool_choice` in the chat completions' shape (for http.chat_tools)."""
+    tools = []
+    for i, tool in enumerate(field(body, "tools", ARRAY) or ()):
+        if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(tool.get("name"), str):
+            kind = tool.get("type") if isinstance(tool, dict) else None
+            raise ApiError(400, f'tools[{i}]: only function tools are supported ({{"type": "function", "name": ...}}), '
+                                f"not {kind!r}", param=f"tools[{i}]")
+        function = {k: tool[k] for k in ("name", "description", "parameters") if tool.get(k) is not None}
+        tools.append({"type": "function", "function": function})
+    choice = body.get("tool_choice") or "auto"
+    if isinstance(choice, dict):
+        if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
+            raise ApiError(400, 'tool_choice must be "none", "auto", "required" or {"type": "function", "name": ...}',
+                           param="tool_choice")
+        choice = {"type": "function", "function": {"name": choice["name"]}}
+    return {"tools": tools or None, "tool_choice": choice}
+
+
+def usage(usage: dict) -> dict:
+    prompt, output = usage["prompt_tokens"], usage["generated_tokens"]
+    return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": usage["reused_tokens"]},
+            "output_tokens": output, "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": prompt + output}
+
+
+class ResponsesApi:
+    """The handler of /v1/responses, over an HttpServer."""
+
+    def __init__(self, server):
+        self.server = server
+
+    async def create(self, request: web.Request) -> web.StreamResponse:
+        server = self.server
+        body = await read_json(request, server.limits.http_read_timeout_s)
+        if server.template is None:
+            raise ApiError(400, "this model has no chat template")
+        text_format = (field(body, "text", OBJECT) or {}).get("format") or {}
+        if text_format.get("type", "text") != "text":
+            raise ApiError(400, "text.format: ellm has no constrained decoding; ask for JSON in the instructions",
+                           param="text.format")
+        messages = input_messages(body)
+        tools, forced = chat_tools(chat_tool_args(body), server.runtime.tool_format)
+        turn = uuid.uuid4().hex[:TURN_NAME]
+        store = field(body, "store", BOOL, True)
+        previous = field(body, "previous_response_id", STRING)
+        sampling = {**{k: body.get(k) for k in SAMPLING_FIELDS}, "max_tokens": body.get("max_output_tokens")}
+        owner = {"owner": request["owner"]} if "owner" in request else {}
+        if previous is not None:
+            point = point_of(previous)
+            if point is None:
+                raise ApiError(404, f"previous response {previous!r} not found (a response stored with store: true "
+                                    "names its conversation)", param="previous_response_id")
+            op, args = "session.continue", {"session_id": point[0], "after": point[1], "messages": messages,
+                                            "tools": tools, "forced": forced, **sampling_args(sampling, server.context)}
+        else:
+            if isinstance(body.get("instructions"), str):
+                messages.insert(0, {"role": "system", "content": body["instructions"]})
+            tokens = await server.in_thread(server.render_chat, messages, tools, forced, {})
+            op, args = "completion", {"tokens": tokens, "messages": messages, "tools": tools,
+                                      **sampling_args(sampling, server.context - len(tokens))}
+            if store:
+                args["tag"] = STORED_TAG
+        reply = Reply(server, body, turn if store else None, tools, forced)
+        try:
+            if field(body, "stream", BOOL):
+                return await reply.stream(request, op, {**args, "name": turn, **owner})
+            return await reply.whole(op, {**args, "name": turn, **owner})
+        except ApiError as e:
+            if previous is not None and e.status == 404:
+                raise ApiError(404, f"previous response {previous!r} not found: {e}",
+                               param="previous_response_id") from None
+            raise
+
+
+class Reply:
+    """One response, whole or as the Responses events."""
+
+    def __init__(self, server, body: dict, turn: str | None, tools: list | None, forced: str):
+        self.server, self.body, self.turn, self.tools, self.forced = server, body, turn, tools, forced
+        self.created = int(time.time())
+        self.message_id = f"msg_{uuid.uuid4().hex[:24]}"
+        self.unstored_id = f"resp_{uuid.uuid4().hex[:TURN_NAME]}"
+
+    def id(self, session_id: str) -> str:
+        """The response's id: its point when stored (see point_of), else a name that continues nothing."""
+        return f"resp_{self.turn}_{session_id}" if self.turn else self.unstored_id
+
+    def response(self, response_id: str, status: str, output: list, usage_: dict | None = None,
+                 incomplete: str | None = None) -> dict:
+        body = self.body
+        return {
+            "id": response_id, "object": "response", "created_at": self.created, "status": status, "error": None,
+            "incomplete_details": {"reason": incomplete} if incomplete else None,
+            "instructions": body.get("instructions"), "max_output_tokens": body.get("max_output_tokens"),
+            "model": body["model"] if isinstance(body.get("model"), str) else self.server.model,
+            "output": output, "parallel_tool_calls": body.get("parallel_tool_calls", True),
+            "previous_response_id": body.get("previous_response_id"), "reasoning": {"effort": None, "summary": None},
+            "store": bool(self.turn), "temperature": body.get("temperature", 1.0), "text": {"format": {"type": "text"}},
+            "tool_choice": body.get("tool_choice") or "auto", "tools": body.get("tools") or [],
+            "top_p": body.get("top_p", 1.0), "truncation": "disabled", "usage": usage_,
+            "metadata": body.get("metadata") or {}, "user": body.get("user"),
+        }
+
+    def output(self, result: dict) -> list[dict]:
+        """The output items of a finished generation: its text as a message, its tool calls."""
+        content, calls = reply_parts(result["text"], self.tools, self.forced, self.server.runtime.tool_format)
+        items = [self.message(content, "completed")] if content or not calls else []
+        return items + [self.call(call, "completed") for call in calls]
+
+    def message(self, text: str | None, status: str) -> dict:
+        parts = [] if text is None else [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]
+        return {"type": "message", "id": self.message_id, "status": status, "role": "assistant", "content": parts}
+
+    def call(self, call: dict, status: str, arguments: str | None = None) -> dict:
+        function = call["function"]
+        return {"type": "function_call", "id": "fc_" + call["id"].removeprefix("call_"), "call_id": call["id"],
+                "name": function["name"], "arguments": function["arguments"] if arguments is None else arguments,
+                "status": status}
+
+    def finished(self, result: dict) -> dict:
+        """The response object of a finished generation."""
+        status, incomplete = {"length": ("incomplete", "max_output_tokens"),
+                              "cancelled": ("cancelled", None)}.get(result["finish_reason"], ("completed", None))
+        return self.response(self.id(result["session_id"]), status, self.output(result), usage(result["usage"]),
+                             incomplete)
+
+    async def whole(self, op: str, args: dict) -> web.Response:
+        result = await self.server.generate(args, op=op)
+        return web.json_response(self.finished(result), headers={"X-Session-Id": result["session_id"]})
+
+    async def stream(self, request: web.Request, op: str, args: dict) -> web.StreamResponse:
+        stream = ResponseStream(request, self)
+        holdback = Holdback(TOOL_CALL_MARKER if self.tools else None, self.forced)
+
+        async def on_text(text: str) -> None:
+            if content := holdback.push(text):
+                await stream.text(content)
+            else:
+                await stream.open()
+
+        result = await self.server.stream(stream, args, on_text, op)
+        if result is None:
+            return stream.response
+        final = self.finished(result)
+        items = final["output"]
+        message = items[0] if items and items[0]["type"] == "message" else None
+        if message is None and stream.message_open:  # text went out before the calls: it stays an item
+            message = self.message(stream.streamed, "completed")
+            items.insert(0, message)
+        if rest := holdback.rest(message["content"][0]["text"] if message else ""):
+            await stream.text(rest)
+        await stream.end_message(message)
+        for item in items:
+            if item["type"] == "function_call":
+                await stream.call(item)
+        kind = {"incomplete": "response.incomplete"}.get(final["status"], "response.completed")
+        await stream.event(kind, {"response": final})
+        return await stream.finish()
+
+
+class ResponseStream(EventStream):
+    """The Responses API's server-sent events: named, numbered, no [DONE]."""
+
+    done = None
+
+    def __init__(self, request: web.Request, reply: Reply):
+        super().__init__(request)
+        self.reply = reply
+        self.sequence = 0
+        self.index = 0  # of the next output item
+        self.message_open = False
+        self.streamed = ""
+
+    async def open(self) -> None:
+        if self.response is None:
+            await super().open()
+            session_id = self.headers.get("X-Session-Id", "")
+            self.response_id = self.reply.id(session_id)
+            start = self.reply.response(self.response_id, "in_progress", [])
+            await self.event("response.created", {"response": start})
+            await self.event("response.in_progress", {"response": start})
+
+    async def event(self, kind: str, data: dict) -> None:
+        await self.open()  # response.created and response.in_progress come first
+        await self.send({"type": kind, "sequence_number": self.sequence, **data}, kind)
+        self.sequence += 1
+
+    def at(self, item_id: str) -> dict:
+        return {"item_id": item_id, "output_index": self.index}
+
+    async def text(self, text: str) -> None:
+        """A piece of the message's text (its item and content part opened by the first piece)."""
+        reply = self.reply
+        if not self.message_open:
+            await self.event("response.output_item.added",
+                             {"output_index": self.index, "item": reply.message(None, "in_progress")})
+            await self.event("response.content_part.added", {**self.at(reply.message_id), "content_index": 0,
+                             "part": {"type": "output_text", "text": "", "annotations": [], "logprobs": []}})
+            self.message_open = True
+        self.streamed += text
+        await self.event("response.output_text.delta",
+                         {**self.at(reply.message_id), "content_index": 0, "delta": text, "logprobs": []})
+
+    async def end_message(self, message: dict | None) -> None:
+        if not self.message_open:
+            return
+        part, at = message["content"][0], {**self.at(self.reply.message_id), "content_index": 0}
+        await self.event("response.output_text.done", {**at, "text": part["text"], "logprobs": []})
+        await self.event("response.content_part.done", {**at, "part": part})
+        await self.event("response.output_item.done", {"output_index": self.index, "item": message})
+        self.index, self.message_open = self.index + 1, False
+
+    async def call(self, item: dict) -> None:
+        """A whole function_call item: added, its arguments in one delta, done."""
+        await self.event("response.output_item.added", {"output_index": self.index,
+                                                        "item": {**item, "arguments": "", "status": "in_progress"}})
+        await self.event("response.function_call_arguments.delta", {**self.at(item["id"]), "delta": item["arguments"]})
+        await self.event("response.function_call_arguments.done",
+                         {**self.at(item["id"]), "name": item["name"], "arguments": item["arguments"]})
+        await self.event("response.output_item.done", {"output_index": self.index, "item": item})
+        self.index += 1
+
+    async def fail(self, error: ApiError) -> None:
+        await self.event("error", {"code": error.code or error.type, "message": str(error), "param": error.param})
+        await self.finish()
