@@ -26,6 +26,7 @@ INDEX_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"  # a folder name: no l
 OWNER_PATTERN = r"^[A-Za-z0-9_.:-]{1,128}$"
 MIN_TEMPERATURE = 1e-2  # below it, logits / temperature overflows float32 for ordinary logits
 MAX_JSON_DEPTH = 32
+MAX_DRAFT_TOKENS = 32  # speculative decoding: the longest draft a request may ask for
 
 SessionId = Annotated[str, msgspec.Meta(pattern=SESSION_ID_PATTERN)]
 IndexName = Annotated[str, msgspec.Meta(pattern=INDEX_NAME_PATTERN)]
@@ -70,6 +71,8 @@ class Sampling(Owned, kw_only=True):
     ignore_eos: bool | None = None
     stream: bool | None = None
     logprobs: Annotated[int, msgspec.Meta(ge=0, le=20)] | None = None
+    speculative: bool | None = None
+    draft_tokens: Annotated[int, msgspec.Meta(ge=0, le=MAX_DRAFT_TOKENS)] | None = None
 
     def __post_init__(self):
         if self.temperature is not None and 0 < self.temperature < MIN_TEMPERATURE:
