@@ -3,7 +3,7 @@
 A generation that copies from its context (code edits, quotes, a document rewritten) repeats long
 runs of tokens it has seen. The draft for the next positions is what followed the most recent
 earlier occurrence of the last n tokens (the longest n from NGRAM_MAX down to NGRAM_MIN that
-occurs); the decode step runs the draft's rows beside the sampled token's, and the tokens sampled
+occurs), continued with the match's period where it runs into the history's end; the decode step runs the draft's rows beside the sampled token's, and the tokens sampled
 from them keep the draft as long as they agree with it (Generations.verify).
 
 The draft length adapts to how the drafts fare: it doubles while whole drafts are accepted (up to
@@ -54,7 +54,11 @@ class PromptLookup:
         if limit <= 0:
             return []
         end = self.find()
-        return [] if end < 0 else self.tokens[end + 1 : min(end + 1 + limit, self.size)].tolist()
+        if end < 0:
+            return []
+        # what followed; past the history's end it repeats with the match's period (a loop, a rule of dashes)
+        period = self.size - 1 - end
+        return self.tokens[end + 1 + np.arange(limit) % period].tolist()
 
     def find(self) -> int:
         """The end of the most recent earlier occurrence of the longest recurring suffix (n tokens,

@@ -144,23 +144,23 @@ class Generations:
         accepted as plain decoding would (penalties, stops, max_tokens); the next row counts only
         while the sample agrees with its draft token. The rows past the last one kept leave the KV.
         """
-        session, kept = gen.session, 0
+        session, drafted, kept = gen.session, len(tokens) - 1, 0
+        gen.steps += 1  # counted first: the usage is taken when a row's token ends the generation
+        gen.drafted += drafted
+        self.counters["drafted"] += drafted
         for i, row in enumerate(logits):
             session.tokens.append(tokens[i])  # its KV is in the slot
             draft = tokens[i + 1] if i + 1 < len(tokens) else None
             token, agrees = verify_draft(gen.sampler, row, draft)
             kept += agrees
+            gen.accepted += agrees
+            self.counters["accepted"] += agrees
             self.accept(gen, token, row)
             if gen.finished or not agrees:
                 break
         self.engine.rewind(session.slot, len(session.tokens))
-        gen.steps += 1
-        if len(tokens) > 1:
-            gen.drafted += len(tokens) - 1
-            gen.accepted += kept
-            self.counters["drafted"] += len(tokens) - 1
-            self.counters["accepted"] += kept
-            gen.drafter.record(len(tokens) - 1, kept)
+        if drafted:
+            gen.drafter.record(drafted, kept)
 
     def accept(self, gen: Generation, token: int, logits) -> None:
         """Take a sampled token: stream its text, then finish or keep it for the next decode step."""
