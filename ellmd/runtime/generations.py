@@ -2,8 +2,9 @@
 closed turn.
 
 started (prompt prefilled, first token sampled) -> decoding (one token per batched decode step,
-or several when a draft is kept: speculative decoding, see drafts.py and `verify`) -> finished (stop, length or cancelled: the assistant turn is closed as the template would close
-it and tool calls are parsed) or failed (the session goes back to where the op found it).
+or several when a draft is kept: speculative decoding, see drafts.py and `verify`) -> finished
+(stop, length or cancelled: the assistant turn is closed as the template would close it and
+tool calls are parsed) or failed (the session goes back to where the op found it).
 """
 
 from __future__ import annotations
@@ -92,7 +93,8 @@ class Generations:
 
     def drafter(self, gen: Generation, draft_tokens: int) -> PromptLookup | None:
         """The draft proposer of a generation, or None where it does not draft (asked not to, or
-        no room for a draft). The one place that decides whether a generation may draft."""
+        no room for a draft). The one place that decides whether a generation may draft (one whose
+        tokens are constrained would not, until its mask applies row by row in `verify`)."""
         if draft_tokens <= 0 or self.engine.step_rows < 2:
             return None
         return PromptLookup(gen.session.tokens, self.engine.kv.sequence_length, draft_tokens)
@@ -151,7 +153,7 @@ class Generations:
         for i, row in enumerate(logits):
             session.tokens.append(tokens[i])  # its KV is in the slot
             draft = tokens[i + 1] if i + 1 < len(tokens) else None
-            token, agrees = verify_draft(gen.sampler, row, draft)
+            token, agrees = verify_draft(gen.sampler, row, draft)  # row's logits -> sample -> the draft?
             kept += agrees
             gen.accepted += agrees
             self.counters["accepted"] += agrees
