@@ -380,3 +380,15 @@ def test_bad_draft_options_are_refused(daemon):
             with pytest.raises(BadRequest):
                 session.generate(max_tokens=2, **bad)
         assert session.generate(max_tokens=2).usage["generated_tokens"] == 2
+
+
+def test_metrics_count_drafted_and_accepted_tokens():
+    from ellmd.server.metrics import Metrics
+
+    class Runtime_:
+        observers: list = []
+
+    counters = {"prefilled": 5, "reused": 0, "shared": 0, "generated": 9, "drafted": 12, "accepted": 7}
+    gauges = dict.fromkeys(("sessions_resident", "sessions_stored", "generating", "kv_bytes_used", "kv_bytes"), 0)
+    text = Metrics(Runtime_()).render({"counters": counters, **gauges}).decode()
+    assert "ellm_draft_tokens_total 12.0" in text and "ellm_draft_tokens_accepted_total 7.0" in text
