@@ -211,7 +211,8 @@ class FakeDaemon:
         usage = {"prompt_tokens": info["tokens"], "prefilled_tokens": prefilled,
                  "reused_tokens": info["tokens"] - prefilled, "shared_tokens": 0, "prefill_ms": 1.0}
         if generated is not None:
-            usage.update(generated_tokens=generated, ttft_ms=2.0, decode_tok_s=50.0)
+            usage.update(generated_tokens=generated, ttft_ms=2.0, decode_tok_s=50.0, decode_steps=max(generated - 1, 0),
+                         draft_tokens=0, accepted_tokens=0)
         return usage
 
     # ops of PROTOCOL.md
@@ -351,7 +352,7 @@ class FakeDaemon:
         return {"model": "fake-model", "model_type": "llama", "slots": 4, "sequence_length": 8192,
                 "sessions_resident": resident, "sessions_stored": len(self.sessions), "generating": 0,
                 "kv_bytes": 1234, "kv_bytes_used": 234, "kv_bytes_free": 1000, "kv_bytes_per_token": 2,
-                "counters": {"prefilled": 10, "reused": 5, "shared": 0, "generated": 3},
+                "counters": {"prefilled": 10, "reused": 5, "shared": 0, "generated": 3, "drafted": 0, "accepted": 0},
                 "scheduler": {"gap_ratio": 1.0, "decode_step_ms": 12.5, "prefill_token_ms": 3.1,
                               "riding_token_ms": None},
                 "store": {"path": "/fake/store", "backend": "lmdb", "bytes_used": 4096, "map_size": 1 << 30},

@@ -61,18 +61,21 @@ class FakeEngine:
         return self.logits.copy() if logits == "last" else None
 
     def step(self, slots, tokens, extend=None, extend_logits=False):
+        rows = [t if isinstance(t, list) else [t] for t in tokens]  # a slot's token, or its token and draft
         last = None
         if extend is not None:
             slot, piece = extend
-            assert slot not in slots and len(slots) + len(piece) <= self.step_rows
+            assert slot not in slots and sum(map(len, rows)) + len(piece) <= self.step_rows
             last = self.prefill(slot, piece, "last" if extend_logits else "none", kind="ride")
-        return self.decode(slots, tokens), last
+        return self.decode(slots, rows), last
 
     def decode(self, slots, tokens):
+        rows = [t if isinstance(t, list) else [t] for t in tokens]
         self.log.append(("decode", tuple(slots)))
-        for slot in slots:
-            self.kv.lengths[slot] += 1
-        return np.tile(self.logits, (len(slots), 1))
+        for slot, row in zip(slots, rows):
+            self.kv.check_room(slot, len(row))
+            self.kv.lengths[slot] += len(row)
+        return np.tile(self.logits, (sum(map(len, rows)), 1))
 
     def rewind(self, slot, length):
         self.kv.rewind(slot, length)
@@ -95,7 +98,7 @@ class Measured(Policy):
         super().__init__(CHUNK, gap_ratio=gap_ratio, min_chunk=2)
         self.decode_s, self.token_s, self.ride_s = 0.008, 0.001, 0.0005
 
-    def observe_decode(self, seconds):
+    def observe_decode(self, seconds, drafts=0):
         pass
 
     def observe_prefill(self, tokens, seconds):

@@ -238,48 +238,56 @@ class Engine:
 
     @property
     def step_rows(self) -> int:
-        """Rows of a decode step's forward: its slots' tokens and the prefill tokens riding along."""
+        """Rows of a decode step's forward: its slots' tokens (drafts included) and the prefill tokens riding along."""
         return self.plan.fused_max_rows
 
     def step(self, slots, tokens, extend=None, extend_logits: bool = False):
-        """A decode step (one token for each of several slots) that also appends `extend` = (slot,
-        tokens) to a slot that is not decoding, in the same forward: the prefill tokens share its
-        pass over the weights (they attend as decode rows do, each to its slot's keys up to its own
-        position). Returns (logits [B, V], a view valid until the next forward; the logits [V] of
-        extend's last token when extend_logits, else None).
+        """A decode step over several slots in one forward: tokens[i] is slot i's next token, or a
+        list of its next tokens (a draft to verify: they take consecutive positions, each row
+        attending to its slot's keys up to its own position, so a row computes the same bits as
+        a decode of its token alone). It also appends `extend` = (slot, tokens) to a slot that is
+        not decoding: the prefill tokens share the pass over the weights and attend as decode
+        rows do. Returns (logits [rows, V], one row per token of `tokens` in order, a view valid
+        until the next forward; the logits [V] of extend's last token when extend_logits, else None).
         """
         ws, count = self.plan.ws, len(slots)
-        if count == 0 or count != len(tokens) or count > len(ws.logits):
-            raise CapacityError(f"decode takes 1..{len(ws.logits)} slots with one token each")
-        for i in range(count):
-            self.kv.check_room(slots[i], 1)
-            ws.tokens[i] = tokens[i]
-            ws.slots[i] = slots[i]
-            ws.positions[i] = self.kv.lengths[slots[i]]
-        n = count
+        counts = [len(t) if isinstance(t, (list, tuple, np.ndarray)) else 1 for t in tokens]  # each slot's rows
+        rows = sum(counts)
+        if count == 0 or count != len(tokens) or rows > len(ws.logits) or (rows > count and rows > self.step_rows):
+            raise CapacityError(f"decode takes 1..{len(ws.logits)} slots with one token each, or up to "
+                                f"{self.step_rows} tokens in all")
+        n = 0
+        for slot, piece, r in zip(slots, tokens, counts):
+            if r == 0:
+                raise CapacityError("each decoding slot takes at least one token")
+            self.kv.check_room(slot, r)
+            ws.tokens[n : n + r] = piece
+            ws.slots[n : n + r] = slot
+            np.add(ws.row_ids[:r], self.kv.lengths[slot], out=ws.positions[n : n + r])
+            n += r
         if extend is not None:
-            slot, piece = extend
+            extend_slot, piece = extend
             m = len(piece)
-            if slot in slots or m == 0 or count + m > self.step_rows:
-                raise CapacityError(f"a decode step takes 1..{self.step_rows - count} more tokens of a slot "
+            if extend_slot in slots or m == 0 or rows + m > self.step_rows:
+                raise CapacityError(f"a decode step takes 1..{self.step_rows - rows} more tokens of a slot "
                                     "that is not decoding")
-            self.kv.check_room(slot, m)
-            start = int(self.kv.lengths[slot])
-            ws.tokens[count : count + m] = piece
-            ws.slots[count : count + m] = slot
-            np.add(ws.row_ids[:m], start, out=ws.positions[count : count + m])
+            self.kv.check_room(extend_slot, m)
+            start = int(self.kv.lengths[extend_slot])
+            ws.tokens[rows : rows + m] = piece
+            ws.slots[rows : rows + m] = extend_slot
+            np.add(ws.row_ids[:m], start, out=ws.positions[rows : rows + m])
             n += m
         self._check_tokens(ws.tokens[:n])
         self.plan.forward(n, decode=True)
-        for i in range(count):
-            self.kv.lengths[slots[i]] += 1
+        for slot, r in zip(slots, counts):
+            self.kv.lengths[slot] += r
         last = None
         if extend is not None:
-            self.kv.lengths[slot] = start + m
+            self.kv.lengths[extend_slot] = start + m
             if extend_logits:
-                # row `count` of the logits is free: the slot is not among the decoding ones
-                last = self.plan.logits(ws.row_ids[n - 1 : n], ws.logits[count : count + 1])[0].copy()
-        return self.plan.decode_logits(count, ws.logits[:count]), last
+                # row `rows` of the logits is free: the slot is not among the decoding ones
+                last = self.plan.logits(ws.row_ids[n - 1 : n], ws.logits[rows : rows + 1])[0].copy()
+        return self.plan.decode_logits(rows, ws.logits[:rows]), last
 
     def _check_tokens(self, tokens: np.ndarray) -> None:
         if tokens.min() < 0 or tokens.max() >= self.spec.vocab_size:

@@ -9,7 +9,7 @@ I intermediate, V vocab, E experts, k experts per token):
   qkv             [C, (H+2G)*d]
   attn            [C, H*d]
   gate_up, act    [C, 2*I], [C, I]
-  logits          [B, V]          decode logits, one row per slot
+  logits          [D, V]          decode logits, one row per token of a decode step
   (D = max(B, PREFILL_MIN_ROWS - 1): the rows of a decode-path forward, its B sessions' tokens
   and the prefill tokens that ride along, Engine.step)
   cos, sin        [S, d/2]        rope tables for every position of the sequence
@@ -58,7 +58,7 @@ class Workspace:
         self.attn = np.zeros((rows, H * d), f32)
         self.gate_up = np.zeros((rows, 2 * inter), f32)
         self.act = np.zeros((rows, inter), f32)
-        self.logits = np.zeros((B, spec.vocab_size), f32)
+        self.logits = np.zeros((D, spec.vocab_size), f32)  # D >= B: a step's rows may carry drafts
         self.tokens = np.zeros(rows, np.int64)
         self.slots = np.zeros(rows, np.int64)
         self.positions = np.zeros(rows, np.int64)

@@ -120,3 +120,16 @@ class Sampler:
         if not np.isfinite(probs).all():  # cannot happen after the guards above; never hand NaN to the RNG
             return int(order[0])
         return int(order[self.rng.choice(keep, p=probs)])
+
+
+def verify_draft(sampler: Sampler, logits: np.ndarray, draft: int | None) -> tuple[int, bool]:
+    """The next token, sampled from logits, and whether it keeps the draft token proposed for it.
+
+    Speculative sampling with a deterministic draft d and the target distribution p (after the
+    sampler's processing) accepts d with probability p(d) and otherwise draws from p with d removed
+    and renormalised. Drawing t ~ p as plain decoding does and keeping d iff t == d is that same
+    law (P(t = d) = p(d); given t != d, t follows p without d), and it consumes the RNG as plain
+    decoding does: a seeded generation gives the same tokens with drafts as without.
+    """
+    token = sampler(logits)
+    return token, draft is not None and token == draft

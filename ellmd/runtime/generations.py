@@ -1,9 +1,10 @@
 """Generations: the state machine of a generating session, from its first sampled token to its
 closed turn.
 
-started (prompt prefilled, first token sampled) -> decoding (one token per batched decode step)
--> finished (stop, length or cancelled: the assistant turn is closed as the template would close
-it and tool calls are parsed) or failed (the session goes back to where the op found it).
+started (prompt prefilled, first token sampled) -> decoding (one token per batched decode step,
+or several when a draft is kept: speculative decoding, see drafts.py and `verify`) -> finished
+(stop, length or cancelled: the assistant turn is closed as the template would close it and
+tool calls are parsed) or failed (the session goes back to where the op found it).
 """
 
 from __future__ import annotations
@@ -14,8 +15,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ellmd.engine.sampling import Sampler, SamplingParams
+from ellmd.engine.sampling import Sampler, SamplingParams, verify_draft
 from ellmd.errors import EllmError
+from ellmd.runtime.drafts import DRAFT_TOKENS, PromptLookup
 from ellmd.runtime.errors import RuntimeError_
 from ellmd.runtime.session import Session
 from ellmd.text import IncrementalDetokenizer, StopMatcher, detect_format, parse_tool_calls
@@ -47,9 +49,18 @@ class Generation:
     name: str | None = None  # of the turn it logs: a point to continue from (session.continue)
     constraint: Constraint | None = None  # a schema or grammar: masks the logits, consumes the tokens
 
+    def masked(self, logits):
+        """This position's logits [V], with the tokens the constraint (if any) refuses masked out."""
+        return logits if self.constraint is None else self.constraint.apply(logits)
+
     def sample(self, logits) -> int:
         """The next token from this position's logits [V], within the constraint if any."""
-        return self.sampler(logits if self.constraint is None else self.constraint.apply(logits))
+        return self.sampler(self.masked(logits))
+    drafter: PromptLookup | None = None  # None: this generation does not draft
+    drafted: int = 0  # draft tokens run through the model
+    accepted: int = 0  # of those, tokens the samples agreed with
+    steps: int = 0  # decode steps run
+    finished: bool = False
 
 
 class Generations:
@@ -62,6 +73,7 @@ class Generations:
         self.snapshot_turn = snapshot_turn  # the snapshot policy: snapshot_turn(session) -> StoreWrite | None
         self.reply = reply  # reply(request, result=None, error=None, write=None): after `write`, per the ack policy
         self.active: list[Generation] = []
+        self.draft_rows = 0  # draft tokens in the last step (the policy's step-time observations)
         self.observers: list = []  # callables given the final usage of every generation
         template = engine.chat_template
         self.tool_format = detect_format(template.source) if template else None
@@ -76,6 +88,8 @@ class Generations:
         stream = sampling.pop("stream", True)
         logprobs = sampling.pop("logprobs", 0)
         constraint = sampling.pop("constraint", None)
+        draft_tokens = sampling.pop("draft_tokens", DRAFT_TOKENS)
+        draft_tokens = draft_tokens if sampling.pop("speculative", True) else 0
         params = SamplingParams(**sampling)
         gen = Generation(
             request=request, session=session, sampler=Sampler(params, session.tokens), params=params,
@@ -83,6 +97,7 @@ class Generations:
             stopper=StopMatcher(params.stop), start=start, usage=usage, restore=restore, constraint=constraint,
             name=name,
         )
+        gen.drafter = self.drafter(gen, draft_tokens)
         session.busy = True
         self.active.append(gen)
         try:
@@ -90,30 +105,81 @@ class Generations:
         except Exception as e:
             self.fail(gen, e)
 
+    def drafter(self, gen: Generation, draft_tokens: int) -> PromptLookup | None:
+        """The draft proposer of a generation, or None where it does not draft (asked not to, or
+        no room for a draft). The one place that decides whether a generation may draft (one whose
+        tokens are constrained would not, until its mask applies row by row in `verify`)."""
+        if draft_tokens <= 0 or self.engine.step_rows < 2 or gen.constraint is not None:
+            return None
+        return PromptLookup(gen.session.tokens, self.engine.kv.sequence_length, draft_tokens)
+
+    def drafts(self, gens: list[Generation], spare: int) -> list[list[int]]:
+        """Each generation's draft for the next step, within `spare` rows of the step shared evenly,
+        the generation's room in the context and its max_tokens."""
+        drafting = [g for g in gens if g.drafter is not None]
+        share = spare // len(drafting) if drafting else 0
+        drafts = []
+        for gen in gens:
+            if gen.drafter is None or share <= 0:
+                drafts.append([])
+                continue
+            room = min(self.engine.kv.sequence_length - len(gen.session.tokens) - 2,
+                       gen.params.max_tokens - len(gen.generated) - 1)
+            drafts.append(gen.drafter.propose(min(share, room)))
+        return drafts
+
     def step(self, extend=None, extend_logits: bool = False):
-        """One forward over every generating session (and extend's prefill tokens: Engine.step);
-        returns extend's logits. A failure ends the generations it touched; one of a step that
-        carried a prefill goes up instead, and the loop runs the step again without it."""
+        """One forward over every generating session (each its next token and its draft), and
+        extend's prefill tokens (Engine.step); returns extend's logits. A failure ends the
+        generations it touched; one of a step that carried a prefill goes up instead, and the loop
+        runs the step again without it."""
         gens = list(self.active)
         for gen in gens:
             if gen.constraint:  # the next masks are computed while the forward runs
                 gen.constraint.start_mask()
+        spare = self.engine.step_rows - len(gens) - (len(extend[1]) if extend is not None else 0)
+        rows = [[g.next_token, *draft] for g, draft in zip(gens, self.drafts(gens, spare))]
+        self.draft_rows = sum(len(r) - 1 for r in rows)
         try:
-            logits, last = self.engine.step([g.session.slot for g in gens], [g.next_token for g in gens],
-                                            extend, extend_logits)
+            logits, last = self.engine.step([g.session.slot for g in gens], rows, extend, extend_logits)
         except Exception as e:
             if extend is not None:
                 raise
             for gen in gens:
                 self.fail(gen, e)
             return None
-        for gen, row in zip(gens, logits):
+        begin = 0
+        for gen, tokens in zip(gens, rows):
             try:
-                gen.session.tokens.append(gen.next_token)
-                self.accept(gen, gen.sample(row), row)
+                self.verify(gen, tokens, logits[begin : begin + len(tokens)])
             except Exception as e:
                 self.fail(gen, e)
+            begin += len(tokens)
         return last
+
+    def verify(self, gen: Generation, tokens: list[int], logits) -> None:
+        """Take a generation's rows of a step: its next token and its draft (tokens [r], logits
+        [r, V]). Row by row: its token joins the session, a token is sampled from its logits and
+        accepted as plain decoding would (penalties, stops, max_tokens); the next row counts only
+        while the sample agrees with its draft token. The rows past the last one kept leave the KV.
+        """
+        session, drafted, kept = gen.session, len(tokens) - 1, 0
+        gen.steps += 1  # counted first: the usage is taken when a row's token ends the generation
+        gen.drafted += drafted
+        self.counters["drafted"] += drafted
+        for i, row in enumerate(logits):
+            session.tokens.append(tokens[i])  # its KV is in the slot
+            draft = tokens[i + 1] if i + 1 < len(tokens) else None
+            token, agrees = verify_draft(gen.sampler, gen.masked(row), draft)  # row's logits -> sample -> the draft?
+            kept += agrees
+            gen.accepted += agrees
+            self.counters["accepted"] += agrees
+            self.accept(gen, token, row)
+            if gen.finished or not agrees:
+                break
+        self.engine.rewind(session.slot, len(session.tokens))
+        if drafted:
+            gen.drafter.record(drafted, kept)
 
     def accept(self, gen: Generation, token: int, logits) -> None:
         """Take a sampled token: stream its text, then finish or keep it for the next decode step."""
@@ -124,6 +190,8 @@ class Generations:
             gen.constraint.consume(token)
         gen.sampler.accept(token)
         gen.generated.append(token)
+        if gen.drafter is not None:
+            gen.drafter.push(token)
         self.counters["generated"] += 1
         self.emit(gen, gen.stopper.push(gen.detok.push(token)), [token])
         stops = set(gen.params.stop_token_ids)
@@ -147,6 +215,7 @@ class Generations:
     def finish(self, gen: Generation, reason: str) -> None:
         """End a generation: close the assistant turn as the template would, log it, reply."""
         self.active.remove(gen)
+        gen.finished = True
         session = gen.session
         self.emit(gen, gen.stopper.push(gen.detok.flush()) + gen.stopper.flush(), [])
         text = "".join(gen.text)
@@ -193,7 +262,8 @@ class Generations:
 
     def final_usage(self, gen: Generation) -> dict:
         now, count = time.perf_counter(), len(gen.generated)
-        return {**gen.usage, "generated_tokens": count,
+        return {**gen.usage, "generated_tokens": count, "decode_steps": gen.steps, "draft_tokens": gen.drafted,
+                "accepted_tokens": gen.accepted,
                 "ttft_ms": round((gen.first_token_at - gen.request.received) * 1000, 2),
                 "decode_tok_s": round((count - 1) / (now - gen.first_token_at), 2) if count > 1 else None}
 

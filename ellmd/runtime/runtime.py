@@ -95,7 +95,7 @@ class Runtime:
         self.snapshot_every_turn = snapshot_every_turn
         self.snapshot_ack = snapshot_ack
         self.policy = policy or Policy(engine.chunk_size)
-        self.counters = {"prefilled": 0, "reused": 0, "shared": 0, "generated": 0}
+        self.counters = {"prefilled": 0, "reused": 0, "shared": 0, "generated": 0, "drafted": 0, "accepted": 0}
         self.queue: queue.Queue[Request | StoreWrite | None] = queue.Queue()  # StoreWrite: the writer is done with it
         self.residency = Residency(engine, store, self.policy, on_written=self.queue.put, leases=leases)
         self.turns = Turns(engine, self.residency, self.counters, context_role, self.after_turn)
@@ -304,7 +304,7 @@ class Runtime:
     def _decode_step(self) -> None:
         began = time.perf_counter()
         self.generations.step()
-        self.policy.observe_decode(time.perf_counter() - began)
+        self.policy.observe_decode(time.perf_counter() - began, self.generations.draft_rows)
 
     def _prefill_chunk(self) -> None:
         """Run one chunk of the prefill the policy picks, within its budget, and the decode step
@@ -323,7 +323,8 @@ class Runtime:
                 if budget <= room:
                     logits = job.ride(self.generations, budget)
                     rode = True
-                    self.policy.observe_ride(job.done - done, time.perf_counter() - began)
+                    rows = job.done - done + self.generations.draft_rows
+                    self.policy.observe_ride(rows, time.perf_counter() - began)
                 else:
                     logits = job.run(self.engine, budget)
                     self.policy.observe_prefill(job.done - done, time.perf_counter() - began)

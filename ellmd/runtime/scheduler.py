@@ -6,6 +6,8 @@ The loop alternates one prefill chunk and one batched decode step. The policy de
     pass over the weights for both), as many as add about `gap_ratio` times the step's own
     time (both measured as the loop runs), so a decoding session's gap between two tokens
     grows to about (1 + gap_ratio) times its gap alone, whatever the length of the prefill.
+    The step's drafts (speculative decoding) take the rows the prefill leaves; a row costs
+    about the same whether it is a prefill or a draft token, so steps with drafts measure it too.
     When the step has no room for them (as many decoding sessions as its rows), a chunk runs
     on its own between two steps, cut to what prefills in about `gap_ratio` decode steps;
   - which prefill runs next: the one with the fewest tokens left (a user turn is not queued
@@ -34,12 +36,18 @@ class Policy:
         self.min_chunk = min(min_chunk, chunk_size)  # below it a forward's fixed cost dominates
         self.decode_s: float | None = None  # a decode step's seconds (running estimate)
         self.token_s: float | None = None  # prefill seconds per token, at the chunk sizes run
-        self.ride_s: float | None = None  # seconds a prefill token adds to the decode step it rides
+        self.ride_s: float | None = None  # seconds a row adds to a decode step (a riding prefill token, a draft token)
         self.swap_s = {"write": None, "read": None}  # store seconds per token of KV, each way
 
     # ---- measurements ----------------------------------------------------------------------
 
-    def observe_decode(self, seconds: float) -> None:
+    def observe_decode(self, seconds: float, drafts: int = 0) -> None:
+        """A decode step carrying `drafts` draft tokens took `seconds`. decode_s stays the time of
+        a step without them (what a riding prefill stretches); a draft's rows cost what riding
+        prefill tokens do (one more row each in the same forward), so they measure ride_s."""
+        if drafts:
+            self.observe_ride(drafts, seconds)
+            return
         self.decode_s = seconds if self.decode_s is None else (1 - EMA) * self.decode_s + EMA * seconds
 
     def observe_prefill(self, tokens: int, seconds: float) -> None:
@@ -47,7 +55,7 @@ class Policy:
         self.token_s = per_token if self.token_s is None else (1 - EMA) * self.token_s + EMA * per_token
 
     def observe_ride(self, tokens: int, seconds: float) -> None:
-        """A decode step carrying `tokens` prefill tokens took `seconds`."""
+        """A decode step carrying `tokens` more rows (prefill tokens, draft tokens) took `seconds`."""
         if self.decode_s is not None:  # what the step alone takes: measured on the steps without
             per_token = max(seconds - self.decode_s, 0.0) / max(tokens, 1)
             self.ride_s = per_token if self.ride_s is None else (1 - EMA) * self.ride_s + EMA * per_token

@@ -27,6 +27,7 @@ OWNER_PATTERN = r"^[A-Za-z0-9_.:-]{1,128}$"
 MIN_TEMPERATURE = 1e-2  # below it, logits / temperature overflows float32 for ordinary logits
 MAX_JSON_DEPTH = 32
 CONSTRAINTS = ("json_schema", "regex", "grammar")  # the Sampling fields that constrain the text
+MAX_DRAFT_TOKENS = 32  # speculative decoding: the longest draft a request may ask for
 
 SessionId = Annotated[str, msgspec.Meta(pattern=SESSION_ID_PATTERN)]
 IndexName = Annotated[str, msgspec.Meta(pattern=INDEX_NAME_PATTERN)]
@@ -75,6 +76,8 @@ class Sampling(Owned, kw_only=True):
     json_schema: JsonMap | None = None
     regex: Annotated[str, msgspec.Meta(min_length=1, max_length=1 << 16)] | None = None
     grammar: Annotated[str, msgspec.Meta(min_length=1, max_length=1 << 20)] | None = None
+    speculative: bool | None = None
+    draft_tokens: Annotated[int, msgspec.Meta(ge=0, le=MAX_DRAFT_TOKENS)] | None = None
 
     def __post_init__(self):
         constraints = [name for name in CONSTRAINTS if getattr(self, name) is not None]

@@ -28,7 +28,8 @@ the model's call format with each tool's schema, ellmd.text.tool_grammar) and vL
 Where ellm differs from OpenAI it answers 400 rather than differ silently: `n` and `best_of` must
 be 1; `echo` and `suffix` are not supported; nor are content parts other than text. Defaults
 are OpenAI's (temperature 1, max_tokens up to the end of the context); vLLM's extra sampling
-fields `top_k`, `min_p`, `repetition_penalty`, `stop_token_ids` and `ignore_eos` are accepted;
+fields `top_k`, `min_p`, `repetition_penalty`, `stop_token_ids` and `ignore_eos` are accepted, and
+`speculative` (bool) and vLLM's `num_speculative_tokens` (the longest draft; 0: none) for drafts;
 unknown fields are ignored. A generation the daemon's shutdown interrupts ends with finish_reason
 "cancelled".
 
@@ -107,8 +108,9 @@ OBJECT = ((dict,), "an object")
 SAMPLING_FIELDS = {
     "temperature": NUMBER, "top_p": NUMBER, "top_k": INT, "min_p": NUMBER, "presence_penalty": NUMBER,
     "frequency_penalty": NUMBER, "repetition_penalty": NUMBER, "seed": INT, "stop_token_ids": ARRAY,
-    "ignore_eos": BOOL,
+    "ignore_eos": BOOL, "speculative": BOOL,
 }
+RENAMED_SAMPLING_FIELDS = {"num_speculative_tokens": ("draft_tokens", INT)}  # vLLM's name -> the runtime's
 
 GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_grammar", "guided_choice")  # vLLM's, for constraints
 
@@ -242,6 +244,9 @@ def sampling_args(body: dict, room: int) -> dict:
     for name, kind in SAMPLING_FIELDS.items():
         if (value := field(body, name, kind)) is not None:
             args[name] = value
+    for name, (arg, kind) in RENAMED_SAMPLING_FIELDS.items():
+        if (value := field(body, name, kind)) is not None:
+            args[arg] = value
     max_tokens = field(body, "max_completion_tokens", INT, field(body, "max_tokens", INT))
     args["max_tokens"] = room if max_tokens is None else max_tokens
     stop = body.get("stop")

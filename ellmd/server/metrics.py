@@ -8,6 +8,9 @@ Counters, since the daemon started:
   ellm_prompt_tokens_reused_total      prompt tokens whose KV was already computed (resident or resumed)
   ellm_prompt_tokens_shared_total      of those, tokens copied from another session's prefix
   ellm_generated_tokens_total          tokens generated
+  ellm_draft_tokens_total              draft tokens verified (speculative decoding)
+  ellm_draft_tokens_accepted_total     of those, tokens the samples agreed with (acceptance rate:
+                                       the ratio of the two; each accepted one saved a decode step)
 Histograms, one observation per generation:
   ellm_time_to_first_token_seconds     request received to first token (prefill included)
   ellm_decode_tokens_per_second        generated tokens per second after the first
@@ -72,6 +75,8 @@ class Metrics:
             ("ellm_prompt_tokens_reused", "reused", "Prompt tokens whose KV was already computed."),
             ("ellm_prompt_tokens_shared", "shared", "Prompt tokens whose KV was copied from another session."),
             ("ellm_generated_tokens", "generated", "Tokens generated."),
+            ("ellm_draft_tokens", "drafted", "Draft tokens verified (speculative decoding)."),
+            ("ellm_draft_tokens_accepted", "accepted", "Draft tokens the sampled tokens agreed with."),
         ):
             yield CounterMetricFamily(name, help_text, value=counters[key])
         for name, key, help_text in (
