@@ -5,7 +5,7 @@ continuation checked against a lone daemon that kept the session all along."""
 from __future__ import annotations
 
 import pytest
-from ellm.errors import Busy, EllmError
+from ellm.errors import EllmError, Leased
 
 from daemon import Daemon
 
@@ -62,9 +62,9 @@ def test_a_released_session_continues_on_another_replica(fleet, expected):
         session = on_a.open_session(system="You are terse.")
         same(session.chat(TURNS[0], **GREEDY), expected[0])
         held = on_b.session(session.id)
-        with pytest.raises(Busy, match=f"session {session.id} is held by replica a \\(host .*, pid {a.process.pid}\\)"):
+        with pytest.raises(Leased, match=f"session {session.id} is held by replica a \\(host .*, pid {a.process.pid}\\)"):
             held.chat(TURNS[1], **GREEDY)
-        with pytest.raises(Busy, match="held by replica a"):  # a client-chosen id, as over HTTP, is leased too
+        with pytest.raises(Leased, match="held by replica a"):  # a client-chosen id, as over HTTP, is leased too
             on_b.call("completion", tokens=[1, 2, 3], session_id=session.id, max_tokens=1)
         tokens = session.info()["tokens"]
         assert session.release() == {"session_id": session.id, "tokens": tokens, "released": True}
@@ -74,7 +74,7 @@ def test_a_released_session_continues_on_another_replica(fleet, expected):
         # b read the KV back: it prefilled what the lone daemon did (the new turn and a's pending tokens)
         counts = ("prompt_tokens", "prefilled_tokens", "reused_tokens", "shared_tokens", "generated_tokens")
         assert {k: second.usage[k] for k in counts} == {k: expected[1].usage[k] for k in counts}
-        with pytest.raises(Busy, match=f"held by replica b \\(host .*, pid {b.process.pid}\\)"):
+        with pytest.raises(Leased, match=f"held by replica b \\(host .*, pid {b.process.pid}\\)"):
             session.info()
         assert held.release()["released"] is True
         third = session.chat(TURNS[2], **GREEDY)  # back on a, which must read b's turn from the store
@@ -87,7 +87,7 @@ def test_a_new_session_made_on_one_replica_is_found_by_the_other(fleet):
     _, _, a, b = fleet
     with a.client() as on_a, b.client() as on_b:
         on_b.call("completion", tokens=[5, 6, 7, 8], session_id="made-on-b", max_tokens=2, temperature=0)
-        with pytest.raises(Busy, match="held by replica b"):
+        with pytest.raises(Leased, match="held by replica b"):
             on_a.session("made-on-b").info()
         assert "made-on-b" in [s["session_id"] for s in on_a.list_sessions()]
         on_b.session("made-on-b").release()

@@ -13,6 +13,7 @@ import json
 import socket
 
 import anthropic
+import jsonschema
 import openai
 import pytest
 from openai import OpenAI
@@ -179,8 +180,8 @@ def test_responses_errors(smol):
         ask(client, "Hi", previous=type("R", (), {"id": "resp_0123456789abcdef_no-such-session"}))
     with pytest.raises(openai.BadRequestError, match="only function tools"):
         client.responses.create(model="smol", input="Hi", tools=[{"type": "web_search"}])
-    with pytest.raises(openai.BadRequestError, match="constrained decoding"):
-        client.responses.create(model="smol", input="Hi", text={"format": {"type": "json_object"}})
+    with pytest.raises(openai.BadRequestError, match="text.format must be"):
+        client.responses.create(model="smol", input="Hi", text={"format": {"type": "xml"}})
     with pytest.raises(openai.BadRequestError, match="only text parts"):
         client.responses.create(model="smol", input=[{"role": "user", "content": [
             {"type": "input_image", "image_url": "data:image/png;base64,AAAA"}]}])
@@ -261,6 +262,28 @@ def test_messages_errors_are_anthropic_errors(smol):
         client.messages.create(model="smol", max_tokens=4, messages=[{"role": "user", "content": "word " * 2100}])
     assert post(smol.port, "/v1/chat/completions", b"{}")[1]["error"]["param"] == "messages"  # OpenAI's shape there
     assert client.messages.create(model="smol", max_tokens=2, messages=[{"role": "user", "content": "Hi"}]).content
+
+
+# ---- structured output: the same constraint as chat completions' ---------------------------
+
+CITY = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Berlin", "Rome"]},
+                                         "people": {"type": "integer"}},
+        "required": ["city", "people"], "additionalProperties": False}
+
+
+def test_responses_and_messages_take_a_json_schema(smol):
+    question = "Which city is the capital of France, and how many people live there?"
+    reply = smol.openai().responses.create(
+        model="smol", input=question, max_output_tokens=40, **GREEDY,
+        text={"format": {"type": "json_schema", "name": "city", "schema": CITY, "strict": True}})
+    jsonschema.validate(json.loads(reply.output_text), CITY)
+    message = smol.anthropic().messages.create(
+        model="smol", max_tokens=40, messages=[{"role": "user", "content": question}],
+        extra_body={"temperature": 0, "output_config": {"format": {"type": "json_schema", "schema": CITY}}})
+    jsonschema.validate(json.loads(message.content[0].text), CITY)
+    with pytest.raises(anthropic.BadRequestError, match="json_schema"):
+        smol.anthropic().messages.create(model="smol", max_tokens=4, messages=[{"role": "user", "content": "Hi"}],
+                                         extra_body={"output_config": {"format": {"type": "json_schema"}}})
 
 
 # ---- tools: the model that always calls get_weather -----------------------------------------

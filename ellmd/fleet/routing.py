@@ -12,14 +12,10 @@ from __future__ import annotations
 import hashlib
 import json
 
+from ellmd.server.responses import point_of
+
 PREFIX_KEY = "prefix-"  # keys of conversations without a session id
 LEADING_CHARS = 2048  # of a plain completion prompt
-
-
-def session_of_response(response_id: str) -> str | None:
-    """The session a Responses API id names (`resp_<session id>_<length>`, ellmd.server.responses)."""
-    parts = response_id.split("_")
-    return parts[1] if len(parts) == 3 and parts[0] == "resp" and parts[1] else None
 
 
 def routing_key(headers, body) -> str | None:
@@ -30,8 +26,8 @@ def routing_key(headers, body) -> str | None:
     if isinstance(session_id, str) and session_id:
         return session_id
     previous = body.get("previous_response_id")
-    if isinstance(previous, str) and (session_id := session_of_response(previous)):
-        return session_id
+    if isinstance(previous, str) and (point := point_of(previous)):
+        return point[0]
     leading = leading_part(body)
     if leading is None:
         return None

@@ -25,7 +25,8 @@ import uuid
 from aiohttp import web
 
 from ellmd.server.http import (ARRAY, BOOL, OBJECT, TOOL_CALL_MARKER, ApiError, EventStream, Holdback, chat_tools,
-                               content_text, field, read_json, reply_parts, sampling_args, session_arg)
+                               content_text, field, format_args, read_json, reply_parts, sampling_args,
+                               session_arg)
 
 # tool_choice type -> the chat completions' tool_choice
 TOOL_CHOICES = {"auto": "auto", "any": "required", "none": "none"}
@@ -152,8 +153,8 @@ class MessagesApi:
         body = await read_json(request, server.limits.http_read_timeout_s)
         if body.get("max_tokens") is None:
             raise ApiError(400, "max_tokens: Field required")
-        if (field(body, "output_config", OBJECT) or {}).get("format") is not None:
-            raise ApiError(400, "output_config.format: ellm has no constrained decoding; ask for JSON in the prompt")
+        constraint = format_args((field(body, "output_config", OBJECT) or {}).get("format") or {},
+                                 "output_config.format")
         stops = body.get("stop_sequences")
         if stops is not None and (not isinstance(stops, list) or not all(isinstance(s, str) for s in stops)):
             raise ApiError(400, "stop_sequences: must be an array of strings")
@@ -161,7 +162,7 @@ class MessagesApi:
         sampling = {name: body.get(name) for name in ("temperature", "top_p", "top_k", "max_tokens")}
         args = {"tokens": tokens, "messages": messages, "tools": tools,
                 **sampling_args({**sampling, "stop": stops}, server.context - len(tokens)),
-                **session_arg(request, body)}
+                **session_arg(request, body), **constraint}
         model = body["model"] if isinstance(body.get("model"), str) else server.model
         reply = Reply(server, model, tools, forced, stops or [])
         if field(body, "stream", BOOL):

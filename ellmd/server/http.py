@@ -348,6 +348,20 @@ def response_format_schema(body: dict) -> dict | None:
     return schema
 
 
+def format_args(spec, param: str) -> dict:
+    """The runtime's constraint from a flat output format, `{"type": "text" | "json_object" |
+    "json_schema", "schema": {...}}` (the Responses API's `text.format`, Anthropic's `output_config.format`)."""
+    kind = spec.get("type", "text") if isinstance(spec, dict) else None
+    if kind == "text":
+        return {}
+    if kind == "json_object":
+        return {"json_schema": {"type": "object"}}
+    if kind == "json_schema" and isinstance(spec.get("schema"), dict):
+        return {"json_schema": spec["schema"]}
+    raise ApiError(400, f'{param} must be {{"type": "text"}}, {{"type": "json_object"}} or '
+                        f'{{"type": "json_schema", "schema": {{...}}}}', param=param)
+
+
 def guided_args(body: dict) -> dict:
     """The runtime's constraint from vLLM's extension fields: guided_json (a schema, or its text),
     guided_regex, guided_grammar (Lark or GBNF) and guided_choice (one of some strings)."""

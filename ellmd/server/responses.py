@@ -24,7 +24,7 @@ response.function_call_arguments.done), response.output_item.done, and response.
 response.incomplete at max_output_tokens); an error after the stream began is an `error` event.
 
 Not supported, with a clear 400: built-in tools (web search, file search, ...), input images and
-files, `text.format` other than text (no constrained decoding).
+files.
 """
 
 from __future__ import annotations
@@ -35,7 +35,8 @@ import uuid
 from aiohttp import web
 
 from ellmd.server.http import (ARRAY, BOOL, OBJECT, SAMPLING_FIELDS, STRING, TOOL_CALL_MARKER, ApiError, EventStream,
-                               Holdback, chat_tools, content_text, field, read_json, reply_parts, sampling_args)
+                               Holdback, chat_tools, content_text, field, format_args, read_json, reply_parts,
+                               sampling_args)
 
 ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 TEXT_PARTS = ("input_text", "output_text", "text")
@@ -123,10 +124,7 @@ class ResponsesApi:
         body = await read_json(request, server.limits.http_read_timeout_s)
         if server.template is None:
             raise ApiError(400, "this model has no chat template")
-        text_format = (field(body, "text", OBJECT) or {}).get("format") or {}
-        if text_format.get("type", "text") != "text":
-            raise ApiError(400, "text.format: ellm has no constrained decoding; ask for JSON in the instructions",
-                           param="text.format")
+        constraint = format_args((field(body, "text", OBJECT) or {}).get("format") or {}, "text.format")
         messages = input_messages(body)
         tools, forced = chat_tools(chat_tool_args(body), server.runtime.tool_format)
         turn = uuid.uuid4().hex[:TURN_NAME]
@@ -140,13 +138,14 @@ class ResponsesApi:
                 raise ApiError(404, f"previous response {previous!r} not found (a response stored with store: true "
                                     "names its conversation)", param="previous_response_id")
             op, args = "session.continue", {"session_id": point[0], "after": point[1], "messages": messages,
-                                            "tools": tools, "forced": forced, **sampling_args(sampling, server.context)}
+                                            "tools": tools, "forced": forced, **sampling_args(sampling, server.context),
+                                            **constraint}
         else:
             if isinstance(body.get("instructions"), str):
                 messages.insert(0, {"role": "system", "content": body["instructions"]})
             tokens = await server.in_thread(server.render_chat, messages, tools, forced, {})
             op, args = "completion", {"tokens": tokens, "messages": messages, "tools": tools,
-                                      **sampling_args(sampling, server.context - len(tokens))}
+                                      **sampling_args(sampling, server.context - len(tokens)), **constraint}
             if store:
                 args["tag"] = STORED_TAG
         reply = Reply(server, body, turn if store else None, tools, forced)
