@@ -133,7 +133,7 @@ def main() -> None:
     for column in ("replicas", "run", "turns", "affinity", "moved after failure", "lost", "tokens/s"):
         table.add_column(column, justify="right")
     rates = {}
-    with tempfile.TemporaryDirectory(prefix="ellm-bench-fleet-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="ellm-fleet-", dir="/tmp") as tmp:  # Ray's socket paths stay short
         for replicas in (1, 2):
             fleet = Fleet(args, replicas, Path(tmp))
             try:

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -58,7 +60,9 @@ class Fleet:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tmp / "fleet.log"
         self.store = tmp / "store"
-        env = {**os.environ, "XDG_CONFIG_HOME": str(tmp / "config"), "RAY_TMPDIR": str(tmp / "ray")}
+        # Ray's sockets live under its temp dir, and a socket's path must stay under 108 bytes
+        self.ray_tmp = tempfile.mkdtemp(prefix="ellm-ray-", dir="/tmp")
+        env = {**os.environ, "XDG_CONFIG_HOME": str(tmp / "config"), "RAY_TMPDIR": self.ray_tmp}
         with open(self.log, "wb") as log:
             self.process = subprocess.Popen(
                 [sys.executable, "-m", "ellmd.cli", "fleet", "start", "--replicas", "2", "--threads", "1",
@@ -109,6 +113,7 @@ def fleet(tmp_path_factory):
     if fleet.process.poll() is None:
         fleet.process.kill()
         fleet.process.wait()
+    shutil.rmtree(fleet.ray_tmp, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")

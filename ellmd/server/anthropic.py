@@ -139,7 +139,7 @@ class MessagesApi:
         prefill = ""
         if messages[-1]["role"] == "assistant" and not messages[-1].get("tool_calls"):
             prefill = messages.pop()["content"]  # the reply continues it
-        tools, forced = chat_tools(chat_tool_args(body), server.runtime.tool_format)
+        tools, forced, _ = chat_tools(chat_tool_args(body), server.runtime.tool_format)
         tokens = await server.in_thread(server.render_chat, messages, tools, prefill + forced, {})
         return tokens, messages, tools, forced
 

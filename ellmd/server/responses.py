@@ -126,7 +126,7 @@ class ResponsesApi:
             raise ApiError(400, "this model has no chat template")
         constraint = format_args((field(body, "text", OBJECT) or {}).get("format") or {}, "text.format")
         messages = input_messages(body)
-        tools, forced = chat_tools(chat_tool_args(body), server.runtime.tool_format)
+        tools, forced, _ = chat_tools(chat_tool_args(body), server.runtime.tool_format)
         turn = uuid.uuid4().hex[:TURN_NAME]
         store = field(body, "store", BOOL, True)
         previous = field(body, "previous_response_id", STRING)
