@@ -30,11 +30,11 @@ from rich.table import Table
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def post(url: str, body: dict, session_id: str) -> tuple[dict, dict]:
+def post(url: str, body: dict, session_id: str):
     request = urllib.request.Request(url + "/v1/chat/completions", data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json", "X-Session-Id": session_id})
     with urllib.request.urlopen(request, timeout=600) as response:
-        return dict(response.headers), json.loads(response.read())
+        return response.headers, json.loads(response.read())  # headers: case-insensitive
 
 
 class Fleet:

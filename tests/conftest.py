@@ -14,7 +14,7 @@ if str(ROOT) not in sys.path:  # the alignment/ scripts are imported as a packag
 
 # The files that take longest (20 daemon starts; transformers on SmolLM2; the MoE GGUF), run
 # first: with a file per worker (CI's -n 2 --dist loadfile), one that starts last ends the run alone.
-LONGEST_FIRST = ("test_crash.py", "test_alignment.py", "test_moe_gguf.py")
+LONGEST_FIRST = ("test_alignment_smollm2.py", "test_alignment.py", "test_crash.py", "test_moe_gguf.py")
 
 
 def pytest_collection_modifyitems(items):

@@ -39,23 +39,3 @@ def test_head_dim(family, alignment_dir):
 
 def test_kv_dtype_report(alignment_dir):
     assert run("kv_dtype_report", ["--dir", str(alignment_dir)]) == 0
-
-
-def test_smollm2_greedy():
-    assert run("smollm2_greedy", ["--prompts", "5"]) == 0
-
-
-@pytest.mark.parametrize("kernels", ["default", "portable", "vnni"])
-def test_quantized_at_load(alignment_dir, kernels, use_kernels):
-    use_kernels(kernels)
-    assert run("quantized_at_load", ["--dir", str(alignment_dir), "--kernels", kernels]) == 0
-
-
-@pytest.mark.parametrize("kernels", ["default", "portable"])  # default: int16 activations where the CPU has AVX2 or VNNI
-def test_smollm2_gguf_blocks(kernels):
-    assert run("quantized", ["--prompts", "2", "--kernels", kernels]) == 0
-
-
-def test_smollm2_gguf_blocks_int8_activations(use_kernels):
-    use_kernels("vnni")
-    assert run("quantized", ["--prompts", "2", "--kernels", "vnni", "--builtin-only"]) == 0

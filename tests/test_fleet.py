@@ -39,11 +39,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def post(url: str, body: dict, headers: dict | None = None) -> tuple[dict, dict]:
+def post(url: str, body: dict, headers: dict | None = None):
     request = urllib.request.Request(url, data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json", **(headers or {})})
     with urllib.request.urlopen(request, timeout=300) as response:
-        return dict(response.headers), json.loads(response.read())
+        return response.headers, json.loads(response.read())  # headers: case-insensitive
 
 
 def question(session: int, turn: int) -> str:
