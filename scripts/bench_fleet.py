@@ -27,6 +27,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from ellmd.fleet.replica import replica_processes
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -66,19 +68,6 @@ class Fleet:
         self.process.wait(timeout=300)
 
 
-def replica_pids(name: str) -> list[int]:
-    """A replica's daemon and the Ray worker above it (its daemon has `--replica NAME`)."""
-    for entry in Path("/proc").iterdir():
-        try:
-            argv = (entry / "cmdline").read_bytes().split(b"\0")
-            if b"--replica" in argv and argv[argv.index(b"--replica") + 1].decode() == name:
-                parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-                return [parent, int(entry.name)]
-        except (OSError, IndexError, ValueError):
-            continue
-    return []
-
-
 def trace(fleet: Fleet, args, tag: str, kill_after: int | None = None) -> dict:
     """Every session runs its turns in its own thread; returns the counts and the decode rate."""
     lock = threading.Lock()
@@ -90,7 +79,7 @@ def trace(fleet: Fleet, args, tag: str, kill_after: int | None = None) -> dict:
         for t in range(args.turns):
             if kill_after is not None and t == kill_after and s == 0:
                 victim = replica
-                for pid in replica_pids(victim):
+                for pid in replica_processes(victim):
                     os.kill(pid, signal.SIGKILL)
                 killed.append(victim)
             history.append({"role": "user", "content": f"Agent {s} asks, step {t}: write a short poem about {t + s}."})

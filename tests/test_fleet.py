@@ -26,6 +26,7 @@ import pytest
 
 from daemon import ROOT, Daemon
 from ellmd.fleet.metrics import merge
+from ellmd.fleet.replica import replica_processes
 from ellmd.fleet.routing import PREFIX_KEY, routing_key
 
 SESSIONS = 8
@@ -89,21 +90,6 @@ class Fleet:
         headers = {"X-Session-Id": session_id} if session_id else {}
         head, body = post(self.url + "/v1/chat/completions", chat_body(history), headers)
         return body["choices"][0]["message"]["content"], body["usage"], head["X-Ellm-Replica"]
-
-
-def replica_processes(name: str) -> list[int]:
-    """The pids of a replica: its daemon (`--replica NAME` on its command line) and the Ray worker above it."""
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            argv = (entry / "cmdline").read_bytes().split(b"\0")
-            if b"--replica" in argv and argv[argv.index(b"--replica") + 1].decode() == name:
-                parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-                return [parent, int(entry.name)]
-        except (OSError, IndexError, ValueError):
-            continue
-    raise AssertionError(f"no process of replica {name}")
 
 
 @pytest.fixture(scope="module")
@@ -193,7 +179,9 @@ def test_sessions_keep_to_their_replica_and_survive_a_killed_one(fleet, referenc
         assert f'ellm_generated_tokens_total{{replica="{replica}"}}' in metrics
 
     victim = served[0][0]
-    for pid in replica_processes(victim):
+    pids = replica_processes(victim)
+    assert pids, f"no process of replica {victim}"
+    for pid in pids:
         os.kill(pid, signal.SIGKILL)
     for s in range(SESSIONS):
         usage = turn(s, TURNS)

@@ -158,9 +158,6 @@ def run(settings: FleetSettings, http: tuple[str, int], address: str | None = No
     import ray
     from ray import serve
 
-    stop = threading.Event()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, lambda *_: stop.set())
     if address:
         ray.init(address=address, log_to_driver=False)
     else:
@@ -168,6 +165,9 @@ def run(settings: FleetSettings, http: tuple[str, int], address: str | None = No
     try:
         serve.start(http_options={"host": http[0], "port": http[1]})
         serve.run(application(settings), name=APP_NAME, route_prefix="/")
+        stop = threading.Event()  # handlers set after Ray's start, which sets its own
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, lambda *_: stop.set())
         on_ready(f"ellm fleet: {settings.replicas} replicas x {settings.threads} threads serving "
                  f"http://{http[0]}:{http[1]} (SIGTERM or Ctrl-C stops it)")
         stop.wait()

@@ -54,6 +54,20 @@ def die_with_parent() -> None:
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
+def replica_processes(name: str) -> list[int]:
+    """The pids of a live replica on this host: the Ray worker and its daemon (whose command line
+    has `--replica NAME`); [] if none. For operators and tests that stop one by hand."""
+    for entry in Path("/proc").iterdir():
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+            if b"--replica" in argv and argv[argv.index(b"--replica") + 1].decode() == name:
+                parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                return [parent, int(entry.name)]
+        except (OSError, IndexError, ValueError):
+            continue
+    return []
+
+
 class DaemonProcess:
     """An `ellmd start` child serving a private Unix socket and HTTP on a loopback port."""
 
