@@ -16,11 +16,11 @@ from ellmd.engine.engine import builtin_model_path
 from ellmd.engine.sampling import Sampler, verify_draft
 from ellmd.errors import CapacityError
 from ellmd.runtime.drafts import MAX_PAUSE, PromptLookup
-from ellmd.runtime.ops import Op
-from ellmd.runtime.runtime import Request, Runtime
+from ellmd.runtime.runtime import Runtime
 from ellmd.runtime.store import Store
 
 from daemon import Daemon
+from test_scheduler import held
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPTS = [list(range(5, 17)), [3, 4], list(range(20, 41))]
@@ -246,26 +246,6 @@ def test_greedy_generations_equal_plain_decoding_on_tiny_models(tiny_runtime, va
     assert usage["decode_steps"] < plain["usage"]["decode_steps"] == 89
     counters = call(rt, "stats")["counters"]
     assert (counters["drafted"], counters["accepted"]) == (usage["draft_tokens"], usage["accepted_tokens"])
-
-
-class held:
-    """Hold the engine loop (it runs a request that waits) while requests queue behind it, so that
-    the loop finds them all at once (tests/test_scheduler.py)."""
-
-    def __init__(self, rt):
-        self.rt, self.release = rt, threading.Event()
-
-    def __enter__(self):
-        def hold(rt, request):
-            self.release.wait(60)
-            return {}
-        self.rt.ops = {**self.rt.ops, "hold": Op(hold)}
-        self.request = Request("hold", {})
-        self.rt.queue.put(self.request)
-
-    def __exit__(self, *exc):
-        self.release.set()
-        self.request.future.result(timeout=60)
 
 
 def test_batched_drafting_generations_equal_batched_plain_decoding(smollm, tmp_path):
