@@ -27,6 +27,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from ellmd.fleet.app import READY_LINE
 from ellmd.fleet.replica import replica_processes
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -53,14 +54,12 @@ class Fleet:
             self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
                                             env={**os.environ, "RAY_TMPDIR": str(workdir / "ray")})
         deadline = time.monotonic() + 900
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline:  # until every replica is up
             if self.process.poll() is not None:
                 raise SystemExit(f"the fleet exited: {self.log.read_text()[-2000:]}")
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=5):
-                    return
-            except OSError:
-                time.sleep(1)
+            if READY_LINE in self.log.read_text(errors="replace"):
+                return
+            time.sleep(1)
         raise SystemExit("the fleet did not start")
 
     def stop(self) -> None:

@@ -2,7 +2,7 @@
 
 The ingress takes every HTTP request (the daemon's whole HTTP API: OpenAI, Responses, Anthropic,
 health), works out its routing key (routing.py) and hands it to a replica through a
-DeploymentHandle with that key as the multiplexed id; the reply streams back as the replica's daemon
+DeploymentHandle with that key as the multiplexed id (router.py picks the replica); the reply streams back as the replica's daemon
 sends it, with the replica's name in `X-Ellm-Replica`. /metrics answers every replica's metrics,
 labelled by replica (metrics.py).
 
@@ -28,6 +28,7 @@ log = logging.getLogger("ellmd.fleet")
 
 APP_NAME = "ellm"
 RETRY_PAUSE_S = 0.25
+READY_LINE = "ellm fleet: serving"  # printed once every replica is up
 LEASED_CODE = "session_leased"  # the HTTP error code of a session another replica holds
 
 
@@ -126,12 +127,15 @@ def held_elsewhere(body: bytes) -> bool:
 def application(settings: FleetSettings):
     """The Serve application of a fleet (for `serve.run`)."""
     from ray import serve
+    from ray.serve.config import RequestRouterConfig
+
+    from ellmd.fleet.router import SessionRouter
 
     board = serve.deployment(Board, name="metrics", ray_actor_options={"num_cpus": 0}).bind()
     replica = serve.deployment(
         Replica, name="replica", num_replicas=settings.replicas, max_ongoing_requests=settings.max_ongoing_requests,
         ray_actor_options={"num_cpus": settings.threads}, health_check_period_s=2, health_check_timeout_s=30,
-        graceful_shutdown_timeout_s=120,
+        graceful_shutdown_timeout_s=120, request_router_config=RequestRouterConfig(request_router_class=SessionRouter),
     ).bind(settings, board)
     ingress = serve.deployment(Ingress, name="ingress", ray_actor_options={"num_cpus": 0},
                                max_ongoing_requests=1000)
@@ -168,8 +172,8 @@ def run(settings: FleetSettings, http: tuple[str, int], address: str | None = No
         stop = threading.Event()  # handlers set after Ray's start, which sets its own
         for signum in (signal.SIGTERM, signal.SIGINT):
             signal.signal(signum, lambda *_: stop.set())
-        on_ready(f"ellm fleet: {settings.replicas} replicas x {settings.threads} threads serving "
-                 f"http://{http[0]}:{http[1]} (SIGTERM or Ctrl-C stops it)")
+        on_ready(f"{READY_LINE} http://{http[0]}:{http[1]} with {settings.replicas} replicas x {settings.threads} "
+                 "threads (SIGTERM or Ctrl-C stops it)")
         stop.wait()
         on_ready("ellm fleet: stopping (replicas snapshot their sessions)")
         serve.delete(APP_NAME)
