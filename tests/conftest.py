@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -10,6 +11,12 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # the alignment/ scripts are imported as a package from the repository root
     sys.path.insert(0, str(ROOT))
+
+# CI's two workers share two cores, each running 2-thread kernels (numba's OpenMP pool, torch's in
+# the alignment checks, the daemons the tests start): OpenMP threads that spin while waiting for
+# work take the core another process needs (decode measured 1.3-1.5x slower beside one busy
+# process). Read when OpenMP loads, so before any kernel runs; the daemons inherit it.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 # The files that take longest (20 daemon starts; transformers on SmolLM2; the MoE GGUF), run
