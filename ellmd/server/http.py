@@ -780,6 +780,17 @@ class HttpServer:
             pass
         return None
 
+    async def call(self, op: str, args: dict):
+        """Run one op that does not generate; its result (a runtime error as an ApiError)."""
+        try:
+            job = self.admission.submit(op, args)
+        except QueueFull as e:
+            raise queue_full(e) from None
+        try:  # shield: a client that disconnects must not cancel the engine thread's future under it
+            return await asyncio.shield(asyncio.wrap_future(job.future))
+        except RuntimeError_ as e:
+            raise ApiError.from_runtime(e) from None
+
     async def in_thread(self, function, *args):
         return await asyncio.get_running_loop().run_in_executor(None, function, *args)
 
@@ -803,12 +814,7 @@ class HttpServer:
             "max_model_len": self.context}]})
 
     async def metrics_text(self, request: web.Request) -> web.Response:
-        # shield: a scrape that disconnects must not cancel the engine thread's future under it
-        try:
-            job = self.admission.submit("stats", {})
-        except QueueFull as e:
-            raise queue_full(e) from None
-        stats = await asyncio.shield(asyncio.wrap_future(job.future))
+        stats = await self.call("stats", {})
         return web.Response(body=self.metrics.render(stats), headers={"Content-Type": self.metrics.content_type})
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:

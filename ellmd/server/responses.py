@@ -1,4 +1,5 @@
-"""The OpenAI Responses API: `POST /v1/responses` (the OpenAI Agents SDK, Codex-style tools).
+"""The OpenAI Responses API: `POST /v1/responses` (the OpenAI Agents SDK, Codex-style tools), and
+`GET` / `DELETE /v1/responses/{id}` of a stored response.
 
 `input` (a string, or items: messages with input_text content, function_call and
 function_call_output items) and `instructions` become chat messages, rendered as a chat
@@ -15,7 +16,8 @@ end (a conversation continued twice from one response) continues in a branch who
 so the later turns stay as they were. With `previous_response_id` the session keeps the
 instructions it was started with (they are in its KV); new ones are ignored. `store: false` runs
 the prompt as a chat completion does (reusing the KV of the resident conversation it extends) and
-gives an id that cannot be continued.
+gives an id that cannot be continued. A stored response is kept with its turn (session.point's
+note), so that GET gives it again, also after a restart; DELETE forgets the point.
 
 Streaming sends the Responses events: response.created, response.in_progress, then per output item
 response.output_item.added, (response.content_part.added, response.output_text.delta...,
@@ -45,7 +47,9 @@ STORED_TAG = "responses"  # of the sessions holding stored responses (never cut 
 
 
 def routes(server) -> list:
-    return [web.post("/v1/responses", ResponsesApi(server).create)]
+    api = ResponsesApi(server)
+    return [web.post("/v1/responses", api.create), web.get("/v1/responses/{response_id}", api.retrieve),
+            web.delete("/v1/responses/{response_id}", api.delete)]
 
 
 def point_of(response_id: str) -> tuple[str, str] | None:
@@ -148,7 +152,7 @@ class ResponsesApi:
                                       **sampling_args(sampling, server.context - len(tokens)), **constraint}
             if store:
                 args["tag"] = STORED_TAG
-        reply = Reply(server, body, turn if store else None, tools, forced)
+        reply = Reply(server, body, turn if store else None, tools, forced, owner)
         try:
             if field(body, "stream", BOOL):
                 return await reply.stream(request, op, {**args, "name": turn, **owner})
@@ -159,12 +163,47 @@ class ResponsesApi:
                                param="previous_response_id") from None
             raise
 
+    async def retrieve(self, request: web.Request) -> web.Response:
+        """GET: a stored response as its POST gave it, kept with its turn (see Reply.keep)."""
+        response_id = request.match_info["response_id"]
+        kept = await self.point(request, response_id)
+        tools = [{"type": "function", **tool["function"]} for tool in kept["tools"] or ()]
+        response = {"id": response_id, "instructions": kept["system"], "tools": tools, **kept["turn"]["note"]}
+        return web.json_response(response, headers={"X-Session-Id": kept["session_id"]})
+
+    async def delete(self, request: web.Request) -> web.Response:
+        """DELETE: forget a stored response (its point can no longer be retrieved or continued; the
+        conversation, and the responses before and after it, stay)."""
+        response_id = request.match_info["response_id"]
+        await self.point(request, response_id, forget=True)
+        return web.json_response({"id": response_id, "object": "response", "deleted": True})
+
+    async def point(self, request: web.Request, response_id: str, forget: bool = False) -> dict:
+        """The session.point of a stored response's id (its kept note in `turn`), else a 404."""
+        point = point_of(response_id)
+        missing = ApiError(404, f"response {response_id!r} not found (a response stored with store: true is kept "
+                                "until it is deleted or its conversation rewound or deleted)", param="response_id")
+        if point is None:
+            raise missing
+        owner = {"owner": request["owner"]} if "owner" in request else {}
+        try:
+            kept = await self.server.call("session.point", {"session_id": point[0], "name": point[1], **owner,
+                                                            **({"forget": True} if forget else {})})
+        except ApiError as e:
+            if e.status == 404:
+                raise missing from None
+            raise
+        if "note" not in kept["turn"]:
+            raise missing
+        return kept
+
 
 class Reply:
     """One response, whole or as the Responses events."""
 
-    def __init__(self, server, body: dict, turn: str | None, tools: list | None, forced: str):
+    def __init__(self, server, body: dict, turn: str | None, tools: list | None, forced: str, owner: dict):
         self.server, self.body, self.turn, self.tools, self.forced = server, body, turn, tools, forced
+        self.owner = owner
         self.created = int(time.time())
         self.message_id = f"msg_{uuid.uuid4().hex[:24]}"
         self.unstored_id = f"resp_{uuid.uuid4().hex[:TURN_NAME]}"
@@ -212,9 +251,20 @@ class Reply:
         return self.response(self.id(result["session_id"]), status, self.output(result), usage(result["usage"]),
                              incomplete)
 
+    async def keep(self, final: dict, session_id: str) -> None:
+        """Keep a stored response with its turn, for GET /v1/responses/{id}: all of it but its id
+        (its point) and the request's instructions and tools where it gave some (the session holds
+        them: its system prompt, its tools; an agent resends the same ones with every request)."""
+        if self.turn:
+            note = {k: v for k, v in final.items() if k != "id" and not (k in ("instructions", "tools") and v)}
+            await self.server.call("session.point", {"session_id": session_id, "name": self.turn, "note": note,
+                                                    **self.owner})
+
     async def whole(self, op: str, args: dict) -> web.Response:
         result = await self.server.generate(args, op=op)
-        return web.json_response(self.finished(result), headers={"X-Session-Id": result["session_id"]})
+        final = self.finished(result)
+        await self.keep(final, result["session_id"])
+        return web.json_response(final, headers={"X-Session-Id": result["session_id"]})
 
     async def stream(self, request: web.Request, op: str, args: dict) -> web.StreamResponse:
         stream = ResponseStream(request, self)
@@ -241,6 +291,7 @@ class Reply:
         for item in items:
             if item["type"] == "function_call":
                 await stream.call(item)
+        await self.keep(final, result["session_id"])
         kind = {"incomplete": "response.incomplete"}.get(final["status"], "response.completed")
         await stream.event(kind, {"response": final})
         return await stream.finish()
