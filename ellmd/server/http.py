@@ -479,6 +479,69 @@ class EventStream:
         return self.response
 
 
+class NamedEventStream(EventStream):
+    """Server-sent events named by their type (the Responses and Messages APIs): opened by start
+    events, no [DONE], an error as an `error` event. Their blocks (output items, content blocks)
+    are counted by `index`; a text block is opened by its first piece and closed later."""
+
+    done = None
+
+    def __init__(self, request: web.Request):
+        super().__init__(request)
+        self.index = 0  # of the next block
+        self.text_open = False
+
+    async def open(self) -> None:
+        if self.response is None:
+            await super().open()
+            await self.started()
+
+    async def started(self) -> None:
+        """Send the events that open the stream."""
+
+    def payload(self, kind: str, data: dict) -> dict:
+        """The data of an event of this type."""
+        return {"type": kind, **data}
+
+    async def event(self, kind: str, data: dict) -> None:
+        await self.open()  # the start events come first
+        await self.send(self.payload(kind, data), kind)
+
+    async def content(self, text: str) -> None:
+        """Text that may go out as content (empty: none yet, but the stream opens)."""
+        if text:
+            await self.text(text)
+        else:
+            await self.open()
+
+    async def text(self, text: str) -> None:
+        """A piece of the text block (opened by its first piece)."""
+        if not self.text_open:
+            await self.text_started()
+            self.text_open = True
+        await self.text_delta(text)
+
+    async def text_started(self) -> None:
+        """Send the events that open the text block."""
+
+    async def text_delta(self, text: str) -> None:
+        """Send a piece of the text block."""
+
+    async def end_block(self, *events: tuple[str, dict]) -> None:
+        """Send a block's last events; the next block takes the next index."""
+        for kind, data in events:
+            await self.event(kind, data)
+        self.index, self.text_open = self.index + 1, False
+
+    def error_data(self, error: ApiError) -> dict:
+        """The data of the `error` event."""
+        return {"error": error.body()["error"]}
+
+    async def fail(self, error: ApiError) -> None:
+        await self.event("error", self.error_data(error))
+        await self.finish()
+
+
 class CountedSite(web.BaseSite):
     """A TCP site serving at most `limit` connections at once; one more is refused (503, see Refusal).
 

@@ -36,7 +36,7 @@ import uuid
 
 from aiohttp import web
 
-from ellmd.server.http import (ARRAY, BOOL, OBJECT, SAMPLING_FIELDS, STRING, TOOL_CALL_MARKER, ApiError, EventStream,
+from ellmd.server.http import (ARRAY, BOOL, OBJECT, SAMPLING_FIELDS, STRING, TOOL_CALL_MARKER, ApiError, NamedEventStream,
                                Holdback, chat_tools, content_text, field, format_args, read_json, reply_parts,
                                sampling_args)
 
@@ -271,10 +271,7 @@ class Reply:
         holdback = Holdback(TOOL_CALL_MARKER if self.tools else None, self.forced)
 
         async def on_text(text: str) -> None:
-            if content := holdback.push(text):
-                await stream.text(content)
-            else:
-                await stream.open()
+            await stream.content(holdback.push(text))
 
         result = await self.server.stream(stream, args, on_text, op)
         if result is None:
@@ -282,7 +279,7 @@ class Reply:
         final = self.finished(result)
         items = final["output"]
         message = items[0] if items and items[0]["type"] == "message" else None
-        if message is None and stream.message_open:  # text went out before the calls: it stays an item
+        if message is None and stream.text_open:  # text went out before the calls: it stays an item
             message = self.message(stream.streamed, "completed")
             items.insert(0, message)
         if rest := holdback.rest(message["content"][0]["text"] if message else ""):
@@ -297,68 +294,58 @@ class Reply:
         return await stream.finish()
 
 
-class ResponseStream(EventStream):
-    """The Responses API's server-sent events: named, numbered, no [DONE]."""
-
-    done = None
+class ResponseStream(NamedEventStream):
+    """The Responses API's server-sent events: numbered, opened by response.created and
+    response.in_progress."""
 
     def __init__(self, request: web.Request, reply: Reply):
         super().__init__(request)
         self.reply = reply
         self.sequence = 0
-        self.index = 0  # of the next output item
-        self.message_open = False
-        self.streamed = ""
+        self.streamed = ""  # the message's text sent so far
 
-    async def open(self) -> None:
-        if self.response is None:
-            await super().open()
-            session_id = self.headers.get("X-Session-Id", "")
-            self.response_id = self.reply.id(session_id)
-            start = self.reply.response(self.response_id, "in_progress", [])
-            await self.event("response.created", {"response": start})
-            await self.event("response.in_progress", {"response": start})
+    async def started(self) -> None:
+        self.response_id = self.reply.id(self.headers.get("X-Session-Id", ""))
+        start = self.reply.response(self.response_id, "in_progress", [])
+        await self.event("response.created", {"response": start})
+        await self.event("response.in_progress", {"response": start})
 
-    async def event(self, kind: str, data: dict) -> None:
-        await self.open()  # response.created and response.in_progress come first
-        await self.send({"type": kind, "sequence_number": self.sequence, **data}, kind)
+    def payload(self, kind: str, data: dict) -> dict:
         self.sequence += 1
+        return {"type": kind, "sequence_number": self.sequence - 1, **data}
 
     def at(self, item_id: str) -> dict:
         return {"item_id": item_id, "output_index": self.index}
 
-    async def text(self, text: str) -> None:
-        """A piece of the message's text (its item and content part opened by the first piece)."""
+    async def text_started(self) -> None:
         reply = self.reply
-        if not self.message_open:
-            await self.event("response.output_item.added",
-                             {"output_index": self.index, "item": reply.message(None, "in_progress")})
-            await self.event("response.content_part.added", {**self.at(reply.message_id), "content_index": 0,
-                             "part": {"type": "output_text", "text": "", "annotations": [], "logprobs": []}})
-            self.message_open = True
+        await self.event("response.output_item.added",
+                         {"output_index": self.index, "item": reply.message(None, "in_progress")})
+        await self.event("response.content_part.added", {**self.at(reply.message_id), "content_index": 0,
+                         "part": {"type": "output_text", "text": "", "annotations": [], "logprobs": []}})
+
+    async def text_delta(self, text: str) -> None:
         self.streamed += text
         await self.event("response.output_text.delta",
-                         {**self.at(reply.message_id), "content_index": 0, "delta": text, "logprobs": []})
+                         {**self.at(self.reply.message_id), "content_index": 0, "delta": text, "logprobs": []})
 
     async def end_message(self, message: dict | None) -> None:
-        if not self.message_open:
+        if not self.text_open:
             return
         part, at = message["content"][0], {**self.at(self.reply.message_id), "content_index": 0}
-        await self.event("response.output_text.done", {**at, "text": part["text"], "logprobs": []})
-        await self.event("response.content_part.done", {**at, "part": part})
-        await self.event("response.output_item.done", {"output_index": self.index, "item": message})
-        self.index, self.message_open = self.index + 1, False
+        await self.end_block(("response.output_text.done", {**at, "text": part["text"], "logprobs": []}),
+                             ("response.content_part.done", {**at, "part": part}),
+                             ("response.output_item.done", {"output_index": self.index, "item": message}))
 
     async def call(self, item: dict) -> None:
         """A whole function_call item: added, its arguments in one delta, done."""
-        await self.event("response.output_item.added", {"output_index": self.index,
-                                                        "item": {**item, "arguments": "", "status": "in_progress"}})
-        await self.event("response.function_call_arguments.delta", {**self.at(item["id"]), "delta": item["arguments"]})
-        await self.event("response.function_call_arguments.done",
-                         {**self.at(item["id"]), "name": item["name"], "arguments": item["arguments"]})
-        await self.event("response.output_item.done", {"output_index": self.index, "item": item})
-        self.index += 1
+        at = self.at(item["id"])
+        await self.end_block(
+            ("response.output_item.added", {"output_index": self.index,
+                                            "item": {**item, "arguments": "", "status": "in_progress"}}),
+            ("response.function_call_arguments.delta", {**at, "delta": item["arguments"]}),
+            ("response.function_call_arguments.done", {**at, "name": item["name"], "arguments": item["arguments"]}),
+            ("response.output_item.done", {"output_index": self.index, "item": item}))
 
-    async def fail(self, error: ApiError) -> None:
-        await self.event("error", {"code": error.code or error.type, "message": str(error), "param": error.param})
-        await self.finish()
+    def error_data(self, error: ApiError) -> dict:
+        return {"code": error.code or error.type, "message": str(error), "param": error.param}
