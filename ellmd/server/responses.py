@@ -31,6 +31,7 @@ files.
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 
@@ -39,6 +40,8 @@ from aiohttp import web
 from ellmd.server.http import (ARRAY, BOOL, OBJECT, SAMPLING_FIELDS, STRING, TOOL_CALL_MARKER, ApiError, NamedEventStream,
                                Holdback, chat_tools, content_text, field, format_args, read_json, reply_parts,
                                sampling_args)
+
+log = logging.getLogger("ellmd.http")
 
 ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 TEXT_PARTS = ("input_text", "output_text", "text")
@@ -255,10 +258,14 @@ class Reply:
         """Keep a stored response with its turn, for GET /v1/responses/{id}: all of it but its id
         (its point) and the request's instructions and tools where it gave some (the session holds
         them: its system prompt, its tools; an agent resends the same ones with every request)."""
-        if self.turn:
-            note = {k: v for k, v in final.items() if k != "id" and not (k in ("instructions", "tools") and v)}
+        if not self.turn:
+            return
+        note = {k: v for k, v in final.items() if k != "id" and not (k in ("instructions", "tools") and v)}
+        try:
             await self.server.call("session.point", {"session_id": session_id, "name": self.turn, "note": note,
                                                     **self.owner})
+        except ApiError as e:  # the response stands; only GET will not find it
+            log.warning("response %s could not be kept: %s", final["id"], e)
 
     async def whole(self, op: str, args: dict) -> web.Response:
         result = await self.server.generate(args, op=op)
