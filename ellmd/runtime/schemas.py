@@ -228,9 +228,8 @@ OPS: dict[str, type[Args]] = {
     "session.snapshot": Named, "session.resume": Named, "session.close": Named, "session.delete": Named,
     "session.release": Named,
     "session.info": Named, "session.export": Named, "session.import": SessionImport,
-    "session.list": Owned, "completion": Completion, "session.continue": SessionContinue, "skill.list": NoArgs,
-    "session.point": SessionPoint,
-    "skill.load": SkillLoad,
+    "session.list": Owned, "completion": Completion, "session.continue": SessionContinue,
+    "session.point": SessionPoint, "skill.list": NoArgs, "skill.load": SkillLoad,
     "rag.index": RagIndex, "rag.list": NoArgs, "rag.remove": RagRemove, "rag.inject": RagInject, "stats": NoArgs,
 }
 

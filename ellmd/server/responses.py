@@ -170,6 +170,8 @@ class ResponsesApi:
         """GET: a stored response as its POST gave it, kept with its turn (see Reply.keep)."""
         response_id = request.match_info["response_id"]
         kept = await self.point(request, response_id)
+        if "note" not in kept["turn"]:  # a point whose response was not kept
+            raise self.missing(response_id)
         tools = [{"type": "function", **tool["function"]} for tool in kept["tools"] or ()]
         response = {"id": response_id, "instructions": kept["system"], "tools": tools, **kept["turn"]["note"]}
         return web.json_response(response, headers={"X-Session-Id": kept["session_id"]})
@@ -181,23 +183,24 @@ class ResponsesApi:
         await self.point(request, response_id, forget=True)
         return web.json_response({"id": response_id, "object": "response", "deleted": True})
 
+    @staticmethod
+    def missing(response_id: str) -> ApiError:
+        return ApiError(404, f"response {response_id!r} not found (a response stored with store: true is kept "
+                             "until it is deleted or its conversation rewound or deleted)", param="response_id")
+
     async def point(self, request: web.Request, response_id: str, forget: bool = False) -> dict:
-        """The session.point of a stored response's id (its kept note in `turn`), else a 404."""
+        """session.point's result for a response's id (the point forgotten with `forget`), else a 404."""
         point = point_of(response_id)
-        missing = ApiError(404, f"response {response_id!r} not found (a response stored with store: true is kept "
-                                "until it is deleted or its conversation rewound or deleted)", param="response_id")
         if point is None:
-            raise missing
+            raise self.missing(response_id)
         owner = {"owner": request["owner"]} if "owner" in request else {}
         try:
             kept = await self.server.call("session.point", {"session_id": point[0], "name": point[1], **owner,
                                                             **({"forget": True} if forget else {})})
         except ApiError as e:
             if e.status == 404:
-                raise missing from None
+                raise self.missing(response_id) from None
             raise
-        if "note" not in kept["turn"]:
-            raise missing
         return kept
 
 
