@@ -468,10 +468,12 @@ def test_previous_response_id_after_a_restart(smol):
     client = smol.openai()
     first = ask(client, "What is the capital of France?")
     second = ask(client, "And of Italy?", previous=first)
+    other = ask(client, "Name a river.")
     smol.restart()
     client = smol.openai()
     for response in (first, second):  # kept in the store with their turns
         assert client.responses.retrieve(response.id).model_dump() == response.model_dump()
+    client.responses.delete(other.id)  # its session not resident: the forgetting is stored too (below)
     third = ask(client, "And of Germany?", previous=second)
     cached = third.usage.input_tokens_details.cached_tokens
     assert cached == second.usage.input_tokens + second.usage.output_tokens - 1
@@ -485,3 +487,9 @@ def test_previous_response_id_after_a_restart(smol):
     assert spain.usage.input_tokens_details.cached_tokens >= first.usage.input_tokens + first.usage.output_tokens
     reference = chat_reference(client, ["What is the capital of France?", "And of Spain?"], [first.output_text], 10)
     assert spain.output_text == reference.choices[0].message.content
+
+    smol.restart()
+    client = smol.openai()
+    with pytest.raises(openai.NotFoundError, match="not found"):
+        client.responses.retrieve(other.id)
+    assert client.responses.retrieve(spain.id).model_dump() == spain.model_dump()

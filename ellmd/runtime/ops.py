@@ -276,6 +276,7 @@ def session_point(rt, request, session_id, name, note=None, forget=False):
         raise RuntimeError_("not_found", f"session {session_id} has no generation turn named {name!r}")
     found = dict(turn)
     if note is not None or forget:
+        rt.residency.resident(session)  # the change is stored with a snapshot, which takes a resident session
         if forget:
             turn["name"] = None
             turn.pop("note", None)
