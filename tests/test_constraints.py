@@ -109,6 +109,19 @@ def test_masks_are_computed_beside_the_caller(grammars, smol_tokenizer):
     assert logits.max() == 0  # the caller's logits are left alone
 
 
+def test_a_mask_is_never_one_of_an_earlier_state(grammars, smol_tokenizer):
+    """A mask started before a consume (a draft row's, in a step) belongs to the state it started in."""
+    tok = smol_tokenizer
+    c = grammars.compile("regex", "(yes|no)")
+    c.start_mask()
+    c.consume(tok.encode("ye")[0])  # without taking the mask started before
+    assert texts(tok, c.allowed()) == {"s"}
+    c = grammars.compile("regex", "(yes|no)")
+    ye, s, no = (tok.encode(text) for text in ("ye", "s", "no"))
+    assert c.accepted_prefix(ye + s + no) == len(ye + s)
+    assert texts(tok, c.allowed()) == {"y", "ye", "yes", "n", "no"}  # nothing consumed by the check
+
+
 @pytest.fixture(scope="module")
 def engine():
     return Engine(builtin_model_path(), sequence_length=512, batch_size=1, chunk_size=64, threads=2)

@@ -129,6 +129,8 @@ def test_routing_key_names_the_session_else_the_conversation_start():
     assert routing_key(headers, {"messages": []}) == "h1"
     assert routing_key({}, {"session_id": "b1", "messages": []}) == "b1"
     assert routing_key({}, {"previous_response_id": "resp_0123456789abcdef_s42", "input": "go on"}) == "s42"
+    assert routing_key({}, None, "/v1/responses/resp_0123456789abcdef_s43") == "s43"  # GET, DELETE
+    assert routing_key({}, None, "/v1/responses/resp_nothing") is None
     first = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
     later = first + [{"role": "assistant", "content": "hello"}, {"role": "user", "content": "more"}]
     assert routing_key({}, {"messages": first}).startswith(PREFIX_KEY)

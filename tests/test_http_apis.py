@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import socket
+import urllib.error
+import urllib.request
 
 import anthropic
 import jsonschema
@@ -174,6 +176,45 @@ def test_unstored_responses_reuse_by_prefix_and_continue_nothing(smol):
     assert second.usage.input_tokens_details.cached_tokens == first.usage.input_tokens + first.usage.output_tokens - 1
 
 
+def test_a_stored_response_is_retrieved_as_created(smol):
+    """GET /v1/responses/{id} gives the response object its POST gave (whole or streamed, first or
+    continued); an unstored, unknown or malformed id is a 404 in OpenAI's error shape."""
+    client = smol.openai()
+    first = ask(client, "What is the capital of Spain?")
+    second = ask(client, "And of Portugal?", previous=first)
+    streamed = list(client.responses.create(model="smol", input="And of Greece?", previous_response_id=second.id,
+                                            max_output_tokens=10, stream=True, **GREEDY))[-1].response
+    for response in (first, second, streamed):
+        assert client.responses.retrieve(response.id).model_dump() == response.model_dump()
+    assert first.status in ("completed", "incomplete") and first.usage.output_tokens > 0
+    session = first.id.split("_", 2)[2]
+    unstored = ask(client, "Hi", store=False)
+    for missing in (unstored.id, "resp_nothing", "resp_0123456789abcdef_no-such-session",
+                    f"resp_0123456789abcdef_{session}"):
+        with pytest.raises(openai.NotFoundError, match="not found"):
+            client.responses.retrieve(missing)
+    client.responses.delete(second.id)  # forgotten: neither retrieved nor continued; the others stay
+    with pytest.raises(openai.NotFoundError, match="not found"):
+        client.responses.retrieve(second.id)
+    with pytest.raises(openai.NotFoundError, match="previous response"):
+        ask(client, "And of Malta?", previous=second)
+    with pytest.raises(openai.NotFoundError, match="not found"):
+        client.responses.delete(second.id)
+    assert client.responses.retrieve(streamed.id).model_dump() == streamed.model_dump()
+    assert ask(client, "And of Andorra?", previous=first).output_text
+    status, body = get_json(smol.port, "/v1/responses/resp_nothing")
+    assert status == 404 and body["error"]["type"] == "invalid_request_error"  # as OpenAI types a missing response
+    assert body["error"]["param"] == "response_id" and "not found" in body["error"]["message"]
+
+
+def get_json(port: int, path: str) -> tuple[int, dict]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}") as reply:
+            return reply.status, json.load(reply)
+    except urllib.error.HTTPError as e:
+        return e.code, json.load(e)
+
+
 def test_responses_errors(smol):
     client = smol.openai()
     with pytest.raises(openai.NotFoundError, match="previous response"):
@@ -303,6 +344,8 @@ def test_responses_function_calls(tools):
     assert kinds[-5:] == ["response.output_item.added", "response.function_call_arguments.delta",
                           "response.function_call_arguments.done", "response.output_item.done", "response.completed"]
     assert json.loads(events[-1].response.output[0].arguments) == {"city": "Paris"}
+    for response in (reply, events[-1].response):  # kept as created: the function call items, their ids
+        assert client.responses.retrieve(response.id).model_dump() == response.model_dump()
 
     # the tool's output, continuing the stored response: only the new item is prefilled
     follow = client.responses.create(previous_response_id=reply.id, **ask_weather, input=[
@@ -425,8 +468,12 @@ def test_previous_response_id_after_a_restart(smol):
     client = smol.openai()
     first = ask(client, "What is the capital of France?")
     second = ask(client, "And of Italy?", previous=first)
+    other = ask(client, "Name a river.")
     smol.restart()
     client = smol.openai()
+    for response in (first, second):  # kept in the store with their turns
+        assert client.responses.retrieve(response.id).model_dump() == response.model_dump()
+    client.responses.delete(other.id)  # its session not resident: the forgetting is stored too (below)
     third = ask(client, "And of Germany?", previous=second)
     cached = third.usage.input_tokens_details.cached_tokens
     assert cached == second.usage.input_tokens + second.usage.output_tokens - 1
@@ -440,3 +487,9 @@ def test_previous_response_id_after_a_restart(smol):
     assert spain.usage.input_tokens_details.cached_tokens >= first.usage.input_tokens + first.usage.output_tokens
     reference = chat_reference(client, ["What is the capital of France?", "And of Spain?"], [first.output_text], 10)
     assert spain.output_text == reference.choices[0].message.content
+
+    smol.restart()
+    client = smol.openai()
+    with pytest.raises(openai.NotFoundError, match="not found"):
+        client.responses.retrieve(other.id)
+    assert client.responses.retrieve(spain.id).model_dump() == spain.model_dump()

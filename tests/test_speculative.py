@@ -4,6 +4,7 @@ for draw), the acceptance routine's law, the drafts' lookup and adaptation, the 
 
 from __future__ import annotations
 
+import json
 import math
 import threading
 from pathlib import Path
@@ -348,6 +349,37 @@ def test_seeded_sampling_gives_the_tokens_of_plain_decoding(daemon):
         spec = ask(client, True, **sampling)[1]
     assert spec.token_ids == plain.token_ids
     assert spec.usage["accepted_tokens"] > 0
+
+
+# A record the reply is asked to repeat: under its schema the reply copies the prompt, so drafts
+# exist, and they run across the keys and punctuation where the grammar's mask changes token by token.
+RECORD = {"title": "The Old Man and the Sea", "year": 1952,
+          "quote": "A man can be destroyed but not defeated, and the sea does not care about him at all."}
+RECORD_SCHEMA = {"type": "object", "properties": {"title": {"type": "string"}, "quote": {"type": "string"},
+                                                  "year": {"type": "integer"}},
+                 "required": ["title", "quote", "year"], "additionalProperties": False}
+
+
+@pytest.mark.parametrize("sampling", [{}, {"temperature": 0.8, "seed": 5}], ids=["greedy", "seeded"])
+def test_constrained_generations_draft_and_equal_plain_decoding(daemon, sampling):
+    """Each draft row is masked for the grammar's state after the row before: a mask of an earlier
+    state would sample tokens the grammar refuses, or others than plain decoding's."""
+    prompt = f"Here is a record:\n{json.dumps(RECORD)}\nRepeat the record exactly, as JSON."
+    results = {}
+    with daemon.client() as client:
+        for speculative in (False, True):
+            session = client.open_session()
+            session.append(message={"role": "user", "content": prompt})
+            results[speculative] = session.generate(max_tokens=100, json_schema=RECORD_SCHEMA,
+                                                    speculative=speculative, **sampling)
+    plain, spec = results[False], results[True]
+    assert (spec.token_ids, spec.text, spec.finish_reason) == (plain.token_ids, plain.text, plain.finish_reason)
+    assert json.loads(spec.text).keys() == RECORD.keys()
+    assert plain.usage["draft_tokens"] == 0
+    assert spec.usage["draft_tokens"] >= spec.usage["accepted_tokens"] >= 10
+    assert spec.usage["decode_steps"] < plain.usage["decode_steps"]
+    if not sampling:
+        assert json.loads(spec.text) == RECORD  # greedy, the model copies it whole
 
 
 def test_bad_draft_options_are_refused(daemon):

@@ -75,7 +75,7 @@ class Ingress:
             parsed = json.loads(body) if body else None
         except ValueError:
             parsed = None  # the daemon answers the malformed body
-        key = routing_key(request.headers, parsed)
+        key = routing_key(request.headers, parsed, request.url.path)
         headers = {k: v for k, v in request.headers.items() if k.lower() not in ("host", "content-length")}
         path = request.url.path + (f"?{request.url.query}" if request.url.query else "")
         head, refusal, reply = await self.first_answer(key, request.method, path, headers, body)

@@ -1,10 +1,10 @@
 """Which replica a request goes to: its routing key, Serve's multiplexed id.
 
 A request that names a session (a `session_id` field, an `X-Session-Id` header, a Responses
-`previous_response_id`) is keyed by that session. A conversation without one is keyed by a hash of
-its leading messages (up to its first user message: the system prompt and the question), so that
-the turns of one conversation, each resending the whole of it, meet on the replica whose daemon
-holds its prefix. Requests that carry no prompt (models, health) have no key.
+`previous_response_id`, a response's id in the path) is keyed by that session. A conversation
+without one is keyed by a hash of its leading messages (up to its first user message: the system
+prompt and the question), so that the turns of one conversation, each resending the whole of it,
+meet on the replica whose daemon holds its prefix. Requests that carry no prompt (models, health) have no key.
 """
 
 from __future__ import annotations
@@ -16,10 +16,14 @@ from ellmd.server.responses import point_of
 
 PREFIX_KEY = "prefix-"  # keys of conversations without a session id
 LEADING_CHARS = 2048  # of a plain completion prompt
+RESPONSE_PATH = "/v1/responses/"
 
 
-def routing_key(headers, body) -> str | None:
-    """The multiplexed id of a request (headers: case-insensitive mapping; body: its parsed JSON)."""
+def routing_key(headers, body, path: str = "") -> str | None:
+    """The multiplexed id of a request (headers: case-insensitive mapping; body: its parsed JSON;
+    path: the URL's, which names a response in GET and DELETE /v1/responses/{id})."""
+    if path.startswith(RESPONSE_PATH) and (point := point_of(path.removeprefix(RESPONSE_PATH))):
+        return point[0]
     if not isinstance(body, dict):
         body = {}
     session_id = body.get("session_id") or headers.get("x-session-id")

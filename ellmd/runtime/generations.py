@@ -107,15 +107,17 @@ class Generations:
 
     def drafter(self, gen: Generation, draft_tokens: int) -> PromptLookup | None:
         """The draft proposer of a generation, or None where it does not draft (asked not to, or
-        no room for a draft). The one place that decides whether a generation may draft (one whose
-        tokens are constrained would not, until its mask applies row by row in `verify`)."""
-        if draft_tokens <= 0 or self.engine.step_rows < 2 or gen.constraint is not None:
+        no room for a draft). The one place that decides whether a generation may draft; a
+        constrained one does too (its drafts cut where the grammar refuses, its rows masked each
+        for the state the row before left: `drafts`, `verify`)."""
+        if draft_tokens <= 0 or self.engine.step_rows < 2:
             return None
         return PromptLookup(gen.session.tokens, self.engine.kv.sequence_length, draft_tokens)
 
     def drafts(self, gens: list[Generation], spare: int) -> list[list[int]]:
         """Each generation's draft for the next step, within `spare` rows of the step shared evenly,
-        the generation's room in the context and its max_tokens."""
+        the generation's room in the context and its max_tokens, and cut where its constraint (if
+        any) would refuse a token: no sample could agree with the rest."""
         drafting = [g for g in gens if g.drafter is not None]
         share = spare // len(drafting) if drafting else 0
         drafts = []
@@ -125,7 +127,10 @@ class Generations:
                 continue
             room = min(self.engine.kv.sequence_length - len(gen.session.tokens) - 2,
                        gen.params.max_tokens - len(gen.generated) - 1)
-            drafts.append(gen.drafter.propose(min(share, room)))
+            draft = gen.drafter.propose(min(share, room))
+            if gen.constraint:
+                draft = draft[: gen.constraint.accepted_prefix(draft)]
+            drafts.append(draft)
         return drafts
 
     def step(self, extend=None, extend_logits: bool = False):
@@ -134,11 +139,11 @@ class Generations:
         generations it touched; one of a step that carried a prefill goes up instead, and the loop
         runs the step again without it."""
         gens = list(self.active)
-        for gen in gens:
-            if gen.constraint:  # the next masks are computed while the forward runs
-                gen.constraint.start_mask()
         spare = self.engine.step_rows - len(gens) - (len(extend[1]) if extend is not None else 0)
         rows = [[g.next_token, *draft] for g, draft in zip(gens, self.drafts(gens, spare))]
+        for gen in gens:
+            if gen.constraint:  # the first row's mask is computed while the forward runs
+                gen.constraint.start_mask()
         self.draft_rows = sum(len(r) - 1 for r in rows)
         try:
             logits, last = self.engine.step([g.session.slot for g in gens], rows, extend, extend_logits)
@@ -159,9 +164,10 @@ class Generations:
 
     def verify(self, gen: Generation, tokens: list[int], logits) -> None:
         """Take a generation's rows of a step: its next token and its draft (tokens [r], logits
-        [r, V]). Row by row: its token joins the session, a token is sampled from its logits and
-        accepted as plain decoding would (penalties, stops, max_tokens); the next row counts only
-        while the sample agrees with its draft token. The rows past the last one kept leave the KV.
+        [r, V]). Row by row: its token joins the session, a token is sampled from its logits (masked
+        for the constraint's state after the row before) and accepted as plain decoding would
+        (penalties, stops, max_tokens); the next row counts only while the sample agrees with its
+        draft token. The rows past the last one kept leave the KV.
         """
         session, drafted, kept = gen.session, len(tokens) - 1, 0
         gen.steps += 1  # counted first: the usage is taken when a row's token ends the generation

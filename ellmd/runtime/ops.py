@@ -265,6 +265,30 @@ def session_continue(rt, request, session_id, after, messages, tools=None, force
     yield from generate(rt, request, session, sampling, prompt=prompt, restore=before, name=name)
 
 
+def session_point(rt, request, session_id, name, note=None, forget=False):
+    """A named point of a session: the end of its generation turn named `name`. `note` keeps a
+    caller's record with it (an HTTP API's reply, to give it again); `forget` drops its name and
+    note (it can no longer be continued or retrieved). Returns the turn as it was found, with the
+    session's tools and system prompt."""
+    session = rt.residency.session(session_id, request.owner)
+    turn = next((t for t in session.turns if t["kind"] == "generation" and t["name"] == name), None)
+    if turn is None:
+        raise RuntimeError_("not_found", f"session {session_id} has no generation turn named {name!r}")
+    found = dict(turn)
+    if note is not None or forget:
+        rt.residency.resident(session)  # the change is stored with a snapshot, which takes a resident session
+        if forget:
+            turn["name"] = None
+            turn.pop("note", None)
+        else:
+            turn["note"] = note
+        session.touch()
+        yield from rt.after_turn(session)
+    first = session.messages[0] if session.messages else {}
+    return {"session_id": session_id, "turn": found, "tools": session.tools,
+            "system": first.get("content") if first.get("role") == "system" else None}
+
+
 def branch(rt, source: Session, at: int) -> Session:
     """A new session holding `source` up to token `at` (the end of one of its turns), as pending
     tokens: its first prefill copies their KV from `source` instead of computing it."""
@@ -408,7 +432,7 @@ OPS: dict[str, Op] = {
     "session.info": Op(session_info), "session.list": Op(session_list), "session.export": Op(session_export),
     "session.import": Op(session_import),
     "session.generate": Op(session_generate), "session.chat": Op(session_chat), "completion": Op(completion),
-    "session.continue": Op(session_continue),
+    "session.continue": Op(session_continue), "session.point": Op(session_point),
     "skill.list": Op(skill_list, aside="read"), "skill.load": Op(skill_load),
     "rag.index": Op(rag_index, aside="write"), "rag.list": Op(rag_list, aside="read"),
     "rag.remove": Op(rag_remove, aside="write"), "rag.inject": Op(rag_inject),

@@ -170,6 +170,16 @@ class SessionContinue(Sampling, kw_only=True):
         super().__post_init__()
 
 
+class SessionPoint(Named, kw_only=True):
+    name: Short  # of a generation turn
+    note: JsonMap | None = None
+    forget: bool | None = None
+
+    def __post_init__(self):
+        if self.note is not None and self.forget:
+            raise ValueError("session.point takes note or forget, not both")
+
+
 class SkillLoad(Named, kw_only=True):
     name: Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
     file: Path | None = None
@@ -218,13 +228,13 @@ OPS: dict[str, type[Args]] = {
     "session.snapshot": Named, "session.resume": Named, "session.close": Named, "session.delete": Named,
     "session.release": Named,
     "session.info": Named, "session.export": Named, "session.import": SessionImport,
-    "session.list": Owned, "completion": Completion, "session.continue": SessionContinue, "skill.list": NoArgs,
-    "skill.load": SkillLoad,
+    "session.list": Owned, "completion": Completion, "session.continue": SessionContinue,
+    "session.point": SessionPoint, "skill.list": NoArgs, "skill.load": SkillLoad,
     "rag.index": RagIndex, "rag.list": NoArgs, "rag.remove": RagRemove, "rag.inject": RagInject, "stats": NoArgs,
 }
 
 # Fields holding maps or lists of maps whose nested values must be JSON (the store keeps them).
-JSON_FIELDS = ("message", "messages", "tools", "json_schema")
+JSON_FIELDS = ("message", "messages", "tools", "json_schema", "note")
 
 
 def validate(op: str, args, vocab_size: int) -> dict:
@@ -304,6 +314,7 @@ class Turn(msgspec.Struct, forbid_unknown_fields=True):
     time: float
     role: str | None = None
     name: str | None = None
+    note: JsonMap | None = None  # a caller's record of a generation turn (session.point)
 
 
 class StoredMeta(msgspec.Struct, forbid_unknown_fields=True):

@@ -24,8 +24,8 @@ import uuid
 
 from aiohttp import web
 
-from ellmd.server.http import (ARRAY, BOOL, OBJECT, TOOL_CALL_MARKER, ApiError, EventStream, Holdback, chat_tools,
-                               content_text, field, format_args, read_json, reply_parts, sampling_args,
+from ellmd.server.http import (ARRAY, BOOL, OBJECT, TOOL_CALL_MARKER, ApiError, Holdback, NamedEventStream,
+                               chat_tools, content_text, field, format_args, read_json, reply_parts, sampling_args,
                                session_arg)
 
 # tool_choice type -> the chat completions' tool_choice
@@ -214,10 +214,7 @@ class Reply:
         holdback = Holdback(TOOL_CALL_MARKER if self.tools else None, self.forced)
 
         async def on_text(text: str) -> None:
-            if content := holdback.push(text):
-                await stream.text(content)
-            else:
-                await stream.open()
+            await stream.content(holdback.push(text))
 
         result = await self.server.stream(stream, args, on_text)
         if result is None:
@@ -237,45 +234,31 @@ class Reply:
         return await stream.finish()
 
 
-class MessageStream(EventStream):
-    """Anthropic's server-sent events: named, no [DONE], errors as an `error` event."""
-
-    done = None
+class MessageStream(NamedEventStream):
+    """Anthropic's server-sent events, opened by message_start."""
 
     def __init__(self, request: web.Request, start: dict):
         super().__init__(request)
         self.start = start
-        self.index = 0  # of the next content block
-        self.text_open = False
 
-    async def open(self) -> None:
-        if self.response is None:
-            await super().open()
-            await self.send(self.start, "message_start")
+    async def started(self) -> None:
+        await self.send(self.start, "message_start")
 
-    async def event(self, kind: str, data: dict) -> None:
-        await self.send({"type": kind, **data}, kind)
+    async def text_started(self) -> None:
+        await self.event("content_block_start", {"index": self.index, "content_block": {"type": "text", "text": ""}})
 
-    async def text(self, text: str) -> None:
-        """A piece of the text block (opened by its first piece)."""
-        if not self.text_open:
-            await self.event("content_block_start",
-                             {"index": self.index, "content_block": {"type": "text", "text": ""}})
-            self.text_open = True
+    async def text_delta(self, text: str) -> None:
         await self.event("content_block_delta", {"index": self.index, "delta": {"type": "text_delta", "text": text}})
 
     async def close_block(self) -> None:
         if self.text_open:
-            await self.event("content_block_stop", {"index": self.index})
-            self.index, self.text_open = self.index + 1, False
+            await self.end_block(("content_block_stop", {"index": self.index}))
 
     async def block(self, start: dict, delta: dict) -> None:
         """A whole content block: its start, one delta, its stop."""
-        await self.event("content_block_start", {"index": self.index, "content_block": start})
-        await self.event("content_block_delta", {"index": self.index, "delta": delta})
-        await self.event("content_block_stop", {"index": self.index})
-        self.index += 1
+        await self.end_block(("content_block_start", {"index": self.index, "content_block": start}),
+                             ("content_block_delta", {"index": self.index, "delta": delta}),
+                             ("content_block_stop", {"index": self.index}))
 
-    async def fail(self, error: ApiError) -> None:
-        await self.send(error.anthropic_body(), "error")
-        await self.finish()
+    def error_data(self, error: ApiError) -> dict:
+        return {"error": error.anthropic_body()["error"]}

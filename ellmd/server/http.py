@@ -479,6 +479,69 @@ class EventStream:
         return self.response
 
 
+class NamedEventStream(EventStream):
+    """Server-sent events named by their type (the Responses and Messages APIs): opened by start
+    events, no [DONE], an error as an `error` event. Their blocks (output items, content blocks)
+    are counted by `index`; a text block is opened by its first piece and closed later."""
+
+    done = None
+
+    def __init__(self, request: web.Request):
+        super().__init__(request)
+        self.index = 0  # of the next block
+        self.text_open = False
+
+    async def open(self) -> None:
+        if self.response is None:
+            await super().open()
+            await self.started()
+
+    async def started(self) -> None:
+        """Send the events that open the stream."""
+
+    def payload(self, kind: str, data: dict) -> dict:
+        """The data of an event of this type."""
+        return {"type": kind, **data}
+
+    async def event(self, kind: str, data: dict) -> None:
+        await self.open()  # the start events come first
+        await self.send(self.payload(kind, data), kind)
+
+    async def content(self, text: str) -> None:
+        """Text that may go out as content (empty: none yet, but the stream opens)."""
+        if text:
+            await self.text(text)
+        else:
+            await self.open()
+
+    async def text(self, text: str) -> None:
+        """A piece of the text block (opened by its first piece)."""
+        if not self.text_open:
+            await self.text_started()
+            self.text_open = True
+        await self.text_delta(text)
+
+    async def text_started(self) -> None:
+        """Send the events that open the text block."""
+
+    async def text_delta(self, text: str) -> None:
+        """Send a piece of the text block."""
+
+    async def end_block(self, *events: tuple[str, dict]) -> None:
+        """Send a block's last events; the next block takes the next index."""
+        for kind, data in events:
+            await self.event(kind, data)
+        self.index, self.text_open = self.index + 1, False
+
+    def error_data(self, error: ApiError) -> dict:
+        """The data of the `error` event."""
+        return {"error": error.body()["error"]}
+
+    async def fail(self, error: ApiError) -> None:
+        await self.event("error", self.error_data(error))
+        await self.finish()
+
+
 class CountedSite(web.BaseSite):
     """A TCP site serving at most `limit` connections at once; one more is refused (503, see Refusal).
 
@@ -780,6 +843,17 @@ class HttpServer:
             pass
         return None
 
+    async def call(self, op: str, args: dict):
+        """Run one op that does not generate; its result (a runtime error as an ApiError)."""
+        try:
+            job = self.admission.submit(op, args)
+        except QueueFull as e:
+            raise queue_full(e) from None
+        try:  # shield: a client that disconnects must not cancel the engine thread's future under it
+            return await asyncio.shield(asyncio.wrap_future(job.future))
+        except RuntimeError_ as e:
+            raise ApiError.from_runtime(e) from None
+
     async def in_thread(self, function, *args):
         return await asyncio.get_running_loop().run_in_executor(None, function, *args)
 
@@ -803,12 +877,7 @@ class HttpServer:
             "max_model_len": self.context}]})
 
     async def metrics_text(self, request: web.Request) -> web.Response:
-        # shield: a scrape that disconnects must not cancel the engine thread's future under it
-        try:
-            job = self.admission.submit("stats", {})
-        except QueueFull as e:
-            raise queue_full(e) from None
-        stats = await asyncio.shield(asyncio.wrap_future(job.future))
+        stats = await self.call("stats", {})
         return web.Response(body=self.metrics.render(stats), headers={"Content-Type": self.metrics.content_type})
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:

@@ -1,4 +1,5 @@
-"""The OpenAI Responses API: `POST /v1/responses` (the OpenAI Agents SDK, Codex-style tools).
+"""The OpenAI Responses API: `POST /v1/responses` (the OpenAI Agents SDK, Codex-style tools), and
+`GET` / `DELETE /v1/responses/{id}` of a stored response.
 
 `input` (a string, or items: messages with input_text content, function_call and
 function_call_output items) and `instructions` become chat messages, rendered as a chat
@@ -15,7 +16,8 @@ end (a conversation continued twice from one response) continues in a branch who
 so the later turns stay as they were. With `previous_response_id` the session keeps the
 instructions it was started with (they are in its KV); new ones are ignored. `store: false` runs
 the prompt as a chat completion does (reusing the KV of the resident conversation it extends) and
-gives an id that cannot be continued.
+gives an id that cannot be continued. A stored response is kept with its turn (session.point's
+note), so that GET gives it again, also after a restart; DELETE forgets the point.
 
 Streaming sends the Responses events: response.created, response.in_progress, then per output item
 response.output_item.added, (response.content_part.added, response.output_text.delta...,
@@ -29,14 +31,17 @@ files.
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 
 from aiohttp import web
 
-from ellmd.server.http import (ARRAY, BOOL, OBJECT, SAMPLING_FIELDS, STRING, TOOL_CALL_MARKER, ApiError, EventStream,
+from ellmd.server.http import (ARRAY, BOOL, OBJECT, SAMPLING_FIELDS, STRING, TOOL_CALL_MARKER, ApiError, NamedEventStream,
                                Holdback, chat_tools, content_text, field, format_args, read_json, reply_parts,
                                sampling_args)
+
+log = logging.getLogger("ellmd.http")
 
 ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 TEXT_PARTS = ("input_text", "output_text", "text")
@@ -45,7 +50,9 @@ STORED_TAG = "responses"  # of the sessions holding stored responses (never cut 
 
 
 def routes(server) -> list:
-    return [web.post("/v1/responses", ResponsesApi(server).create)]
+    api = ResponsesApi(server)
+    return [web.post("/v1/responses", api.create), web.get("/v1/responses/{response_id}", api.retrieve),
+            web.delete("/v1/responses/{response_id}", api.delete)]
 
 
 def point_of(response_id: str) -> tuple[str, str] | None:
@@ -148,7 +155,7 @@ class ResponsesApi:
                                       **sampling_args(sampling, server.context - len(tokens)), **constraint}
             if store:
                 args["tag"] = STORED_TAG
-        reply = Reply(server, body, turn if store else None, tools, forced)
+        reply = Reply(server, body, turn if store else None, tools, forced, owner)
         try:
             if field(body, "stream", BOOL):
                 return await reply.stream(request, op, {**args, "name": turn, **owner})
@@ -159,12 +166,50 @@ class ResponsesApi:
                                param="previous_response_id") from None
             raise
 
+    async def retrieve(self, request: web.Request) -> web.Response:
+        """GET: a stored response as its POST gave it, kept with its turn (see Reply.keep)."""
+        response_id = request.match_info["response_id"]
+        kept = await self.point(request, response_id)
+        if "note" not in kept["turn"]:  # a point whose response was not kept
+            raise self.missing(response_id)
+        tools = [{"type": "function", **tool["function"]} for tool in kept["tools"] or ()]
+        response = {"id": response_id, "instructions": kept["system"], "tools": tools, **kept["turn"]["note"]}
+        return web.json_response(response, headers={"X-Session-Id": kept["session_id"]})
+
+    async def delete(self, request: web.Request) -> web.Response:
+        """DELETE: forget a stored response (its point can no longer be retrieved or continued; the
+        conversation, and the responses before and after it, stay)."""
+        response_id = request.match_info["response_id"]
+        await self.point(request, response_id, forget=True)
+        return web.json_response({"id": response_id, "object": "response", "deleted": True})
+
+    @staticmethod
+    def missing(response_id: str) -> ApiError:
+        return ApiError(404, f"response {response_id!r} not found (a response stored with store: true is kept "
+                             "until it is deleted or its conversation rewound or deleted)", param="response_id")
+
+    async def point(self, request: web.Request, response_id: str, forget: bool = False) -> dict:
+        """session.point's result for a response's id (the point forgotten with `forget`), else a 404."""
+        point = point_of(response_id)
+        if point is None:
+            raise self.missing(response_id)
+        owner = {"owner": request["owner"]} if "owner" in request else {}
+        try:
+            kept = await self.server.call("session.point", {"session_id": point[0], "name": point[1], **owner,
+                                                            **({"forget": True} if forget else {})})
+        except ApiError as e:
+            if e.status == 404:
+                raise self.missing(response_id) from None
+            raise
+        return kept
+
 
 class Reply:
     """One response, whole or as the Responses events."""
 
-    def __init__(self, server, body: dict, turn: str | None, tools: list | None, forced: str):
+    def __init__(self, server, body: dict, turn: str | None, tools: list | None, forced: str, owner: dict):
         self.server, self.body, self.turn, self.tools, self.forced = server, body, turn, tools, forced
+        self.owner = owner
         self.created = int(time.time())
         self.message_id = f"msg_{uuid.uuid4().hex[:24]}"
         self.unstored_id = f"resp_{uuid.uuid4().hex[:TURN_NAME]}"
@@ -212,19 +257,31 @@ class Reply:
         return self.response(self.id(result["session_id"]), status, self.output(result), usage(result["usage"]),
                              incomplete)
 
+    async def keep(self, final: dict, session_id: str) -> None:
+        """Keep a stored response with its turn, for GET /v1/responses/{id}: all of it but its id
+        (its point) and the request's instructions and tools where it gave some (the session holds
+        them: its system prompt, its tools; an agent resends the same ones with every request)."""
+        if not self.turn:
+            return
+        note = {k: v for k, v in final.items() if k != "id" and not (k in ("instructions", "tools") and v)}
+        try:
+            await self.server.call("session.point", {"session_id": session_id, "name": self.turn, "note": note,
+                                                    **self.owner})
+        except ApiError as e:  # the response stands; only GET will not find it
+            log.warning("response %s could not be kept: %s", final["id"], e)
+
     async def whole(self, op: str, args: dict) -> web.Response:
         result = await self.server.generate(args, op=op)
-        return web.json_response(self.finished(result), headers={"X-Session-Id": result["session_id"]})
+        final = self.finished(result)
+        await self.keep(final, result["session_id"])
+        return web.json_response(final, headers={"X-Session-Id": result["session_id"]})
 
     async def stream(self, request: web.Request, op: str, args: dict) -> web.StreamResponse:
         stream = ResponseStream(request, self)
         holdback = Holdback(TOOL_CALL_MARKER if self.tools else None, self.forced)
 
         async def on_text(text: str) -> None:
-            if content := holdback.push(text):
-                await stream.text(content)
-            else:
-                await stream.open()
+            await stream.content(holdback.push(text))
 
         result = await self.server.stream(stream, args, on_text, op)
         if result is None:
@@ -232,7 +289,7 @@ class Reply:
         final = self.finished(result)
         items = final["output"]
         message = items[0] if items and items[0]["type"] == "message" else None
-        if message is None and stream.message_open:  # text went out before the calls: it stays an item
+        if message is None and stream.text_open:  # text went out before the calls: it stays an item
             message = self.message(stream.streamed, "completed")
             items.insert(0, message)
         if rest := holdback.rest(message["content"][0]["text"] if message else ""):
@@ -241,73 +298,64 @@ class Reply:
         for item in items:
             if item["type"] == "function_call":
                 await stream.call(item)
+        await self.keep(final, result["session_id"])
         kind = {"incomplete": "response.incomplete"}.get(final["status"], "response.completed")
         await stream.event(kind, {"response": final})
         return await stream.finish()
 
 
-class ResponseStream(EventStream):
-    """The Responses API's server-sent events: named, numbered, no [DONE]."""
-
-    done = None
+class ResponseStream(NamedEventStream):
+    """The Responses API's server-sent events: numbered, opened by response.created and
+    response.in_progress."""
 
     def __init__(self, request: web.Request, reply: Reply):
         super().__init__(request)
         self.reply = reply
         self.sequence = 0
-        self.index = 0  # of the next output item
-        self.message_open = False
-        self.streamed = ""
+        self.streamed = ""  # the message's text sent so far
 
-    async def open(self) -> None:
-        if self.response is None:
-            await super().open()
-            session_id = self.headers.get("X-Session-Id", "")
-            self.response_id = self.reply.id(session_id)
-            start = self.reply.response(self.response_id, "in_progress", [])
-            await self.event("response.created", {"response": start})
-            await self.event("response.in_progress", {"response": start})
+    async def started(self) -> None:
+        self.response_id = self.reply.id(self.headers.get("X-Session-Id", ""))
+        start = self.reply.response(self.response_id, "in_progress", [])
+        await self.event("response.created", {"response": start})
+        await self.event("response.in_progress", {"response": start})
 
-    async def event(self, kind: str, data: dict) -> None:
-        await self.open()  # response.created and response.in_progress come first
-        await self.send({"type": kind, "sequence_number": self.sequence, **data}, kind)
+    def payload(self, kind: str, data: dict) -> dict:
         self.sequence += 1
+        return {"type": kind, "sequence_number": self.sequence - 1, **data}
 
     def at(self, item_id: str) -> dict:
         return {"item_id": item_id, "output_index": self.index}
 
-    async def text(self, text: str) -> None:
-        """A piece of the message's text (its item and content part opened by the first piece)."""
+    async def text_started(self) -> None:
         reply = self.reply
-        if not self.message_open:
-            await self.event("response.output_item.added",
-                             {"output_index": self.index, "item": reply.message(None, "in_progress")})
-            await self.event("response.content_part.added", {**self.at(reply.message_id), "content_index": 0,
-                             "part": {"type": "output_text", "text": "", "annotations": [], "logprobs": []}})
-            self.message_open = True
+        await self.event("response.output_item.added",
+                         {"output_index": self.index, "item": reply.message(None, "in_progress")})
+        await self.event("response.content_part.added", {**self.at(reply.message_id), "content_index": 0,
+                         "part": {"type": "output_text", "text": "", "annotations": [], "logprobs": []}})
+
+    async def text_delta(self, text: str) -> None:
         self.streamed += text
         await self.event("response.output_text.delta",
-                         {**self.at(reply.message_id), "content_index": 0, "delta": text, "logprobs": []})
+                         {**self.at(self.reply.message_id), "content_index": 0, "delta": text, "logprobs": []})
 
     async def end_message(self, message: dict | None) -> None:
-        if not self.message_open:
+        if not self.text_open:
             return
         part, at = message["content"][0], {**self.at(self.reply.message_id), "content_index": 0}
-        await self.event("response.output_text.done", {**at, "text": part["text"], "logprobs": []})
-        await self.event("response.content_part.done", {**at, "part": part})
-        await self.event("response.output_item.done", {"output_index": self.index, "item": message})
-        self.index, self.message_open = self.index + 1, False
+        await self.end_block(("response.output_text.done", {**at, "text": part["text"], "logprobs": []}),
+                             ("response.content_part.done", {**at, "part": part}),
+                             ("response.output_item.done", {"output_index": self.index, "item": message}))
 
     async def call(self, item: dict) -> None:
         """A whole function_call item: added, its arguments in one delta, done."""
-        await self.event("response.output_item.added", {"output_index": self.index,
-                                                        "item": {**item, "arguments": "", "status": "in_progress"}})
-        await self.event("response.function_call_arguments.delta", {**self.at(item["id"]), "delta": item["arguments"]})
-        await self.event("response.function_call_arguments.done",
-                         {**self.at(item["id"]), "name": item["name"], "arguments": item["arguments"]})
-        await self.event("response.output_item.done", {"output_index": self.index, "item": item})
-        self.index += 1
+        at = self.at(item["id"])
+        await self.end_block(
+            ("response.output_item.added", {"output_index": self.index,
+                                            "item": {**item, "arguments": "", "status": "in_progress"}}),
+            ("response.function_call_arguments.delta", {**at, "delta": item["arguments"]}),
+            ("response.function_call_arguments.done", {**at, "name": item["name"], "arguments": item["arguments"]}),
+            ("response.output_item.done", {"output_index": self.index, "item": item}))
 
-    async def fail(self, error: ApiError) -> None:
-        await self.event("error", {"code": error.code or error.type, "message": str(error), "param": error.param})
-        await self.finish()
+    def error_data(self, error: ApiError) -> dict:
+        return {"code": error.code or error.type, "message": str(error), "param": error.param}

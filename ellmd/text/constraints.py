@@ -122,7 +122,10 @@ class Constraint:
     """One generation's grammar state: the mask of the next position, and the tokens consumed.
 
     Per position: `start_mask()` (before the forward pass), `apply(logits)` (after it), then
-    `consume(token)` with the sampled token.
+    `consume(token)` with the sampled token. The mask is tagged with the count of tokens consumed
+    when it was computed, so that `allowed()` never gives one of an earlier state: the draft rows
+    of a step (speculative decoding) each take the mask of the state their previous row's token
+    left, computed then.
     """
 
     def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int, pool: concurrent.futures.Executor):
@@ -130,24 +133,31 @@ class Constraint:
         self.vocab_size = vocab_size
         self.pool = pool
         self.bitmask = np.zeros((vocab_size + 31) // 32, np.int32)  # [W]
-        self.pending: concurrent.futures.Future | None = None
+        self.consumed = 0  # tokens consumed: the matcher's state (it only moves forward)
+        self.filled = -1  # the state self.bitmask belongs to (-1: none yet)
+        self.pending: concurrent.futures.Future | None = None  # filling self.bitmask on the worker
 
-    def _fill(self) -> None:
+    def _fill(self, state: int) -> None:
         # Writes the mask of the next position into self.bitmask (without the GIL).
         self.matcher.unsafe_compute_mask_ptr(self.bitmask.ctypes.data, self.bitmask.nbytes)
+        self.filled = state
+
+    def _settle(self) -> None:
+        """Wait for the worker (nothing else may touch the matcher meanwhile)."""
+        if self.pending is not None:
+            pending, self.pending = self.pending, None
+            pending.result()
 
     def start_mask(self) -> None:
         """Begin computing the next position's mask on the worker thread."""
-        if self.pending is None:
-            self.pending = self.pool.submit(self._fill)
+        if self.pending is None and self.filled != self.consumed:
+            self.pending = self.pool.submit(self._fill, self.consumed)
 
     def allowed(self) -> np.ndarray:
         """The next position's allowed tokens [V] bool (waits for the mask, or computes it)."""
-        if self.pending is None:
-            self._fill()
-        else:
-            self.pending.result()
-            self.pending = None
+        self._settle()
+        if self.filled != self.consumed:  # none started, or started before the last consume
+            self._fill(self.consumed)
         bits = np.unpackbits(self.bitmask.view(np.uint8), bitorder="little", count=self.vocab_size)  # [V]
         return bits.view(bool)
 
@@ -156,7 +166,16 @@ class Constraint:
         allowed = self.allowed()[: len(logits)]
         return np.where(allowed, logits, np.float32(-np.inf))  # [V]
 
+    def accepted_prefix(self, tokens: list[int]) -> int:
+        """How many leading `tokens` the grammar would take from here (none consumed)."""
+        if not tokens:
+            return 0
+        self._settle()
+        return self.matcher.validate_tokens(tokens)
+
     def consume(self, token: int) -> None:
         """Advance past a sampled token; GrammarError if the grammar does not allow it."""
+        self._settle()
         if not self.matcher.consume_token(token):
             raise GrammarError(f"the constraint rejected token {token}: {self.matcher.get_error()}")
+        self.consumed += 1
