@@ -19,7 +19,7 @@ import time
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 PLACED_S = 30.0  # a placement counts as held until then; the replica's own report of the id comes sooner
-SENDING_S = 2.0  # and as in flight until then; Serve's queue length counts the request once it is sent
+SENDING_S = 2.0  # and as in flight until then (Serve's queue length counts a request once it is sent)
 
 
 class SessionRouter(RequestRouter):
@@ -52,5 +52,5 @@ class SessionRouter(RequestRouter):
         now = time.monotonic()
         placed = {k: t for k, (replica_id, t) in self.placed.items() if replica_id == replica.replica_id}
         sending = sum(now - t < SENDING_S for t in placed.values())
-        queue = self.replica_queue_len_cache.get(replica.replica_id) or 0
-        return queue + sending, len(placed.keys() | replica.multiplexed_model_ids)
+        queue = self.replica_queue_len_cache.get(replica.replica_id) or 0  # counts some of `sending` already
+        return max(queue, sending), len(placed.keys() | replica.multiplexed_model_ids)
