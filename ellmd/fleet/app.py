@@ -2,14 +2,14 @@
 
 The ingress takes every HTTP request (the daemon's whole HTTP API: OpenAI, Responses, Anthropic,
 health), works out its routing key (routing.py) and hands it to a replica through a
-DeploymentHandle with that key as the multiplexed id (router.py picks the replica); the reply streams back as the replica's daemon
-sends it, with the replica's name in `X-Ellm-Replica`. /metrics answers every replica's metrics,
-labelled by replica (metrics.py).
+DeploymentHandle with that key as the multiplexed id (router.py picks the replica); the reply
+streams back as the replica's daemon sends it, with the replica's name in `X-Ellm-Replica`.
+/metrics answers every replica's metrics, labelled by replica (metrics.py).
 
-A request that meets a session held by another replica (409 session_busy: a routing miss while Serve
-learns where the session went, or a dead replica's lease not yet given up) or a replica that died
-under it is tried again, on whichever replica Serve picks, for up to `retry_s` seconds; nothing was
-sent to the client before, and the daemon never acknowledged the turn, so nothing is lost or doubled.
+A request that meets a session held by another replica (409 session_leased: a dead replica's lease
+not yet given up) or a replica that died under it is tried again, on the replica the router picks
+then, for up to `retry_s` seconds; nothing was sent to the client before, and the daemon never
+acknowledged the turn, so nothing is lost or doubled.
 """
 
 from __future__ import annotations
