@@ -10,7 +10,7 @@ Weights are re-drawn at a realistic scale (unit-variance projections, norm weigh
 embeddings at 0.25) so that attention is not uniform and the logits span several units: a
 check against logits that are all ~0 would prove nothing.
 
-The Qwen3 tokenizer from ../shared/fixtures/qwen3-tokenizer is copied in so the engine finds a
+The Qwen3 tokenizer from tests/fixtures/qwen3-tokenizer is copied in so the engine finds a
 tokenizer; the checks feed token ids directly and keep them below the vocabulary size.
 
     python alignment/checkpoints.py --dir /tmp/ellm-ckpts        # write all variants
@@ -26,7 +26,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-TOKENIZER_DIR = ROOT.parent / "shared" / "fixtures" / "qwen3-tokenizer"
+TOKENIZER_DIR = ROOT / "tests" / "fixtures" / "qwen3-tokenizer"
 
 VOCAB = 1001
 SHAPE = dict(

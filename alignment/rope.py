@@ -8,7 +8,7 @@ at sequential and scattered positions, up to 32k where the config allows.
 Rope types covered: default (Llama 2, SmolLM2, Qwen3), linear, dynamic (below
 max_position_embeddings: transformers rescales dynamic rope per forward beyond it, which a static
 table cannot follow; reported, not checked), llama3 (Llama 3.1 / 3.2) and yarn (Qwen3 long
-context); the tiny test checkpoints; and the Qwen3 configs in ../shared/fixtures/configs.
+context); the tiny test checkpoints; and the Qwen3 configs in tests/fixtures/configs.
 
 Shapes: q [n, H, d], k [n, G, d]; tables [L, d/2].
 """
@@ -30,7 +30,7 @@ import json
 import numpy as np
 
 TOL = 1e-4  # fp32 angles: identical inv_freq gives ~1e-7; one ulp of inv_freq at 32k gives ~1e-3
-FIXTURE_CONFIGS = common.ROOT.parent / "shared" / "fixtures" / "configs"
+FIXTURE_CONFIGS = common.ROOT / "tests" / "fixtures" / "configs"
 
 
 def _llama(name, head_dim, heads, kv_heads, theta, max_pos, scaling=None):

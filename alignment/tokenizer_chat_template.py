@@ -17,7 +17,7 @@ from pathlib import Path
 
 from ellmd.text import ChatTemplate, Tokenizer
 
-QWEN3_DIR = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "qwen3-tokenizer"
+QWEN3_DIR = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "qwen3-tokenizer"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 CORPUS = [

@@ -6,7 +6,7 @@ Usage (from the repository root; LLAMA_NATIVE names the folder of the native lla
     .venv/bin/python scripts/bench_compare.py --model builtin --threads 2
 
     # Qwen3-1.7B shapes with random weights, without transformers, keeping the GGUFs for the next run
-    .venv/bin/python scripts/bench_compare.py --model ../shared/fixtures/configs/qwen3-1.7b.json \\
+    .venv/bin/python scripts/bench_compare.py --model tests/fixtures/configs/qwen3-1.7b.json \\
         --skip transformers --gguf-dir ~/.cache/ellm/bench-gguf --json bench.json
 
     # a GGUF written elsewhere (e.g. scripts/make_moe_gguf.py), measured as it is: no F16 version

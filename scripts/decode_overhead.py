@@ -4,8 +4,8 @@ Usage (from the repository root):
 
     .venv/bin/python scripts/decode_overhead.py --model builtin --weight-dtype bf16
     .venv/bin/python scripts/decode_overhead.py --model ../bench-gguf/SmolLM2-135M-Instruct.Q4_K_M.gguf
-    .venv/bin/python scripts/decode_overhead.py --model ../shared/fixtures/configs/qwen3-1.7b.json
-    .venv/bin/python scripts/decode_overhead.py --model ../shared/fixtures/configs/qwen3-30b-a3b.json --layers 4
+    .venv/bin/python scripts/decode_overhead.py --model tests/fixtures/configs/qwen3-1.7b.json
+    .venv/bin/python scripts/decode_overhead.py --model tests/fixtures/configs/qwen3-30b-a3b.json --layers 4
 
 For each way of decoding: tok/s of greedy decode steps after a 64-token context (rounds
 alternate between the two ways, so that machine noise hits both alike), the Python-to-numba

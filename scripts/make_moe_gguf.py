@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import llama_native  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-FIXTURES = ROOT.parent / "shared" / "fixtures"
+FIXTURES = ROOT / "tests" / "fixtures"
 DEFAULT_CONFIG = FIXTURES / "configs" / "qwen3-coder-30b-a3b-instruct.json"
 DEFAULT_TOKENIZER = FIXTURES / "qwen3-tokenizer"
 EXPERT_SLICE = 8  # experts drawn and quantized at a time (~150 MB of float32 at real width)

@@ -19,7 +19,7 @@ from ellmd.text.constraints import GrammarError, Grammars
 from ellmd.text.tool_grammar import tool_call_grammar
 
 ROOT = Path(__file__).resolve().parent.parent
-QWEN3_TOKENIZER = ROOT.parent / "shared" / "fixtures" / "qwen3-tokenizer"
+QWEN3_TOKENIZER = ROOT / "tests" / "fixtures" / "qwen3-tokenizer"
 
 # A nested schema whose every part ends: bounded strings, an enum, bounded numbers and arrays.
 PERSON = {

@@ -29,7 +29,7 @@ from ellmd.text import Tokenizer
 from daemon import Daemon
 
 ROOT = Path(__file__).resolve().parent.parent
-QWEN3_TOKENIZER = ROOT.parent / "shared" / "fixtures" / "qwen3-tokenizer"
+QWEN3_TOKENIZER = ROOT / "tests" / "fixtures" / "qwen3-tokenizer"
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city.",

