@@ -4,9 +4,11 @@ loaded replica.
 Serve's default router places a multiplexed id it has not seen on a replica holding the fewest ids,
 counting the ids the replicas have reported, which lags: a burst of new sessions (agents starting
 together) all saw the same counts and all went to one replica while the other idled. This router
-places a new session by the requests in flight on each replica, counting its own placements at
-once (a request is counted in Serve's queue lengths only once sent), then by the sessions each
-holds. A known session goes to its replica only, waiting while that replica is full rather than
+places a new session on the replica holding the fewest sessions, counting its own placements at
+once, then by the requests in flight on each (a request is counted in Serve's queue lengths only
+once sent). Sessions first: a session is held for hours while a request lasts seconds, and the
+count of sessions does not depend on how fast each replica happens to answer (in-flight counts do:
+on a loaded machine a replica that answered sooner drew more of a burst). A known session goes to its replica only, waiting while that replica is full rather than
 going to another one (which would find the session leased). Each replica chosen serves the request
 it was chosen for (Serve's FIFO mixin may hand it to an older request of another session).
 """
@@ -48,9 +50,9 @@ class SessionRouter(RequestRouter):
         return [[chosen]]
 
     def load(self, replica: RunningReplica) -> tuple[int, int]:
-        """(requests in flight or just placed, session keys held or just placed) of a replica."""
+        """(session keys held or just placed, requests in flight or just placed) of a replica."""
         now = time.monotonic()
         placed = {k: t for k, (replica_id, t) in self.placed.items() if replica_id == replica.replica_id}
         sending = sum(now - t < SENDING_S for t in placed.values())
         queue = self.replica_queue_len_cache.get(replica.replica_id) or 0  # counts some of `sending` already
-        return max(queue, sending), len(placed.keys() | replica.multiplexed_model_ids)
+        return len(placed.keys() | replica.multiplexed_model_ids), max(queue, sending)
