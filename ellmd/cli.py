@@ -234,6 +234,51 @@ SocketPath = typer.Option(None, "--socket", help="Unix socket [default: $XDG_RUN
 
 
 @app.command()
+def perplexity(
+    text_file: Optional[Path] = typer.Option(
+        None, "--file", "-f", help="The text to score [default: the Python docs' topics (pydoc_data), on every machine]"),
+    model_path: Optional[Path] = ModelPath,
+    context: int = typer.Option(2048, "--context", "-c", help="Tokens per window (the model sees at most this many)"),
+    stride: Optional[int] = typer.Option(None, help="Tokens between window starts [default: context / 2]"),
+    max_tokens: Optional[int] = typer.Option(None, help="Score only the text's first N tokens"),
+    weight_dtype: Optional[str] = WeightDtype,
+    kv_dtype: str = KvDtype,
+    threads: Optional[int] = Threads,
+    chunk_size: int = ChunkSize,
+    json_output: bool = typer.Option(False, "--json", help="Print one JSON object: perplexity, stderr, tokens, windows"),
+):
+    """Perplexity of the model on a text, over sliding windows (as llama-perplexity): exp(mean NLL) +- its standard error."""
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+    from ellmd import perplexity as ppl
+
+    stride = stride or max(context // 2, 1)
+    try:
+        ppl.windows(2, context, stride)
+        text = ppl.read_text(text_file)
+    except (ValueError, OSError) as e:
+        fail(str(e))
+    try:
+        engine = load_engine(model_path, weight_dtype=weight_dtype, kv_dtype=kv_dtype, sequence_length=context,
+                             batch_size=1, chunk_size=chunk_size, threads=threads, quiet=json_output)
+        tokens = engine.tokenizer.encode(text, add_special_tokens=True)[:max_tokens]
+        with Progress(TextColumn("scoring"), BarColumn(), TextColumn("{task.completed}/{task.total} tokens"),
+                      TimeRemainingColumn(), console=Console(stderr=True), disable=json_output) as bars:
+            task = bars.add_task("scoring", total=max(len(tokens) - 1, 1))
+            result = ppl.perplexity(engine, tokens, context, stride, lambda done, total: bars.update(task, completed=done))
+    except (EllmError, ValueError) as e:
+        fail(str(e))
+    except KeyboardInterrupt:
+        fail("interrupted", 130)
+    if json_output:
+        print(json.dumps({**result.__dict__, "context": context, "stride": stride}))
+    else:
+        typer.echo(f"perplexity {result.perplexity:.4f} +- {result.stderr:.4f} ({result.tokens_scored} tokens scored, "
+                   f"{result.windows} windows of {context} every {stride}, KV {kv_dtype})")
+
+
+@app.command()
 def start(
     model_path: Optional[str] = ModelPath,
     chunk_size: Optional[int] = typer.Option(None, help="Tokens per prefill forward pass [default: 512]"),

@@ -29,3 +29,7 @@ def test_smollm2_gguf_blocks(kernels):
 def test_smollm2_gguf_blocks_int8_activations(use_kernels):
     use_kernels("vnni")
     assert run("quantized", ["--prompts", "2", "--kernels", "vnni", "--builtin-only"]) == 0
+
+
+def test_perplexity_with_bf16_kv_equals_transformers():
+    assert run("perplexity", []) == 0
