@@ -21,7 +21,7 @@ import numpy as np
 
 from ellmd.errors import BadRequest
 
-SESSION_ID_PATTERN = r"^[A-Za-z0-9_.-]{1,64}$"
+SESSION_ID_PATTERN = r"^[A-Za-z0-9_.-]{1,64}(@[0-9a-f]{16})?$"  # an API key's sessions are kept as ID@SCOPE
 INDEX_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"  # a folder name: no leading dot
 OWNER_PATTERN = r"^[A-Za-z0-9_.:-]{1,128}$"
 MIN_TEMPERATURE = 1e-2  # below it, logits / temperature overflows float32 for ordinary logits
@@ -180,6 +180,10 @@ class SessionPoint(Named, kw_only=True):
             raise ValueError("session.point takes note or forget, not both")
 
 
+class SessionGrant(Named, kw_only=True):
+    key: Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_.-]{1,64}$")] | None = None  # None: the operator's alone
+
+
 class SkillLoad(Named, kw_only=True):
     name: Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
     file: Path | None = None
@@ -229,7 +233,7 @@ OPS: dict[str, type[Args]] = {
     "session.release": Named,
     "session.info": Named, "session.export": Named, "session.import": SessionImport,
     "session.list": Owned, "completion": Completion, "session.continue": SessionContinue,
-    "session.point": SessionPoint, "skill.list": NoArgs, "skill.load": SkillLoad,
+    "session.point": SessionPoint, "session.grant": SessionGrant, "skill.list": NoArgs, "skill.load": SkillLoad,
     "rag.index": RagIndex, "rag.list": NoArgs, "rag.remove": RagRemove, "rag.inject": RagInject, "stats": NoArgs,
 }
 
