@@ -12,6 +12,7 @@ messages the chat messages as the template rendered them, for rendering the next
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import time
 import uuid
 
@@ -106,20 +107,23 @@ class Session:
 
 
 SCOPE = "@"  # joins the id a key names a session by and the key's scope (see scoped_id)
-SCOPE_DIGITS = 16
+
+
+def scope(owner: str) -> str:
+    """An owner's scope: 16 hex digits of a hash of it."""
+    return hashlib.blake2b(owner.encode(), digest_size=8).hexdigest()
 
 
 def scoped_id(session_id: str, owner: str | None) -> str:
     """The id under which a session an owner names `session_id` is kept: ids are per owner, so that
     no key can take, or learn of, a session another key (or the operator) named alike. The
     operator's sessions (owner None) keep their ids as they are."""
-    return session_id if owner is None else f"{session_id}{SCOPE}{owner[:SCOPE_DIGITS]}"
+    return session_id if owner is None else f"{session_id}{SCOPE}{scope(owner)}"
 
 
 def unscoped_id(session_id: str, owner: str | None) -> str:
     """The id an owner knows one of its sessions by (scoped_id undone)."""
-    suffix = SCOPE + owner[:SCOPE_DIGITS] if owner is not None else None
-    return session_id.removesuffix(suffix) if suffix else session_id
+    return session_id if owner is None else session_id.removesuffix(SCOPE + scope(owner))
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:

@@ -35,11 +35,13 @@ unknown fields are ignored. A generation the daemon's shutdown interrupts ends w
 
 Security: with API keys set (`--api-key`, ELLMD_API_KEY, `api_key_file`) every endpoint but
 /health wants `Authorization: Bearer <key>`, and a session is reachable only with the key that
-created it (the runtime is given a fingerprint of the key as the session's owner); listening beyond
-loopback needs a key. On a loopback address the Host header must name this machine and an Origin,
+created it or was granted it (the runtime is given a fingerprint of the key as the session's owner,
+and keeps the ids a key names in that key's scope: results name them back as the key knows them,
+see known_as); an admin key reaches every session, as the Unix socket does, and alone reads
+/metrics. Listening beyond loopback needs a key. On a loopback address the Host header must name this machine and an Origin,
 if any, too, so that a web page (DNS rebinding, a cross-site form) cannot drive the API. Bodies are
 JSON with a JSON content type. Limits: connections (one more gets 503 with Retry-After and is
-closed), body size, read timeout, and the engine queue (429 with Retry-After when full).
+closed; with keys, per key once authenticated, see CountedSite), body size, read timeout, and the engine queue (429 with Retry-After when full).
 """
 
 from __future__ import annotations
