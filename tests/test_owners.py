@@ -250,3 +250,41 @@ def test_response_metadata_is_bounded(daemon, metadata, problem):
     status, _, body = http(daemon.port, "/v1/responses", {"input": "Hello.", "max_output_tokens": 2,
                                                           "metadata": metadata}, key=ALICE)
     assert status == 400 and problem in body["error"]["message"] and body["error"]["param"] == "metadata"
+
+
+def test_a_stored_responses_note_is_written_once_apart_from_its_session(tmp_path):
+    from ellmd.runtime.store import Store
+    from ellmd.runtime.store_base import pack
+
+    metadata = {f"key{i}": f"{i:x}" * 512 for i in range(16)}  # the most metadata may hold
+    daemon = start(tmp_path)
+    try:
+        ids, previous = [], None
+        for i in range(4):
+            body = {"input": f"Question {i}.", "max_output_tokens": 2, "temperature": 0, "metadata": metadata,
+                    **({"previous_response_id": previous} if previous else {})}
+            status, _, response = http(daemon.port, "/v1/responses", body, key=ALICE)
+            assert status == 200
+            ids.append(previous := response["id"])
+    finally:
+        assert daemon.stop() == 0
+    store = Store(tmp_path / "store")
+    try:
+        [meta] = [m for m in store.list_meta() if "responses" in m["tags"]]
+        assert len([t for t in meta["turns"] if t["kind"] == "generation"]) == 4
+        assert all(turn.get("note") is None for turn in meta["turns"])
+        assert len(pack(meta)) < 4096  # no turn's metadata is rewritten with the session's
+        for rid in ids:
+            assert store.get_note(meta["session_id"], rid.split("_")[1])["metadata"] == metadata
+    finally:
+        store.close()
+    daemon = start(tmp_path)
+    try:
+        for rid in ids:
+            status, _, body = http(daemon.port, f"/v1/responses/{rid}", key=ALICE)
+            assert status == 200 and body["metadata"] == metadata
+        assert urllib_delete(daemon.port, f"/v1/responses/{ids[1]}", ALICE) == 200
+        assert http(daemon.port, f"/v1/responses/{ids[1]}", key=ALICE)[0] == 404
+        assert http(daemon.port, f"/v1/responses/{ids[2]}", key=ALICE)[0] == 200
+    finally:
+        assert daemon.stop() == 0

@@ -267,21 +267,27 @@ def session_continue(rt, request, session_id, after, messages, tools=None, force
 
 def session_point(rt, request, session_id, name, note=None, forget=False):
     """A named point of a session: the end of its generation turn named `name`. `note` keeps a
-    caller's record with it (an HTTP API's reply, to give it again); `forget` drops its name and
-    note (it can no longer be continued or retrieved). Returns the turn as it was found, with the
-    session's tools and system prompt."""
+    caller's record with it (an HTTP API's reply, to give it again), written once to the store,
+    apart from the session's metadata; `forget` drops its name and note (it can no longer be
+    continued or retrieved). Returns the turn as it was found (with its note), with the session's
+    tools and system prompt."""
     session = rt.residency.session(session_id, request.owner)
     turn = next((t for t in session.turns if t["kind"] == "generation" and t["name"] == name), None)
     if turn is None:
         raise RuntimeError_("not_found", f"session {session_id} has no generation turn named {name!r}")
     found = dict(turn)
+    if found.get("note") is None:  # kept apart (a note of an older store is in its turn)
+        found.pop("note", None)
+        if (kept := rt.residency.note(session.session_id, name)) is not None:
+            found["note"] = kept
     if note is not None or forget:
+        write = rt.residency.put_note(session.session_id, name, note)
+        if rt.snapshot_ack == "written":
+            yield write
+    if forget:
         rt.residency.resident(session)  # the change is stored with a snapshot, which takes a resident session
-        if forget:
-            turn["name"] = None
-            turn.pop("note", None)
-        else:
-            turn["note"] = note
+        turn["name"] = None
+        turn.pop("note", None)
         session.touch()
         yield from rt.after_turn(session)
     first = session.messages[0] if session.messages else {}

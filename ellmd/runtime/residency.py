@@ -322,6 +322,14 @@ class Residency:
     def pending_writes(self, session_id: str) -> list[StoreWrite]:
         return self.writer.pending_of(session_id)
 
+    def put_note(self, session_id: str, name: str, note: dict | None) -> StoreWrite:
+        """Queue the write of a note kept with a session's point (None: its removal)."""
+        return self.writer.submit(StoreWrite("note", session_id, lambda store: store.put_note(session_id, name, note)))
+
+    def note(self, session_id: str, name: str) -> dict | None:
+        self.wait_for_writes(session_id)
+        return self.store.get_note(session_id, name)
+
     def delete(self, session: Session) -> StoreWrite:
         """Queue a session's removal from the store and forget it (its lease goes after the removal)."""
         session_id = session.session_id
