@@ -288,3 +288,25 @@ def test_a_stored_responses_note_is_written_once_apart_from_its_session(tmp_path
         assert http(daemon.port, f"/v1/responses/{ids[2]}", key=ALICE)[0] == 200
     finally:
         assert daemon.stop() == 0
+
+
+def test_the_operator_grants_from_the_command_line(daemon):
+    from typer.testing import CliRunner
+
+    from ellm.cli import app
+
+    def ellm(*args):
+        return CliRunner().invoke(app, ["--socket", str(daemon.socket), *args])
+
+    with daemon.client() as client:
+        session = client.open_session(system="Granted from the command line.")
+        result = ellm("session", "grant", session.id, "bob")
+        assert result.exit_code == 0 and f"{session.id} now belongs to key bob" in result.output
+        tokens = session.info()["tokens"]
+        status, _, body = chat(daemon, BOB, session.id)
+        assert status == 200 and body["session_id"] == session.id and session.info()["tokens"] > tokens
+        result = ellm("session", "grant", session.id, "--revoke")
+        assert result.exit_code == 0 and "now belongs to no key" in result.output
+        assert ellm("session", "grant", session.id).exit_code != 0  # a name, or --revoke
+        result = ellm("session", "grant", "no-such-session", "bob")
+        assert result.exit_code != 0 and "no session 'no-such-session'" in result.output

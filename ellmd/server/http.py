@@ -38,10 +38,11 @@ Security: with API keys set (`--api-key`, ELLMD_API_KEY, `api_key_file`) every e
 created it or was granted it (the runtime is given a fingerprint of the key as the session's owner,
 and keeps the ids a key names in that key's scope: results name them back as the key knows them,
 see known_as); an admin key reaches every session, as the Unix socket does, and alone reads
-/metrics. Listening beyond loopback needs a key. On a loopback address the Host header must name this machine and an Origin,
-if any, too, so that a web page (DNS rebinding, a cross-site form) cannot drive the API. Bodies are
-JSON with a JSON content type. Limits: connections (one more gets 503 with Retry-After and is
-closed; with keys, per key once authenticated, see CountedSite), body size, read timeout, and the engine queue (429 with Retry-After when full).
+/metrics. Listening beyond loopback needs a key. On a loopback address the Host header must name
+this machine and an Origin, if any, too, so that a web page (DNS rebinding, a cross-site form)
+cannot drive the API. Bodies are JSON with a JSON content type. Limits: connections (one more gets
+503 with Retry-After and is closed; with keys, per key once authenticated, see CountedSite), body
+size, read timeout, and the engine queue (429 with Retry-After when full).
 """
 
 from __future__ import annotations
@@ -580,7 +581,8 @@ class CountedSite(web.BaseSite):
         """Count a new connection; the reason it is refused, else None."""
         if not self.keyed:
             if self.open.get(None, 0) >= self.limit:
-                return f"the daemon already serves {self.open[None]} HTTP connections (http_max_connections); retry later"
+                return (f"the daemon already serves {self.open[None]} HTTP connections (http_max_connections); "
+                        "retry later")
         elif len(self.waiting) >= self.unauthenticated:
             oldest = next(iter(self.waiting.values()))
             oldest.transport.close()  # its connection_lost uncounts it
