@@ -327,7 +327,8 @@ def start(
     write_timeout_s: Optional[float] = typer.Option(
         None, help="Seconds an export waits for its client to read each piece [default: 60]"),
     http_max_connections: Optional[int] = typer.Option(
-        None, help="HTTP connections at once, idle keep-alive ones too; beyond: 503 [default: 64]"),
+        None, help="HTTP connections at once, idle keep-alive ones too (with API keys: per key); beyond: 503 "
+                   "[default: 64]"),
     http_max_body_mb: Optional[int] = typer.Option(None, help="Largest HTTP request body, MiB [default: 16]"),
     http_read_timeout_s: Optional[float] = typer.Option(
         None, help="Seconds to receive an HTTP request's headers and body; idle keep-alive [default: 60]"),

@@ -195,6 +195,12 @@ class AsyncSession:
         memory and, on a fleet replica, its lease given back. {session_id, tokens, released}."""
         return await self._call("session.release")
 
+    async def grant(self, key: str | None) -> dict:
+        """Give the session to the HTTP API key named `key` (a name in the daemon's api_key_file),
+        which then reaches it by this id; None takes it back (the socket's user's alone).
+        Returns `{session_id, key}`."""
+        return await self._call("session.grant", key=key)
+
     async def delete(self) -> dict:
         """Delete the session from memory and the store."""
         return await self._call("session.delete")

@@ -228,6 +228,25 @@ def session_delete(ctx: typer.Context, session_id: str = typer.Argument(..., met
         typer.echo(f"deleted {session_id}")
 
 
+@session_app.command("grant")
+def session_grant(
+    ctx: typer.Context,
+    session_id: str = typer.Argument(..., metavar="ID"),
+    key: Optional[str] = typer.Argument(None, metavar="KEYNAME", help="A key's name in the daemon's api_key_file"),
+    revoke: bool = typer.Option(False, "--revoke", help="Take the session back from the key that holds it"),
+    json_output: bool = JsonOutput,
+):
+    """Give a session to an HTTP API key (sessions made here, or before keys were set, are no key's)."""
+    if (key is None) != revoke:
+        raise typer.BadParameter("give KEYNAME, or --revoke")
+    with connect(ctx) as client:
+        result = client.session(session_id).grant(key)
+    if json_output:
+        print_json(result)
+    else:
+        typer.echo(f"{session_id} now belongs to key {key}" if key else f"{session_id} now belongs to no key")
+
+
 @session_app.command("export")
 def session_export(
     ctx: typer.Context,

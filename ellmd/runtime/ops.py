@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Callable
 
 from ellmd.errors import CapacityError
-from ellmd.runtime.errors import RuntimeError_, SlotsBusy, busy
+from ellmd.runtime.errors import RuntimeError_, SlotsBusy, busy, not_found
 from ellmd.runtime.residency import visible
 from ellmd.runtime.session import Session, common_prefix
 from ellmd.runtime.turns import snapshot_of, usage
@@ -267,26 +267,47 @@ def session_continue(rt, request, session_id, after, messages, tools=None, force
 
 def session_point(rt, request, session_id, name, note=None, forget=False):
     """A named point of a session: the end of its generation turn named `name`. `note` keeps a
-    caller's record with it (an HTTP API's reply, to give it again); `forget` drops its name and
-    note (it can no longer be continued or retrieved). Returns the turn as it was found, with the
-    session's tools and system prompt."""
+    caller's record with it (an HTTP API's reply, to give it again), written once to the store,
+    apart from the session's metadata; `forget` drops its name and note (it can no longer be
+    continued or retrieved). Returns the turn as it was found (with its note), with the session's
+    tools and system prompt."""
     session = rt.residency.session(session_id, request.owner)
     turn = next((t for t in session.turns if t["kind"] == "generation" and t["name"] == name), None)
     if turn is None:
         raise RuntimeError_("not_found", f"session {session_id} has no generation turn named {name!r}")
     found = dict(turn)
+    if found.get("note") is None:  # kept apart (a note of an older store is in its turn)
+        found.pop("note", None)
+        if (kept := rt.residency.note(session.session_id, name)) is not None:
+            found["note"] = kept
     if note is not None or forget:
+        write = rt.residency.put_note(session.session_id, name, note)
+        if rt.snapshot_ack == "written":
+            yield write
+    if forget:
         rt.residency.resident(session)  # the change is stored with a snapshot, which takes a resident session
-        if forget:
-            turn["name"] = None
-            turn.pop("note", None)
-        else:
-            turn["note"] = note
+        turn["name"] = None
+        turn.pop("note", None)
         session.touch()
         yield from rt.after_turn(session)
     first = session.messages[0] if session.messages else {}
     return {"session_id": session_id, "turn": found, "tools": session.tools,
             "system": first.get("content") if first.get("role") == "system" else None}
+
+
+def session_grant(rt, request, session_id, key=None):
+    """Give a session to the API key named `key`, which then reaches it over HTTP by this id (None:
+    back to the operator alone). The operator's: sessions made over the socket, or before keys
+    were set, are no key's until granted."""
+    if key is not None and key not in rt.key_owners:
+        raise RuntimeError_("not_found", f"no API key is named {key!r} (the names in api_key_file: "
+                                         f"{', '.join(sorted(rt.key_owners)) or 'none'})")
+    session = idle(rt.residency.session(session_id, request.owner))
+    rt.residency.resident(session)  # the change is stored with a snapshot, which takes a resident session
+    session.owner = rt.key_owners.get(key)
+    session.touch()
+    yield from rt.after_turn(session)
+    return {"session_id": session_id, "key": key}
 
 
 def branch(rt, source: Session, at: int) -> Session:
@@ -323,13 +344,18 @@ def generate(rt, request, session: Session, sampling: dict, prompt=None, restore
 
 def bound_session(rt, session_id: str, owner: str | None) -> Session:
     """The session a completion names, created if new (a fleet replica leases the id first, so
-    that no other replica makes it meanwhile)."""
-    if session_id not in rt.residency.sessions:
-        rt.residency.lease(session_id)
-    if rt.residency.known(session_id):
-        return rt.residency.session(session_id, owner)
+    that no other replica makes it meanwhile). A key names ids in its own scope (Residency.resolve):
+    it cannot create one in another's."""
+    kept = rt.residency.resolve(session_id, owner)
+    if kept not in rt.residency.sessions:
+        rt.residency.lease(kept)
+    if rt.residency.known(kept):
+        return rt.residency.session(kept, owner)
+    if owner is not None and kept == session_id:  # an id of another scope: as if it did not exist
+        rt.residency.disown(kept)
+        raise not_found(session_id)
     session = Session.new(rt.fingerprint, title=session_id, owner=owner)
-    session.session_id, session.tokens = session_id, []
+    session.session_id, session.tokens = kept, []
     return session
 
 
@@ -433,6 +459,7 @@ OPS: dict[str, Op] = {
     "session.import": Op(session_import),
     "session.generate": Op(session_generate), "session.chat": Op(session_chat), "completion": Op(completion),
     "session.continue": Op(session_continue), "session.point": Op(session_point),
+    "session.grant": Op(session_grant),
     "skill.list": Op(skill_list, aside="read"), "skill.load": Op(skill_load),
     "rag.index": Op(rag_index, aside="write"), "rag.list": Op(rag_list, aside="read"),
     "rag.remove": Op(rag_remove, aside="write"), "rag.inject": Op(rag_inject),

@@ -27,7 +27,7 @@ import time
 from ellmd.errors import CapacityError
 from ellmd.runtime.errors import RuntimeError_, SlotsBusy, not_found
 from ellmd.runtime.leases import Leases
-from ellmd.runtime.session import Session, common_prefix
+from ellmd.runtime.session import SCOPE, Session, common_prefix, scoped_id
 from ellmd.runtime.store_base import CHUNK_TOKENS, SessionStore, StoreError
 from ellmd.runtime.writer import StoreWrite, StoreWriter
 
@@ -51,8 +51,10 @@ class Residency:
     # ---- finding sessions ----------------------------------------------------------------
 
     def session(self, session_id: str, owner: str | None = None) -> Session:
-        """The session named by a request (its metadata loaded from the store if need be). A
-        session stored with an owner is found only by that owner's requests, or by requests without one."""
+        """The session a request names (its metadata loaded from the store if need be). A request
+        with an owner (an API key) names its sessions by the ids it gave them (see resolve) and finds
+        only those; one without (the operator) finds every session, by the id it is kept under."""
+        named, session_id = session_id, self.resolve(session_id, owner)
         session = self.sessions.get(session_id)
         if session is not None and not session.busy and self.leases is not None and self.leases.was_lost(session_id):
             log.error("session %s was taken over by another replica: its copy here is dropped", session_id)
@@ -65,7 +67,7 @@ class Residency:
             try:
                 meta = self.store.get_meta(session_id)
                 if meta is None or not visible(meta.get("owner"), owner):
-                    raise not_found(session_id)
+                    raise not_found(named)
                 self.check_fingerprint(meta)
             except BaseException:
                 self.disown(session_id)
@@ -75,8 +77,27 @@ class Residency:
             session.tokens = None  # loaded with the KV on resume
             self.sessions[session_id] = session
         if not visible(session.owner, owner):
-            raise not_found(session_id)
+            raise not_found(named)
         return session
+
+    def resolve(self, session_id: str, owner: str | None) -> str:
+        """The id a session named by `owner` is kept under: its scoped id (session.scoped_id), unless
+        no such session is known and the id as given is a session of this owner's (granted to its
+        key by the operator, or made by it before ids were per owner)."""
+        if owner is None or SCOPE in session_id:
+            return session_id
+        scoped = scoped_id(session_id, owner)
+        if not self.known(scoped) and self.owner_of(session_id) == owner:
+            return session_id
+        return scoped
+
+    def owner_of(self, session_id: str) -> str | None:
+        """The owner of a known session (None: the operator's, or no such session)."""
+        if session_id in self.sessions:
+            return self.sessions[session_id].owner
+        self.wait_for_writes(session_id)
+        meta = self.store.get_meta(session_id)
+        return meta.get("owner") if meta is not None else None
 
     def lease(self, session_id: str) -> None:
         """Take (or renew) a session's lease; `leased`, naming the holder, if another live replica
@@ -301,6 +322,14 @@ class Residency:
     def pending_writes(self, session_id: str) -> list[StoreWrite]:
         return self.writer.pending_of(session_id)
 
+    def put_note(self, session_id: str, name: str, note: dict | None) -> StoreWrite:
+        """Queue the write of a note kept with a session's point (None: its removal)."""
+        return self.writer.submit(StoreWrite("note", session_id, lambda store: store.put_note(session_id, name, note)))
+
+    def note(self, session_id: str, name: str) -> dict | None:
+        self.wait_for_writes(session_id)
+        return self.store.get_note(session_id, name)
+
     def delete(self, session: Session) -> StoreWrite:
         """Queue a session's removal from the store and forget it (its lease goes after the removal)."""
         session_id = session.session_id
@@ -366,8 +395,10 @@ class Residency:
 
 
 def visible(stored_owner: str | None, owner: str | None) -> bool:
-    """May a request by `owner` name a session stored with `stored_owner`? (None: no restriction)"""
-    return stored_owner is None or owner is None or stored_owner == owner
+    """May a request by `owner` name a session stored with `stored_owner`? The operator (owner None:
+    the Unix socket, an admin key, HTTP without keys) reaches every session; a key only its own, not
+    the operator's (made over the socket, or before keys were set) unless granted (session.grant)."""
+    return owner is None or stored_owner == owner
 
 
 def check_fingerprint(ours: dict, meta: dict) -> None:

@@ -85,7 +85,7 @@ class Runtime:
 
     def __init__(self, engine, store: SessionStore, skills=None, rag=None, rag_k: int = 4,
                  snapshot_every_turn: bool = True, context_role: str = "user", policy: Policy | None = None,
-                 snapshot_ack: str = "written", leases: Leases | None = None):
+                 snapshot_ack: str = "written", leases: Leases | None = None, key_owners: dict | None = None):
         if snapshot_ack not in SNAPSHOT_ACKS:
             raise EllmError(f"snapshot_ack must be one of {', '.join(SNAPSHOT_ACKS)}, not {snapshot_ack!r}")
         self.engine = engine
@@ -94,6 +94,7 @@ class Runtime:
         self.rag_k = rag_k  # passages per query by default
         self.snapshot_every_turn = snapshot_every_turn
         self.snapshot_ack = snapshot_ack
+        self.key_owners = dict(key_owners or {})  # API key name -> owner (session.grant)
         self.policy = policy or Policy(engine.chunk_size)
         self.counters = {"prefilled": 0, "reused": 0, "shared": 0, "generated": 0, "drafted": 0, "accepted": 0}
         self.queue: queue.Queue[Request | StoreWrite | None] = queue.Queue()  # StoreWrite: the writer is done with it

@@ -21,12 +21,13 @@ import numpy as np
 
 from ellmd.errors import BadRequest
 
-SESSION_ID_PATTERN = r"^[A-Za-z0-9_.-]{1,64}$"
+SESSION_ID_PATTERN = r"^[A-Za-z0-9_.-]{1,64}(@[0-9a-f]{16})?$"  # an API key's sessions are kept as ID@SCOPE
 INDEX_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"  # a folder name: no leading dot
 OWNER_PATTERN = r"^[A-Za-z0-9_.:-]{1,128}$"
 MIN_TEMPERATURE = 1e-2  # below it, logits / temperature overflows float32 for ordinary logits
 MAX_JSON_DEPTH = 32
 CONSTRAINTS = ("json_schema", "regex", "grammar")  # the Sampling fields that constrain the text
+MAX_NOTE_BYTES = 1 << 20  # session.point's note, as msgpack (a stored response: its output and echoed fields)
 MAX_DRAFT_TOKENS = 32  # speculative decoding: the longest draft a request may ask for
 
 SessionId = Annotated[str, msgspec.Meta(pattern=SESSION_ID_PATTERN)]
@@ -178,6 +179,12 @@ class SessionPoint(Named, kw_only=True):
     def __post_init__(self):
         if self.note is not None and self.forget:
             raise ValueError("session.point takes note or forget, not both")
+        if self.note is not None and len(msgspec.msgpack.encode(self.note)) > MAX_NOTE_BYTES:
+            raise ValueError(f"a note is at most {MAX_NOTE_BYTES >> 10} KiB - at `$.note`")
+
+
+class SessionGrant(Named, kw_only=True):
+    key: Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_.-]{1,64}$")] | None = None  # None: the operator's alone
 
 
 class SkillLoad(Named, kw_only=True):
@@ -229,7 +236,7 @@ OPS: dict[str, type[Args]] = {
     "session.release": Named,
     "session.info": Named, "session.export": Named, "session.import": SessionImport,
     "session.list": Owned, "completion": Completion, "session.continue": SessionContinue,
-    "session.point": SessionPoint, "skill.list": NoArgs, "skill.load": SkillLoad,
+    "session.point": SessionPoint, "session.grant": SessionGrant, "skill.list": NoArgs, "skill.load": SkillLoad,
     "rag.index": RagIndex, "rag.list": NoArgs, "rag.remove": RagRemove, "rag.inject": RagInject, "stats": NoArgs,
 }
 
@@ -314,7 +321,7 @@ class Turn(msgspec.Struct, forbid_unknown_fields=True):
     time: float
     role: str | None = None
     name: str | None = None
-    note: JsonMap | None = None  # a caller's record of a generation turn (session.point)
+    note: JsonMap | None = None  # session.point's note, as stores before notes were kept apart hold it
 
 
 class StoredMeta(msgspec.Struct, forbid_unknown_fields=True):

@@ -12,6 +12,7 @@ messages the chat messages as the template rendered them, for rendering the next
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import time
 import uuid
 
@@ -32,7 +33,7 @@ class Session:
     messages: list[dict] = dataclasses.field(default_factory=list)
     tools: list[dict] | None = None
     skills: list[str] = dataclasses.field(default_factory=list)
-    owner: str | None = None  # who may name it over HTTP (a fingerprint of an API key); None: anyone
+    owner: str | None = None  # the API key (its fingerprint) that may name it over HTTP; None: the operator's alone
     # runtime state, never stored
     slot: int | None = None
     stored_tokens: int = 0  # KV on disk is valid for tokens[:stored_tokens]
@@ -45,7 +46,7 @@ class Session:
 
     @classmethod
     def new(cls, fingerprint: dict, title: str = "", tags=None, tools=None, owner=None) -> "Session":
-        return cls(session_id=uuid.uuid4().hex[:12], fingerprint=fingerprint, title=title or "",
+        return cls(session_id=scoped_id(uuid.uuid4().hex[:12], owner), fingerprint=fingerprint, title=title or "",
                    tags=list(tags or []), tools=tools, owner=owner)
 
     @classmethod
@@ -103,6 +104,26 @@ class Session:
             info["turns"] = [{k: t[k] for k in ("index", "kind", "role", "name", "start", "end", "time")}
                              for t in self.turns]
         return info
+
+
+SCOPE = "@"  # joins the id a key names a session by and the key's scope (see scoped_id)
+
+
+def scope(owner: str) -> str:
+    """An owner's scope: 16 hex digits of a hash of it."""
+    return hashlib.blake2b(owner.encode(), digest_size=8).hexdigest()
+
+
+def scoped_id(session_id: str, owner: str | None) -> str:
+    """The id under which a session an owner names `session_id` is kept: ids are per owner, so that
+    no key can take, or learn of, a session another key (or the operator) named alike. The
+    operator's sessions (owner None) keep their ids as they are."""
+    return session_id if owner is None else f"{session_id}{SCOPE}{scope(owner)}"
+
+
+def unscoped_id(session_id: str, owner: str | None) -> str:
+    """The id an owner knows one of its sessions by (scoped_id undone)."""
+    return session_id if owner is None else session_id.removesuffix(SCOPE + scope(owner))
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:

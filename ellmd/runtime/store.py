@@ -5,6 +5,7 @@ One LMDB environment, databases:
   tokens  session id -> int32 token ids, little-endian
   kv      session id + chunk index (u32 big-endian) -> 8-byte checksum + KV bytes of
           CHUNK_TOKENS tokens (the last chunk may be shorter), as KVCache.export lays them out
+  notes   session id + "/" + note_key(point name) -> msgpack map (session.point's note, written once)
 and, for fleet replicas only, a second environment in leases/ (session id -> msgpack lease record,
 leases.py), committed without fsync: a lease is about live processes, so it need not outlive a
 crash of its node, and taking one then costs no disk flush on the engine thread.
@@ -33,7 +34,7 @@ from ellmd.errors import EllmError
 from ellmd.runtime.leases import Holder, Lease
 from ellmd.runtime.store_base import (CHECKSUM_BYTES, CHUNK_TOKENS, DROP, KEEP, SessionStore, StoreError, _checksum,
                                       _test_sleep, check_chunk, checked_record, chunk_count, chunk_tokens,
-                                      deliver_chunks, exported_chunk, first_changed, loaded_tokens, lock, pack,
+                                      deliver_chunks, exported_chunk, first_changed, loaded_tokens, lock, note_key, pack,
                                       parse_meta, private_dir, unpack)
 
 log = logging.getLogger("ellmd.store")
@@ -87,6 +88,7 @@ class Store(SessionStore):
         self.meta = self.env.open_db(b"meta")
         self.tokens = self.env.open_db(b"tokens")
         self.kv = self.env.open_db(b"kv")
+        self.notes = self.env.open_db(b"notes")
         self._scratch = bytearray()  # one chunk's value as it is written (see _value)
         self._hasher = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="store-checksum")
 
@@ -169,10 +171,32 @@ class Store(SessionStore):
                     txn.delete(_chunk_key(session_id, index), db=self.kv)
                 txn.delete(session_id.encode(), db=self.tokens)
                 txn.delete(session_id.encode(), db=self.meta)
+                prefix, cursor = session_id.encode() + b"/", txn.cursor(db=self.notes)
+                while cursor.set_range(prefix) and cursor.key().startswith(prefix):
+                    cursor.delete()
                 _test_sleep("delete")
         except lmdb.Error as e:
             raise StoreError(f"delete of {session_id} failed: {e}") from None
         return True
+
+    def put_note(self, session_id: str, name: str, note: dict | None) -> None:
+        key = f"{session_id}/{note_key(name)}".encode()
+        try:
+            with self.env.begin(write=True) as txn:
+                self.fence(session_id)
+                if note is None:
+                    txn.delete(key, db=self.notes)
+                else:
+                    txn.put(key, pack(note), db=self.notes)
+        except lmdb.MapFullError:
+            raise StoreError(FULL) from None
+        except lmdb.Error as e:
+            raise StoreError(f"the note of {session_id}'s point {name!r} could not be written: {e}") from None
+
+    def get_note(self, session_id: str, name: str) -> dict | None:
+        with self.env.begin() as txn:
+            raw = txn.get(f"{session_id}/{note_key(name)}".encode(), db=self.notes)
+        return None if raw is None else unpack(raw)
 
     def _write_imported(self, meta: dict, tokens: bytes, chunks: list[bytes]) -> dict:
         try:

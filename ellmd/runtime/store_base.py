@@ -89,7 +89,16 @@ class SessionStore(abc.ABC):
 
     @abc.abstractmethod
     def delete(self, session_id: str) -> bool:
-        """Remove a session; False if there was none."""
+        """Remove a session (and its notes); False if there was none."""
+
+    @abc.abstractmethod
+    def put_note(self, session_id: str, name: str, note: dict | None) -> None:
+        """Keep a caller's record with a session's named point (None: drop it). Notes are kept apart
+        from the session's metadata, so each is written once, not with every snapshot."""
+
+    @abc.abstractmethod
+    def get_note(self, session_id: str, name: str) -> dict | None:
+        """A note put_note kept, or None."""
 
     # ---- reads ------------------------------------------------------------------------------
 
@@ -200,6 +209,11 @@ def pack(value) -> bytes:
 
 def unpack(data) -> object:
     return msgpack.unpackb(data, raw=False, strict_map_key=False)
+
+
+def note_key(name: str) -> str:
+    """The name a note is kept under (a point's name may be any text: hashed to a plain key)."""
+    return hashlib.blake2b(name.encode("utf-8", "surrogatepass"), digest_size=16).hexdigest()
 
 
 def _checksum(data) -> bytes:

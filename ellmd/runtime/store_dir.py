@@ -4,6 +4,7 @@
                                  tokens, chunks}: which generation of each file is the session's
   sessions/_<id>/tokens.<g>      int32 token ids, little-endian
   sessions/_<id>/kv.<i>.<g>      chunk i: 8-byte checksum + KV bytes, as in the LMDB backend
+  notes/_<id>/<key>              session.point's notes, msgpack, each written once (key: note_key(name))
   leases/_<id>                   the session's lease record (fleet replicas, leases.py)
   lease-locks/_<id>              held (created O_EXCL) while a process reads-modifies-writes that lease
   ellmd.lock                     without a replica: the one process that holds the store
@@ -34,7 +35,7 @@ import numpy as np
 from ellmd.runtime.leases import Holder, Lease, pid_alive
 from ellmd.runtime.store_base import (CHUNK_TOKENS, DROP, KEEP, SessionStore, StoreError, _checksum, _test_sleep,
                                       check_chunk, checked_record, chunk_count, chunk_tokens, deliver_chunks,
-                                      exported_chunk, first_changed, loaded_tokens, lock, log, pack, parse_meta,
+                                      exported_chunk, first_changed, loaded_tokens, lock, log, note_key, pack, parse_meta,
                                       private_dir, unpack)
 
 LEASE_LOCK_STALE_S = 5.0  # a lease lock older than this was left by a crash (holding one takes milliseconds)
@@ -50,7 +51,7 @@ class DirectoryStore(SessionStore):
         try:
             private_dir(path)
             self._lock = lock(path / "ellmd.lock", shared=holder is not None)
-            for name in ("sessions", "leases", "lease-locks"):
+            for name in ("sessions", "notes", "leases", "lease-locks"):
                 private_dir(path / name)
         except OSError as e:
             if self._lock is not None:
@@ -113,9 +114,33 @@ class DirectoryStore(SessionStore):
             os.unlink(folder / "meta")  # the commit: the session is gone
             _fsync_dir(folder)
             shutil.rmtree(folder, ignore_errors=True)
+            shutil.rmtree(self._notes(session_id), ignore_errors=True)
         except OSError as e:
             raise StoreError(f"delete of {session_id} failed: {e}") from None
         return True
+
+    def _notes(self, session_id: str) -> Path:
+        return self.path / "notes" / ("_" + session_id)
+
+    def put_note(self, session_id: str, name: str, note: dict | None) -> None:
+        path = self._notes(session_id) / note_key(name)
+        try:
+            self.fence(session_id)
+            if note is None:
+                _unlink(path)
+            else:
+                path.parent.mkdir(mode=0o700, exist_ok=True)
+                _write_file(path, (pack(note),))
+        except OSError as e:
+            raise StoreError(f"the note of {session_id}'s point {name!r} could not be written: {e}") from None
+
+    def get_note(self, session_id: str, name: str) -> dict | None:
+        try:
+            return unpack((self._notes(session_id) / note_key(name)).read_bytes())
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            raise StoreError(f"the note of {session_id}'s point {name!r} cannot be read: {e}") from None
 
     def _write_imported(self, meta: dict, tokens: bytes, chunks: list[bytes]) -> dict:
         if (self._folder(meta["session_id"]) / "meta").exists():  # keep the id if it is free

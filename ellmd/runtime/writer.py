@@ -28,7 +28,7 @@ log = logging.getLogger("ellmd.store")
 class StoreWrite:
     """One write of one session, queued for the writer; `done` is set once it has run."""
 
-    kind: str  # "snapshot", "copy" (a fork), "delete" or "release" (a fleet replica's lease)
+    kind: str  # "snapshot", "copy" (a fork), "delete", "note" (session.point's) or "release" (a fleet replica's lease)
     session_id: str
     run: Callable[[SessionStore], dict | None] | None  # the store call, on the writer thread (dropped once run)
     stored_tokens: int = 0  # a snapshot: tokens whose KV on disk was valid before it

@@ -6,6 +6,7 @@ config/ellmd.toml documents every key; the names here are the same keys.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import os
 import re
 import tomllib
@@ -71,6 +72,8 @@ class Settings:
     http_max_connections: int = 64
     http_max_body_mb: int = 16
     http_read_timeout_s: float = 60.0
+    http_max_unauthenticated: int = 16
+    http_auth_timeout_s: float = 10.0
     max_render_kb: int = 4096
     # HTTP authentication
     api_key: str | None = None
@@ -88,18 +91,61 @@ class Settings:
     def rag_path(self) -> Path:
         return Path(self.rag_dir) if self.rag_dir else default_rag_path()
 
-    def api_keys(self) -> list[str]:
-        """The HTTP API keys: api_key, and api_key_file's lines (blank lines and # comments left out)."""
-        keys = [self.api_key] if self.api_key else []
+    def api_keys(self) -> list[ApiKey]:
+        """The HTTP API keys: api_key (named "default"), and api_key_file's lines (see parse_key_file)."""
+        keys = [ApiKey("default", self.api_key)] if self.api_key else []
         if self.api_key_file:
             try:
                 text = Path(self.api_key_file).expanduser().read_text()
             except OSError as e:
                 raise EllmError(f"api_key_file {self.api_key_file}: {e.strerror or e}") from None
-            keys += [line.strip() for line in text.splitlines() if line.strip() and not line.startswith("#")]
+            keys += parse_key_file(text, self.api_key_file)
             if not keys:
                 raise EllmError(f"api_key_file {self.api_key_file} holds no key")
+        names = [key.name for key in keys]
+        if len(set(names)) < len(names):
+            twice = next(name for name in names if names.count(name) > 1)
+            raise EllmError(f"api_key_file {self.api_key_file}: the key name {twice!r} is given twice")
         return keys
+
+
+@dataclasses.dataclass(frozen=True)
+class ApiKey:
+    """An HTTP API key: its name (what logs, grants and metrics call it), the secret, and whether
+    it is an admin key (reaches every session, as the Unix socket does, and reads /metrics)."""
+
+    name: str
+    secret: str = dataclasses.field(repr=False)
+    admin: bool = False
+
+    @property
+    def owner(self) -> str:
+        """The owner of the sessions this key creates: a fingerprint, never the key itself."""
+        return hashlib.sha256(self.secret.encode()).hexdigest()[:32]
+
+
+KEY_NAME_PATTERN = r"[A-Za-z0-9_.-]{1,64}"
+
+
+def parse_key_file(text: str, path: str) -> list[ApiKey]:
+    """The keys of an api_key_file: per line `KEY`, `NAME KEY` or `NAME KEY admin`; a line whose
+    first non-blank character is # is a comment, blank lines are skipped. A key without a name is
+    named after its fingerprint (8 hex digits)."""
+    keys = []
+    for number, line in enumerate(text.splitlines(), 1):
+        words = line.split()
+        if not words or words[0].startswith("#"):
+            continue
+        if len(words) == 1:
+            key = ApiKey("", words[0])
+            keys.append(dataclasses.replace(key, name=key.owner[:8]))
+            continue
+        if len(words) > 3 or (len(words) == 3 and words[2] != "admin"):
+            raise EllmError(f"api_key_file {path} line {number}: expected KEY, NAME KEY or NAME KEY admin")
+        if not re.fullmatch(KEY_NAME_PATTERN, words[0]):
+            raise EllmError(f"api_key_file {path} line {number}: a key name must match {KEY_NAME_PATTERN}")
+        keys.append(ApiKey(words[0], words[1], admin=len(words) == 3))
+    return keys
 
 
 def load_settings(config_file: Path | None, flags: dict) -> Settings:
@@ -164,4 +210,5 @@ def _check_type(key, value, field):
 REPLICA_PATTERN = r"[A-Za-z0-9_.:-]{1,64}"
 LIMITS = {"gap_ratio", "lease_ttl_s", "max_connections", "max_in_flight", "max_queue", "max_upload_mb", "hello_timeout_s", "frame_timeout_s",
           "max_write_buffer_mb", "write_timeout_s", "http_max_connections", "http_max_body_mb", "http_read_timeout_s",
+          "http_max_unauthenticated", "http_auth_timeout_s",
           "max_render_kb"}

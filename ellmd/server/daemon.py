@@ -62,7 +62,7 @@ def run(settings: Settings, progress=None) -> int:
         runtime = Runtime(engine, store, skills=skills, rag=rag, rag_k=settings.rag_k,
                           snapshot_every_turn=settings.snapshot_every_turn, context_role=settings.context_role,
                           snapshot_ack=settings.snapshot_ack, policy=Policy(engine.chunk_size, settings.gap_ratio),
-                          leases=leases)
+                          leases=leases, key_owners={key.name: key.owner for key in api_keys})
         if leases is not None:
             leases.start()
         servers = Servers(runtime, settings, http_address, limits, api_keys)
@@ -85,7 +85,7 @@ class Servers:
     """The Unix-socket (and HTTP) servers, on an asyncio event loop in a thread of their own."""
 
     def __init__(self, runtime, settings: Settings, http_address: tuple[str, int] | None, limits,
-                 api_keys: list[str] = ()):
+                 api_keys=()):
         self.runtime, self.settings, self.http_address = runtime, settings, http_address
         self.limits, self.api_keys = limits, list(api_keys)
         self.thread = threading.Thread(target=self._main, name="servers", daemon=True)

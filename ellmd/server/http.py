@@ -35,17 +35,19 @@ unknown fields are ignored. A generation the daemon's shutdown interrupts ends w
 
 Security: with API keys set (`--api-key`, ELLMD_API_KEY, `api_key_file`) every endpoint but
 /health wants `Authorization: Bearer <key>`, and a session is reachable only with the key that
-created it (the runtime is given a fingerprint of the key as the session's owner); listening beyond
-loopback needs a key. On a loopback address the Host header must name this machine and an Origin,
-if any, too, so that a web page (DNS rebinding, a cross-site form) cannot drive the API. Bodies are
-JSON with a JSON content type. Limits: connections (one more gets 503 with Retry-After and is
-closed), body size, read timeout, and the engine queue (429 with Retry-After when full).
+created it or was granted it (the runtime is given a fingerprint of the key as the session's owner,
+and keeps the ids a key names in that key's scope: results name them back as the key knows them,
+see known_as); an admin key reaches every session, as the Unix socket does, and alone reads
+/metrics. Listening beyond loopback needs a key. On a loopback address the Host header must name
+this machine and an Origin, if any, too, so that a web page (DNS rebinding, a cross-site form)
+cannot drive the API. Bodies are JSON with a JSON content type. Limits: connections (one more gets
+503 with Retry-After and is closed; with keys, per key once authenticated, see CountedSite), body
+size, read timeout, and the engine queue (429 with Retry-After when full).
 """
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import hmac
 import ipaddress
 import itertools
@@ -61,6 +63,7 @@ from aiohttp import web
 
 from ellmd.errors import EllmError
 from ellmd.runtime.errors import RuntimeError_
+from ellmd.runtime.session import unscoped_id
 from ellmd.server.limits import Admission, Limits, QueueFull
 from ellmd.server.metrics import Metrics
 from ellmd.text import TemplateError, parse_tool_calls
@@ -156,16 +159,11 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def check_exposure(host: str, api_keys: list[str]) -> None:
+def check_exposure(host: str, api_keys: list) -> None:
     """Refuse to listen beyond this machine without an API key."""
     if not is_loopback(host) and not api_keys:
         raise EllmError(f"--http {host}: listening beyond loopback needs an API key "
                         "(--api-key, ELLMD_API_KEY or api_key_file)")
-
-
-def key_owner(key: str) -> str:
-    """The owner of the sessions an API key creates: a fingerprint, never the key itself."""
-    return hashlib.sha256(key.encode()).hexdigest()[:32]
 
 
 def host_name(value: str) -> str:
@@ -236,6 +234,13 @@ def session_arg(request: web.Request, body: dict) -> dict:
     session_id = field(body, "session_id", STRING) or request.headers.get("X-Session-Id")
     owner = {"owner": request["owner"]} if "owner" in request else {}
     return {"session_id": session_id, **owner} if session_id else owner
+
+
+def known_as(result: dict, owner: str | None) -> dict:
+    """An op's result with its session named as the caller's key knows it (runtime.session.unscoped_id)."""
+    if owner is None or not isinstance(result, dict) or "session_id" not in result:
+        return result
+    return {**result, "session_id": unscoped_id(result["session_id"], owner)}
 
 
 def sampling_args(body: dict, room: int) -> dict:
@@ -543,16 +548,25 @@ class NamedEventStream(EventStream):
 
 
 class CountedSite(web.BaseSite):
-    """A TCP site serving at most `limit` connections at once; one more is refused (503, see Refusal).
+    """A TCP site that bounds its connections (a connection beyond a bound is refused: 503, see Refusal).
 
-    A connection counts from connection_made to connection_lost, which asyncio calls once for every
-    transport however it ends (a client that vanishes too), so a place is never lost.
+    Without API keys, at most `limit` connections at once. With keys, a connection counts against
+    its key once a request on it authenticates (Guard calls `authenticated`): at most `limit` per
+    key, so a key's idle keep-alive connections lock out that key alone. Until then it is one of at
+    most `unauthenticated` connections, closed after `auth_timeout` s; one more closes the oldest
+    of them (a client that sends its request at once is never the oldest for long). A connection
+    counts from connection_made to connection_lost, which asyncio calls once for every transport
+    however it ends (a client that vanishes too), so a place is never lost.
     """
 
-    def __init__(self, runner: web.AppRunner, host: str, port: int, limit: int):
+    def __init__(self, runner: web.AppRunner, host: str, port: int, limits: Limits, keyed: bool = False):
         super().__init__(runner)
-        self.runner, self.host, self.port, self.limit = runner, host, port, limit
-        self.open = 0
+        self.runner, self.host, self.port, self.keyed = runner, host, port, keyed
+        self.limit, self.auth_timeout = limits.http_max_connections, limits.http_auth_timeout_s
+        self.unauthenticated = limits.http_max_unauthenticated
+        self.open: dict[str | None, int] = {}  # key name (None: not authenticated yet) -> connections
+        self.waiting: dict = {}  # transport -> Gate of the connections not authenticated yet, oldest first
+        self.gates: dict = {}  # transport -> Gate of every counted connection
 
     @property
     def name(self) -> str:
@@ -563,28 +577,70 @@ class CountedSite(web.BaseSite):
         loop = asyncio.get_running_loop()
         self._server = await loop.create_server(lambda: Gate(self), self.host, self.port, reuse_address=True)
 
+    def admit(self, gate: Gate) -> str | None:
+        """Count a new connection; the reason it is refused, else None."""
+        if not self.keyed:
+            if self.open.get(None, 0) >= self.limit:
+                return (f"the daemon already serves {self.open[None]} HTTP connections (http_max_connections); "
+                        "retry later")
+        elif len(self.waiting) >= self.unauthenticated:
+            oldest = next(iter(self.waiting.values()))
+            oldest.transport.close()  # its connection_lost uncounts it
+            self.forget(oldest)
+        self.count(gate, None)
+        if self.keyed:
+            self.waiting[gate.transport] = gate
+            gate.timer = asyncio.get_running_loop().call_later(self.auth_timeout, gate.transport.close)
+        return None
+
+    def authenticated(self, transport, key: str) -> None:
+        """A request on this connection came with the key named `key`: the connection counts against
+        that key from now on; ApiError 503 when the key holds `limit` already (the connection stays
+        unauthenticated: closed after auth_timeout)."""
+        gate = self.gates.get(transport)
+        if gate is None or gate.key == key:
+            return
+        if self.open.get(key, 0) >= self.limit:
+            raise ApiError(503, f"this API key already holds {self.open[key]} HTTP connections "
+                                "(http_max_connections); close one or retry later", "server_error",
+                           code="too_many_connections", headers={"Retry-After": str(RETRY_AFTER_S)})
+        self.uncount(gate)
+        self.count(gate, key)
+
+    def count(self, gate: Gate, key: str | None) -> None:
+        gate.key, gate.counted = key, True
+        self.open[key] = self.open.get(key, 0) + 1
+        self.gates[gate.transport] = gate
+
+    def uncount(self, gate: Gate) -> None:
+        """Stop counting a connection (it closed, or changes key)."""
+        if gate.counted:
+            self.open[gate.key] -= 1
+            gate.counted = False
+            self.gates.pop(gate.transport, None)
+        self.forget(gate)
+
+    def forget(self, gate: Gate) -> None:
+        """A connection is no longer waiting to authenticate."""
+        if self.waiting.pop(gate.transport, None) is not None and gate.timer is not None:
+            gate.timer.cancel()
+
 
 class Gate(asyncio.Protocol):
     """One accepted connection: aiohttp's handler while the site has room, else a Refusal."""
 
     def __init__(self, site: CountedSite):
-        self.site, self.counted = site, False
+        self.site, self.counted, self.key, self.timer = site, False, None, None
         self.inner: asyncio.Protocol | None = None
 
     def connection_made(self, transport) -> None:
-        site = self.site
-        if site.open < site.limit:
-            site.open += 1
-            self.counted, self.inner = True, site.runner.server()
-        else:
-            self.inner = Refusal(f"the daemon already serves {site.open} HTTP connections "
-                                 "(http_max_connections); retry later")
+        self.transport = transport
+        refused = self.site.admit(self)
+        self.inner = Refusal(refused) if refused else self.site.runner.server()
         self.inner.connection_made(transport)
 
     def connection_lost(self, exc) -> None:
-        if self.counted:
-            self.site.open -= 1
-            self.counted = False
+        self.site.uncount(self)
         self.inner.connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
@@ -641,12 +697,15 @@ class Refusal(asyncio.Protocol):
 
 class Guard:
     """The checks every request passes before its handler: Host and Origin on a loopback address
-    (a web page must not reach the API), and the API key when keys are set."""
+    (a web page must not reach the API), and the API key when keys are set. A key's requests carry
+    its owner (`request["owner"]`: they reach its sessions only); an admin key's carry none (they
+    reach every session, as the Unix socket does) and set `request["admin"]`."""
 
-    def __init__(self, host: str, api_keys: list[str]):
+    def __init__(self, host: str, api_keys: list, on_key=None):
         self.local = is_loopback(host)
         self.names = LOCAL_NAMES | {host}
-        self.owners = [(key.encode(), key_owner(key)) for key in api_keys]
+        self.keys = [(key.secret.encode(), key) for key in api_keys]
+        self.on_key = on_key  # on_key(request, key): the connection's request authenticated (CountedSite)
 
     @web.middleware
     async def check(self, request: web.Request, handler):
@@ -656,17 +715,23 @@ class Guard:
             origin = request.headers.get("Origin")
             if origin is not None and urlsplit(origin).hostname not in self.names:
                 raise ApiError(403, f"requests from the web page at {origin} are refused")
-        if self.owners and request.path != "/health":
-            request["owner"] = self.owner(request.headers.get("Authorization", ""), request.headers.get("x-api-key"))
+        if self.keys and request.path != "/health":
+            key = self.key(request.headers.get("Authorization", ""), request.headers.get("x-api-key"))
+            if self.on_key is not None:
+                self.on_key(request, key)
+            if key.admin:
+                request["admin"] = True
+            else:
+                request["owner"] = key.owner
         return await handler(request)
 
-    def owner(self, authorization: str, api_key: str | None = None) -> str:
-        """The owner of a key sent as `Authorization: Bearer KEY`, or as `x-api-key: KEY` (Anthropic's clients)."""
+    def key(self, authorization: str, api_key: str | None = None):
+        """The key sent as `Authorization: Bearer KEY`, or as `x-api-key: KEY` (Anthropic's clients)."""
         scheme, _, key = authorization.partition(" ")
         given = key.strip().encode() if scheme.lower() == "bearer" else (api_key or "").strip().encode()
-        for known, owner in self.owners:
+        for known, api_key in self.keys:
             if given and hmac.compare_digest(given, known):
-                return owner
+                return api_key
         raise ApiError(401, "a valid API key is needed: Authorization: Bearer <key>", code="invalid_api_key",
                        headers={"WWW-Authenticate": "Bearer"})
 
@@ -751,7 +816,7 @@ class HttpServer:
     """The OpenAI-compatible API of a Runtime, on host:port."""
 
     def __init__(self, runtime, host: str, port: int, limits: Limits = Limits(), admission: Admission | None = None,
-                 api_keys: list[str] = ()):
+                 api_keys=()):
         self.runtime, self.host, self.port, self.limits = runtime, host, port, limits
         self.admission = admission or Admission(runtime, limits.max_queue)
         engine = runtime.engine
@@ -765,7 +830,10 @@ class HttpServer:
                              if i not in stops} if self.tokenizer else {}
         self.metrics = Metrics(runtime)
         self.closing = False
-        app = web.Application(middlewares=[openai_errors, Guard(host, list(api_keys)).check],
+        self.site: CountedSite | None = None
+        self.keyed = bool(api_keys)
+        guard = Guard(host, list(api_keys), on_key=self.authenticated)
+        app = web.Application(middlewares=[openai_errors, guard.check],
                               client_max_size=limits.http_max_body)
         app.add_routes([
             web.get("/v1/models", self.models),
@@ -785,10 +853,16 @@ class HttpServer:
     async def start(self) -> None:
         await self.runner.setup()
         try:
-            await CountedSite(self.runner, self.host, self.port, self.limits.http_max_connections).start()
+            self.site = CountedSite(self.runner, self.host, self.port, self.limits, self.keyed)
+            await self.site.start()
         except OSError as e:
             await self.runner.cleanup()
             raise EllmError(f"--http {self.host}:{self.port}: {e.strerror or e}") from None
+
+    def authenticated(self, request: web.Request, key) -> None:
+        """A request came with a valid key: its connection counts against that key (CountedSite)."""
+        if self.site is not None and request.transport is not None:
+            self.site.authenticated(request.transport, key.name)
 
     async def close(self) -> None:
         """Stop listening; requests in flight finish (the runtime ends their generations on shutdown)."""
@@ -822,12 +896,12 @@ class HttpServer:
                 if event == "token":
                     await on_text(data["text"])
                 elif on_session:
-                    on_session(data["session_id"])
+                    on_session(unscoped_id(data["session_id"], args.get("owner")))
         finally:
             if not job.future.done():  # the client went away: stop at the next token
                 job.cancelled.set()
         try:
-            return job.future.result()
+            return known_as(job.future.result(), args.get("owner"))
         except RuntimeError_ as e:
             raise ApiError.from_runtime(e) from None
 
@@ -850,7 +924,7 @@ class HttpServer:
         except QueueFull as e:
             raise queue_full(e) from None
         try:  # shield: a client that disconnects must not cancel the engine thread's future under it
-            return await asyncio.shield(asyncio.wrap_future(job.future))
+            return known_as(await asyncio.shield(asyncio.wrap_future(job.future)), args.get("owner"))
         except RuntimeError_ as e:
             raise ApiError.from_runtime(e) from None
 
@@ -877,6 +951,8 @@ class HttpServer:
             "max_model_len": self.context}]})
 
     async def metrics_text(self, request: web.Request) -> web.Response:
+        if "owner" in request:  # the counters of every tenant: for the operator
+            raise ApiError(403, "/metrics needs an admin key (NAME KEY admin in api_key_file)", "permission_error")
         stats = await self.call("stats", {})
         return web.Response(body=self.metrics.render(stats), headers={"Content-Type": self.metrics.content_type})
 

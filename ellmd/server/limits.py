@@ -23,7 +23,9 @@ class Limits:
     frame_timeout_s: float = 30.0  # from a frame's first byte to its last
     max_write_buffer: int = 32 * MIB  # output waiting for a client; beyond it the connection is dropped
     write_timeout_s: float = 60.0  # an export waits this long for a client to read each piece
-    http_max_connections: int = 64  # HTTP connections at once (idle keep-alive ones too)
+    http_max_connections: int = 64  # HTTP connections at once (idle keep-alive ones too); with API keys, per key
+    http_max_unauthenticated: int = 16  # with API keys: connections whose first request has not authenticated yet
+    http_auth_timeout_s: float = 10.0  # with API keys: from connecting to a request with a valid key
     http_max_body: int = 16 * MIB
     http_read_timeout_s: float = 60.0  # headers and body of one HTTP request
 
@@ -38,7 +40,9 @@ class Limits:
             max_queue=settings.max_queue, max_upload_bytes=upload,
             hello_timeout_s=settings.hello_timeout_s, frame_timeout_s=settings.frame_timeout_s,
             max_write_buffer=settings.max_write_buffer_mb * MIB, write_timeout_s=settings.write_timeout_s,
-            http_max_connections=settings.http_max_connections, http_max_body=settings.http_max_body_mb * MIB, http_read_timeout_s=settings.http_read_timeout_s,
+            http_max_connections=settings.http_max_connections, http_max_body=settings.http_max_body_mb * MIB,
+            http_read_timeout_s=settings.http_read_timeout_s, http_max_unauthenticated=settings.http_max_unauthenticated,
+            http_auth_timeout_s=settings.http_auth_timeout_s,
         )
 
 

@@ -22,7 +22,8 @@ Gauges:
   ellm_kv_bytes_used                   KV cache bytes holding tokens of resident sessions
   ellm_kv_bytes_capacity               KV cache bytes allocated at start-up
 
-Counters and the session and KV gauges are read from the runtime's `stats` op at scrape time, so
+With API keys, only an admin key reads them (they are every tenant's). Counters and the session
+and KV gauges are read from the runtime's `stats` op at scrape time, so
 one scrape sees one consistent state of the engine thread.
 """
 

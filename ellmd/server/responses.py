@@ -46,6 +46,8 @@ log = logging.getLogger("ellmd.http")
 ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 TEXT_PARTS = ("input_text", "output_text", "text")
 TURN_NAME = 16  # hex digits of a response's turn name
+METADATA_PAIRS, METADATA_KEY, METADATA_VALUE = 16, 64, 512  # OpenAI's bounds on `metadata`
+ECHOED_CHARS = 512  # the longest `user` or `model` a response gives back (and keeps)
 STORED_TAG = "responses"  # of the sessions holding stored responses (never cut back, unlike anonymous ones)
 
 
@@ -94,6 +96,24 @@ def input_messages(body: dict) -> list[dict]:
     return messages
 
 
+def check_echoed(body: dict) -> None:
+    """The fields a response gives back as sent (and keeps with a stored one) are bounded: `metadata`
+    as OpenAI bounds it (16 pairs, keys of 64 characters, string values of 512), `user` and `model`."""
+    metadata = field(body, "metadata", OBJECT) or {}
+    if len(metadata) > METADATA_PAIRS:
+        raise ApiError(400, f"metadata holds {len(metadata)} pairs: at most {METADATA_PAIRS}", param="metadata")
+    for key, value in metadata.items():
+        if len(key) > METADATA_KEY:
+            raise ApiError(400, f"metadata keys are at most {METADATA_KEY} characters: {key[:20]!r}... holds "
+                                f"{len(key)}", param="metadata")
+        if not isinstance(value, str) or len(value) > METADATA_VALUE:
+            raise ApiError(400, f"metadata[{key!r}] must be a string of at most {METADATA_VALUE} characters",
+                           param="metadata")
+    for name in ("user", "model"):
+        if len(field(body, name, STRING) or "") > ECHOED_CHARS:
+            raise ApiError(400, f"{name} is at most {ECHOED_CHARS} characters", param=name)
+
+
 def chat_tool_args(body: dict) -> dict:
     """`tools` and `tool_choice` in the chat completions' shape (for http.chat_tools)."""
     tools = []
@@ -131,6 +151,7 @@ class ResponsesApi:
         body = await read_json(request, server.limits.http_read_timeout_s)
         if server.template is None:
             raise ApiError(400, "this model has no chat template")
+        check_echoed(body)
         constraint = format_args((field(body, "text", OBJECT) or {}).get("format") or {}, "text.format")
         messages = input_messages(body)
         tools, forced, _ = chat_tools(chat_tool_args(body), server.runtime.tool_format)
