@@ -61,6 +61,7 @@ from aiohttp import web
 
 from ellmd.errors import EllmError
 from ellmd.runtime.errors import RuntimeError_
+from ellmd.runtime.schemas import UNSTORABLE, unstorable
 from ellmd.server.limits import Admission, Limits, QueueFull
 from ellmd.server.metrics import Metrics
 from ellmd.text import TemplateError, parse_tool_calls
@@ -221,6 +222,9 @@ async def read_json(request: web.Request, timeout: float) -> dict:
         raise ApiError(400, f"the request body is not valid JSON: {e}") from None
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
+    where = unstorable(body)
+    if where is not None:
+        raise ApiError(400, f"{where}: {UNSTORABLE}", param=where)
     return body
 
 
