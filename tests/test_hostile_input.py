@@ -157,9 +157,15 @@ def test_unstorable_chats_pin_no_slot(smol):
 # ---- accepted requests round-trip through the store -------------------------------------------
 
 text = st.text(st.characters(codec="utf-8"), max_size=40)  # any character UTF-8 holds (no surrogates)
-json_values = st.recursive(st.none() | st.booleans() | st.integers(-1000, 1000) | text,
-                           lambda inner: st.lists(inner, max_size=3) | st.dictionaries(text, inner, max_size=3),
-                           max_leaves=8)
+
+
+def json_of(strings):
+    return st.recursive(st.none() | st.booleans() | st.integers(-1000, 1000) | strings,
+                        lambda inner: st.lists(inner, max_size=3) | st.dictionaries(strings, inner, max_size=3),
+                        max_leaves=8)
+
+
+json_values = json_of(text)
 message = st.fixed_dictionaries({"role": st.just("user"), "content": text},
                                 optional={"name": text.filter(str.strip), "extra": json_values})
 
@@ -195,34 +201,39 @@ ROUND_TRIPS = iter(range(1_000_000))
 
 # ---- fuzzed bodies of the structured-output, Responses and Anthropic endpoints ----------------
 
+# the fuzzer's strings: any, lone surrogates included (a 400, never a 500)
+wild = st.one_of(st.text(max_size=40), st.sampled_from([SURROGATE, "x\udfff"]))
+wild_values = json_of(wild)
 schemas = st.recursive(
     st.fixed_dictionaries({"type": st.sampled_from(["string", "integer", "number", "boolean", "null", "strin"])})
-    | st.fixed_dictionaries({"enum": st.lists(json_values, max_size=4)})
+    | st.fixed_dictionaries({"enum": st.lists(wild_values, max_size=4)})
     | st.fixed_dictionaries({"$ref": st.sampled_from(["#", "#/$defs/a", "#/nowhere"])}),
-    lambda inner: st.fixed_dictionaries({"type": st.just("object"), "properties": st.dictionaries(text, inner, max_size=3)},
-                                        optional={"required": st.lists(text, max_size=2),
+    lambda inner: st.fixed_dictionaries({"type": st.just("object"),
+                                         "properties": st.dictionaries(wild, inner, max_size=3)},
+                                        optional={"required": st.lists(wild, max_size=2),
                                                   "$defs": st.fixed_dictionaries({"a": inner})})
     | st.fixed_dictionaries({"anyOf": st.lists(inner, max_size=3)})
     | st.fixed_dictionaries({"type": st.just("array"), "items": inner}, optional={"maxItems": st.integers(-1, 3)}),
     max_leaves=10)
-anything = json_values | schemas
+anything = wild_values | schemas
+response_format = st.fixed_dictionaries(
+    {"type": st.sampled_from(["json_schema", "json_object", "text", "xml"])},
+    optional={"json_schema": st.fixed_dictionaries({"name": wild}, optional={"schema": anything})})
 chat_bodies = st.fixed_dictionaries({"messages": st.just(HI), "max_tokens": st.integers(1, 3)}, optional={
-    "response_format": st.one_of(anything, st.fixed_dictionaries({"type": st.sampled_from(["json_schema", "json_object",
-                                                                                           "text", "xml"]),
-                                                                  "json_schema": st.fixed_dictionaries(
-                                                                      {"name": text}, optional={"schema": anything})})),
-    "guided_json": anything, "guided_regex": anything | st.sampled_from(["a|b", "(", "[0-9]{2}", "a*"]),
+    "response_format": anything | response_format, "guided_json": anything,
+    "guided_regex": anything | st.sampled_from(["a|b", "(", "[0-9]{2}", "a*"]),
     "guided_grammar": anything | st.sampled_from(['start: "a"', "start: x", 'root ::= "y"', "start: start"]),
     "guided_choice": anything, "session_id": st.sampled_from(["fz-1", "fz-2", "bad id"])})
-format_spec = st.one_of(anything, st.fixed_dictionaries(
-    {"type": st.sampled_from(["json_schema", "json_object", "text"])}, optional={"schema": anything, "name": text}))
-responses_bodies = st.fixed_dictionaries({"input": st.one_of(text, st.just(HI), anything),
-                                          "max_output_tokens": st.sampled_from([-1, 1, 2, 3])}, optional={"text": st.fixed_dictionaries({"format": format_spec}),
-    "metadata": anything, "instructions": anything, "store": st.booleans(),
-    "previous_response_id": st.one_of(text, st.just("resp_x"))})
-anthropic_bodies = st.fixed_dictionaries({"model": st.just("m"), "messages": st.one_of(st.just(HI), anything),
-                                          "max_tokens": st.sampled_from([-1, 1, 2, 3])}, optional={"system": anything,
-    "output_config": st.fixed_dictionaries({"format": format_spec}), "stop_sequences": anything})
+format_spec = anything | st.fixed_dictionaries({"type": st.sampled_from(["json_schema", "json_object", "text"])},
+                                               optional={"schema": anything, "name": wild})
+responses_bodies = st.fixed_dictionaries(
+    {"input": wild | st.just(HI) | anything, "max_output_tokens": st.sampled_from([-1, 1, 2, 3])},
+    optional={"text": st.fixed_dictionaries({"format": format_spec}), "metadata": anything, "instructions": anything,
+              "store": st.booleans(), "previous_response_id": wild | st.just("resp_x")})
+anthropic_bodies = st.fixed_dictionaries(
+    {"model": st.just("m"), "messages": st.just(HI) | anything, "max_tokens": st.sampled_from([-1, 1, 2, 3])},
+    optional={"system": anything, "output_config": st.fixed_dictionaries({"format": format_spec}),
+              "stop_sequences": anything})
 requests = st.one_of(st.tuples(st.just("/v1/chat/completions"), chat_bodies),
                      st.tuples(st.just("/v1/responses"), responses_bodies),
                      st.tuples(st.sampled_from(["/v1/messages", "/v1/messages/count_tokens"]), anthropic_bodies))

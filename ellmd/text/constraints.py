@@ -70,11 +70,10 @@ class GrammarError(ValueError):
     """A schema, regular expression or grammar that does not compile (the message says where)."""
 
 
-def schema_counts(schema, counts: collections.Counter | None = None) -> collections.Counter:
+def schema_counts(schema: dict) -> collections.Counter:
     """How many `$ref`s, branches and enum values a JSON Schema holds (every nested map counted)."""
-    counts = collections.Counter() if counts is None else counts
-    stack = [schema]
-    while stack:  # iterative: a request's nesting is bounded, but this need not rely on it
+    counts, stack = collections.Counter(), [schema]
+    while stack:  # iterative: no recursion limit to rely on
         value = stack.pop()
         if isinstance(value, dict):
             counts["refs"] += "$ref" in value
