@@ -185,7 +185,9 @@ class Runtime:
             return None
         if self.grammars is None:
             raise BadRequest(f"{op}: {kind}: this model has no tokenizer to constrain text with")
-        return self.grammars.submit(kind, args.pop(kind))
+        source = args.pop(kind)
+        check = (lambda: schemas.json_safe(source, f"{op}: {kind}")) if kind == "json_schema" else None
+        return self.grammars.submit(kind, source, check)
 
     def stop(self, timeout: float | None = None) -> None:
         """End generations cleanly, snapshot every resident session, end the engine loop.
@@ -301,6 +303,8 @@ class Runtime:
             request.args["constraint"] = future.result()
         except GrammarError as e:
             reply(request, error=BadRequest(f"{request.op}: {e}"))
+        except BadRequest as e:  # not JSON (json_safe)
+            reply(request, error=e)
         except Exception as e:  # a bug in compiling: this request fails, nothing else
             log.error("compiling the constraint of %s failed", request.op, exc_info=e)
             reply(request, error=e)

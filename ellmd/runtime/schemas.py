@@ -234,7 +234,8 @@ OPS: dict[str, type[Args]] = {
 }
 
 # Fields holding maps or lists of maps whose nested values must be JSON (the store keeps them).
-JSON_FIELDS = ("message", "messages", "tools", "json_schema", "note")
+# `json_schema` must be too; it is checked on the compile thread (a schema may be megabytes).
+JSON_FIELDS = ("message", "messages", "tools", "note")
 
 
 def validate(op: str, args, vocab_size: int) -> dict:
