@@ -12,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ellm.errors import BadRequest, Busy
+from ellm.errors import BadRequest, Busy, CapacityError
 from ellmd.text.constraints import LIMITS
 
 from test_http import post, start_daemon
@@ -250,3 +250,15 @@ def test_fuzzed_structured_responses_and_anthropic_bodies_get_a_reply_never_a_50
 
 def test_the_daemon_logged_no_traceback(smol):
     assert "Traceback" not in smol[0].log.read_text()
+
+
+def test_a_text_that_cannot_fit_is_refused_before_it_is_tokenized(smol):
+    """Megabytes of text over the socket: tokenizing them held the engine thread (so every
+    client's generation) for seconds before the capacity error; now the error comes first."""
+    with smol[0].client() as unix:
+        session = unix.open_session()
+        for send in (lambda big: session.chat(big, max_tokens=2), lambda big: session.append(text=big)):
+            with pytest.raises(CapacityError, match=r"has room for \d+ tokens; a text of 4000\d\d\d characters"):
+                send("word " * 800_000)  # 4 MB: under the render limit (max_render_kb)
+        assert len(session.info()["turns"]) == 0 and session.chat("Hi", max_tokens=2).text is not None
+    assert serving(smol)

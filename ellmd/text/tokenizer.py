@@ -258,6 +258,20 @@ class Tokenizer:
                 table[i] = token.encode("utf-8")
         return table
 
+    @cached_property
+    def max_token_bytes(self) -> int | None:
+        """The most bytes one token spells (None: not known, the tokenizer is not byte-level)."""
+        try:
+            return max(map(len, self._token_bytes), default=0) or None
+        except ValueError:
+            return None
+
+    def cannot_fit(self, text: str, room: int) -> bool:
+        """True when `text` surely encodes to more than `room` tokens, found without encoding it:
+        a token spells at most max_token_bytes bytes, a character at least one (halved for the
+        normalizer, which may join characters)."""
+        return self.max_token_bytes is not None and len(text) > 2 * room * self.max_token_bytes
+
     def fingerprint(self) -> str:
         """sha256 hex over vocabulary, merges, added tokens, special tokens and chat template."""
         return self._fingerprint
