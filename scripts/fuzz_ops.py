@@ -4,7 +4,8 @@
 
 Sends random ops with random, mostly wrong, argument values and types (wrong types, NaN and
 infinities, huge and negative numbers, maps with integer or nested keys, unknown keys such as
-`self`, real and made-up session ids) as raw msgpack frames, pipelined on a few connections, plus
+`self`, real and made-up session ids; constraints: JSON Schemas, regexes and grammars, valid, broken,
+and deep: `$ref` and rule chains within and beyond the compile limits) as raw msgpack frames, pipelined on a few connections, plus
 broken frames (not msgpack, not a map, truncated, ids that are not integers) on connections of
 their own. Every request must get exactly one reply within --reply-timeout seconds, with an error
 code of PROTOCOL.md; at the end a fresh client must still open a session and generate. Prints one
@@ -46,6 +47,27 @@ OPS = {  # op -> the argument names it knows (the fuzzer also sends others)
 }
 WEIRD_NUMBERS = [0, 1, -1, 2.5, -0.0, 1e-40, -1e308, 1e308, math.nan, math.inf, -math.inf, 2**31, 2**63 - 1,
                  -(2**63), 2**64 - 1, 99999999, 49151, 49152]
+GENERATING = ("session.generate", "session.chat", "completion")
+
+
+def ref_chain(links: int) -> dict:
+    """A JSON Schema of `links` chained `$ref`s (shallow as JSON: the compiler's recursion is deep)."""
+    defs = {f"d{i}": {"type": "object", "properties": {"x": {"$ref": f"#/$defs/d{i + 1}"}}} for i in range(links)}
+    return {"$defs": {**defs, f"d{links}": {"type": "string"}}, "$ref": "#/$defs/d0"}
+
+
+def rule_chain(rules: int) -> str:
+    """A Lark grammar of `rules` chained rules."""
+    return "start: r0\n" + "".join(f'r{i}: "a" r{i + 1}\n' for i in range(rules - 1)) + f'r{rules - 1}: "b"\n'
+
+
+CONSTRAINTS = {  # kind -> sources: valid, broken, and deep (within the limits, then beyond them)
+    "json_schema": [{"type": "object"}, {"type": "strin"}, {"enum": ["a", "b"]}, {"$ref": "#/nowhere"},
+                    {"anyOf": [{"type": "integer"}, {"type": "boolean"}]}, {"$ref": "#"}, ref_chain(1_200),
+                    ref_chain(2_001), {"enum": list(range(10_001))}],
+    "regex": ["[0-9]{2}", "a(b", "(a|b)*", "", "x{99999}"],
+    "grammar": ['start: "a"', "start: x", 'root ::= "y" | "z"', "start: start", rule_chain(3_000), rule_chain(10_001)],
+}
 WEIRD_STRINGS = ["", "x", "../x", "..", "a/b", "/etc/passwd", "default", "é" * 20, "\x00", "self", "y" * 300,
                  "<|im_end|>", "{{ 7*7 }}"]
 
@@ -108,6 +130,9 @@ class Fuzzer:
             args["max_tokens"] = max(-1, min(args["max_tokens"], 4))
         if op == "rag.index" and isinstance(args.get("path"), str):
             args["path"] = "/nonexistent/" + args["path"].replace("/", "_").replace(".", "_")  # never a real folder ("/..")
+        if op in GENERATING and r.random() < 0.2:
+            kind = r.choice(list(CONSTRAINTS))
+            args[kind] = r.choice(CONSTRAINTS[kind]) if r.random() < 0.7 else self.value()
         if r.random() < 0.15:
             args[r.choice(["self", "colour", "owner", "__class__", "request"])] = self.value()
         message = {"id": request_id, "op": op, "args": args}

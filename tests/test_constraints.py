@@ -221,3 +221,28 @@ def test_strict_tool_grammars_accept_valid_calls(qwen, fmt, choice, text):
 ])
 def test_strict_tool_grammars_refuse_invalid_calls(qwen, fmt, choice, text):
     assert not accepts(qwen, fmt, choice, text)
+
+
+@pytest.mark.parametrize("kind, source, limit", [
+    ("json_schema", {"enum": list(range(10_001))}, "10001 enum values is beyond the limit of 10000"),
+    ("json_schema", {"anyOf": [{"type": "integer", "minimum": i} for i in range(10_001)]}, "alternatives is beyond the limit of 10000"),
+    ("json_schema", {"$defs": {f"d{i}": {"$ref": f"#/$defs/d{i + 1}"} for i in range(2_001)}, "$ref": "#/$defs/d0"},
+     "2002 refs is beyond the limit of 2000"),
+    ("json_schema", {"description": "x" * (512 << 10)}, "schema bytes is beyond the limit of 524288"),
+    ("grammar", "start: r0\n" + "".join(f'r{i}: "a"\n' for i in range(10_001)), "10002 rules is beyond the limit"),
+    ("grammar", 'start: "a"' + ' | "b"' * 10_001, "10001 alternatives is beyond the limit of 10000"),
+])
+def test_sources_beyond_a_limit_are_refused_naming_it(grammars, kind, source, limit):
+    with pytest.raises(GrammarError, match=limit):
+        grammars.compile(kind, source)
+
+
+def test_compiled_constraints_are_kept_by_content(grammars):
+    schema = {"type": "object", "required": ["a"], "properties": {"a": {"type": "integer"}}}
+    first = grammars.compile("json_schema", schema)
+    kept = len(grammars._cache)
+    again = grammars.compile("json_schema", dict(reversed(schema.items())))  # the same content, keys reordered
+    assert len(grammars._cache) == kept  # not compiled again
+    first.consume(int(np.flatnonzero(first.allowed())[0]))
+    assert first.matcher is not again.matcher and again.consumed == 0  # each generation its own state
+    assert texts(grammars.tokenizer, again.allowed()) == {"{\""}  # the start, as the first had

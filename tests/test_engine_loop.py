@@ -253,3 +253,19 @@ def test_a_prefill_riding_decode_steps_leaves_both_sessions_as_alone(runtime, en
     assert generation.future.result(timeout=120)["token_ids"] == alone_a
     assert len(rides) > 1 and sum(rides) <= appended["tokens"]  # B's tokens rode A's steps
     assert call(runtime, "session.generate", session_id=b, max_tokens=8)["token_ids"] == alone_b
+
+
+def test_a_session_the_store_cannot_hold_is_an_internal_error_that_frees_its_slot(runtime):
+    """Text UTF-8 cannot encode, let past the validation layer (as by a bug): the turn is an
+    `internal` error and the session leaves memory. Before, it could be neither snapshotted nor
+    evicted: two such sessions pinned both slots and every later request failed."""
+    unstorable = {"role": "user", "content": "Hi.", "x": "\ud800"}  # a key the template ignores
+    for _ in range(runtime.engine.kv.slots):
+        sid = call(runtime, "session.open")["session_id"]
+        with pytest.raises(RuntimeError_, match=f"session {sid} cannot be stored") as raised:
+            raw(runtime, "session.chat", session_id=sid, message=unstorable, max_tokens=2).future.result(timeout=120)
+        assert raised.value.code == "internal"
+        assert runtime.sessions.get(sid) is None
+    for _ in range(runtime.engine.kv.slots + 1):
+        sid = call(runtime, "session.open")["session_id"]
+        assert call(runtime, "session.chat", session_id=sid, content="Hi.", max_tokens=2)["token_ids"]

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from ellmd.text import ChatTemplate, IncrementalDetokenizer, StopMatcher, TemplateError, Tokenizer
+from ellmd.text.tokenizer import LONG_TEXT
 from ellmd.text.toolcalls import detect_format, parse_hermes, parse_qwen3_coder, parse_tool_calls
 
 REPO = Path(__file__).resolve().parents[1]
@@ -150,6 +151,13 @@ def test_encode_decode_round_trip(tokenizer):
         ids = tokenizer.encode(text)
         assert b"".join(tokenizer.token_bytes(i) for i in ids).decode() == tokenizer.decode(ids)
     assert tokenizer.decode(tokenizer.encode("a<|im_end|>b"), skip_special_tokens=True) == "ab"
+
+
+def test_a_long_text_encodes_as_a_short_one_does(tokenizer):
+    """Past LONG_TEXT characters encode takes the call that releases the GIL: the same tokens."""
+    text = "Grüße, world! <|im_end|> 12345 " * (LONG_TEXT // 30 + 1)
+    assert len(text) > LONG_TEXT
+    assert tokenizer.encode(text) == tokenizer.backend.encode(text, add_special_tokens=False).ids
 
 
 def test_fingerprint(qwen, smol):

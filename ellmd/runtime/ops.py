@@ -70,7 +70,7 @@ def session_append(rt, request, session_id, message=None, text=None, tokens=None
     if message is not None:
         return (yield from rt.turns.append_message(request, session, message))
     if text is not None:
-        return (yield from rt.turns.append(request, session, "text", rt.engine.tokenizer.encode(text)))
+        return (yield from rt.turns.append(request, session, "text", rt.turns.encode(session, text)))
     return (yield from rt.turns.append(request, session, "tokens", tokens))
 
 

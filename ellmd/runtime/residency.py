@@ -24,9 +24,10 @@ import hashlib
 import logging
 import time
 
-from ellmd.errors import CapacityError
+from ellmd.errors import CapacityError, EllmError
 from ellmd.runtime.errors import RuntimeError_, SlotsBusy, not_found
 from ellmd.runtime.leases import Leases
+from ellmd.runtime.schemas import UNSTORABLE, unstorable
 from ellmd.runtime.session import SCOPE, Session, common_prefix, scoped_id
 from ellmd.runtime.store_base import CHUNK_TOKENS, SessionStore, StoreError
 from ellmd.runtime.writer import StoreWrite, StoreWriter
@@ -269,6 +270,11 @@ class Residency:
         if tokens is None or (not session.dirty and session.stored_tokens == len(tokens) and upto is None):
             return None
         meta = copy.deepcopy(session.stored_meta())  # the session goes on changing meanwhile
+        where = unstorable(meta)
+        if where is not None:  # let past the validation layer by a bug: no snapshot could ever hold it
+            self.forget(session)  # never a slot pinned by a session that can be neither written nor evicted
+            raise EllmError(f"session {session.session_id} cannot be stored ({where}: {UNSTORABLE}); "
+                            "it was dropped from memory")
         if upto is not None:  # during a generation, pending tokens are in the KV already
             meta["pending"] = []
         tokens, stored, per_token = list(tokens), min(session.stored_tokens, len(tokens)), self.engine.kv.bytes_per_token

@@ -78,6 +78,14 @@ class Request:
     prefilled: int = 0  # tokens this request ran through the model
     reused: int | None = None  # tokens already computed when it first touched the session
     shared: int = 0  # of those, tokens whose KV was copied from another session (a shared prefix)
+    compiling: concurrent.futures.Future | None = None  # its constraint, on the compile thread
+
+
+@dataclass(eq=False)
+class Compiled:
+    """The compile thread is done with a request's constraint (queued for the loop to settle)."""
+
+    request: Request
 
 
 class Runtime:
@@ -97,7 +105,7 @@ class Runtime:
         self.key_owners = dict(key_owners or {})  # API key name -> owner (session.grant)
         self.policy = policy or Policy(engine.chunk_size)
         self.counters = {"prefilled": 0, "reused": 0, "shared": 0, "generated": 0, "drafted": 0, "accepted": 0}
-        self.queue: queue.Queue[Request | StoreWrite | None] = queue.Queue()  # StoreWrite: the writer is done with it
+        self.queue: queue.Queue[Request | StoreWrite | Compiled | None] = queue.Queue()  # StoreWrite: the writer is done with it
         self.residency = Residency(engine, store, self.policy, on_written=self.queue.put, leases=leases)
         self.turns = Turns(engine, self.residency, self.counters, context_role, self.after_turn)
         self.generations = Generations(engine, self.turns, self.counters, self.snapshot_turn, self.reply_after)
@@ -111,6 +119,7 @@ class Runtime:
         self.waiting: list[Request] = []  # requests that need a slot while every slot is busy
         self.prefills: list[Prefill] = []  # prefills in progress, in arrival order (their sessions busy)
         self.deferred: dict[str, list[Request]] = {}  # session id -> requests queued behind its prefill or write
+        self.compiling: list[Request] = []  # requests that reached the loop before their constraint compiled
         self.awaiting: dict[StoreWrite, list[tuple]] = {}  # write -> (request, handler, session marked busy) waiting for it
         self.replies_after: dict[StoreWrite, list[tuple]] = {}  # write -> (request, result): generations' replies
         self.started = time.time()
@@ -149,7 +158,7 @@ class Runtime:
                 raise RuntimeError_("unknown_op", f"unknown op {op!r}")
             request.args = schemas.validate(op, args, self.engine.spec.vocab_size)
             request.owner = request.args.pop("owner", None)
-            self._compile_constraint(op, request.args)
+            request.compiling = self._compile_constraint(op, request.args)
             if self._closed:
                 raise cancelled("the daemon is shutting down")
         except (RuntimeError_, BadRequest) as e:
@@ -164,21 +173,22 @@ class Runtime:
             self._aside_pending[id(request)] = request
             self._aside[aside].submit(self._run_aside, request)
         else:
-            self.queue.put(request)
+            self.queue.put(request)  # before its Compiled: the loop parks it until that comes
+            if request.compiling is not None:
+                request.compiling.add_done_callback(lambda _: self.queue.put(Compiled(request)))
         return request
 
-    def _compile_constraint(self, op: str, args: dict) -> None:
-        """Replace a json_schema, regex or grammar argument by its compiled constraint: a bad one
-        is the request's bad_request, before anything is queued."""
+    def _compile_constraint(self, op: str, args: dict) -> concurrent.futures.Future | None:
+        """Start compiling a json_schema, regex or grammar argument on the compile thread (never on
+        the caller's, a server's event loop): the loop settles it (`_compiled`)."""
         kind = next((name for name in schemas.CONSTRAINTS if name in args), None)
         if kind is None:
-            return
+            return None
         if self.grammars is None:
             raise BadRequest(f"{op}: {kind}: this model has no tokenizer to constrain text with")
-        try:
-            args["constraint"] = self.grammars.compile(kind, args.pop(kind))
-        except GrammarError as e:
-            raise BadRequest(f"{op}: {e}") from None
+        source = args.pop(kind)
+        check = (lambda: schemas.json_safe(source, f"{op}: {kind}")) if kind == "json_schema" else None
+        return self.grammars.submit(kind, source, check)
 
     def stop(self, timeout: float | None = None) -> None:
         """End generations cleanly, snapshot every resident session, end the engine loop.
@@ -234,6 +244,9 @@ class Runtime:
             if isinstance(request, StoreWrite):
                 self._written(request)
                 continue
+            if isinstance(request, Compiled):
+                self._compiled(request.request)
+                continue
             if request:
                 self._handle(request)
                 continue  # drain the queue before the next step
@@ -260,9 +273,14 @@ class Runtime:
         waits for that to end, so that requests on one session run in their order (an append
         pipelined behind another is not busy).
         """
+        if request.future.done():  # answered while it waited (a constraint that did not compile)
+            return
         session_id = request.args.get("session_id")
         if session_id is not None and self._blocked(session_id):
             self.deferred.setdefault(session_id, []).append(request)
+            return
+        if request.compiling is not None:  # later requests on its session wait behind it
+            self.compiling.append(request)
             return
         try:
             result = self.ops[request.op].handler(self, request, **request.args)
@@ -275,7 +293,33 @@ class Runtime:
 
     def _blocked(self, session_id: str) -> bool:
         return any(job.session.session_id == session_id for job in self.prefills) or \
-            any(write.session_id == session_id for write in self.awaiting)
+            any(write.session_id == session_id for write in self.awaiting) or \
+            any(request.args.get("session_id") == session_id for request in self.compiling)
+
+    def _compiled(self, request: Request) -> None:
+        """Settle a request's constraint: its argument, or its bad_request; then run it, and the
+        requests deferred behind it, if it was parked waiting for it."""
+        future, request.compiling = request.compiling, None
+        try:
+            request.args["constraint"] = future.result()
+        except GrammarError as e:
+            reply(request, error=BadRequest(f"{request.op}: {e}"))
+        except BadRequest as e:  # not JSON (json_safe)
+            reply(request, error=e)
+        except Exception as e:  # a bug in compiling: this request fails, nothing else
+            log.error("compiling the constraint of %s failed", request.op, exc_info=e)
+            reply(request, error=e)
+        parked = [r for r in self.compiling if r is not request]  # by identity: Requests compare by value
+        if len(parked) < len(self.compiling):
+            self.compiling = parked
+            self._handle(request)
+            self._run_deferred(request.args.get("session_id"))
+
+    def _run_deferred(self, session_id: str | None) -> None:
+        """Run the requests deferred behind a session, in order, once nothing blocks it."""
+        if session_id is not None and not self._closed and not self._blocked(session_id):
+            for request in self.deferred.pop(session_id, []):
+                self._handle(request)  # in order; each may wait again behind a new prefill
 
     def _resume(self, request: Request, handler, step, value) -> None:
         """Run a handler on to its next job, a Prefill (queued) or a StoreWrite (waited for),
@@ -373,9 +417,7 @@ class Runtime:
                 self._resume(request, handler, handler.send, write.result)
             else:
                 self._resume(request, handler, handler.throw, write.error)
-        if not self._closed and not self._blocked(write.session_id):
-            for request in self.deferred.pop(write.session_id, []):
-                self._handle(request)
+        self._run_deferred(write.session_id)
 
     def _drain(self) -> None:
         """At shutdown: settle the writes the writer is done with; park queued requests in `waiting`."""
@@ -386,7 +428,7 @@ class Runtime:
                 return
             if isinstance(item, StoreWrite):
                 self._written(item)
-            elif item:
+            elif isinstance(item, Request):  # not a Compiled: its request is answered as it waits
                 self.waiting.append(item)
 
     def _shutdown(self) -> None:
@@ -397,6 +439,8 @@ class Runtime:
         for deferred in self.deferred.values():
             self.waiting.extend(deferred)
         self.deferred = {}
+        self.waiting.extend(self.compiling)
+        self.compiling = []
         while True:  # an op resumed after its write may go on to a prefill: cancelled in turn
             for job in list(self.prefills):
                 self._end_prefill(job, error=cancelled("the daemon is shutting down"))

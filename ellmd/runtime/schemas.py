@@ -241,7 +241,8 @@ OPS: dict[str, type[Args]] = {
 }
 
 # Fields holding maps or lists of maps whose nested values must be JSON (the store keeps them).
-JSON_FIELDS = ("message", "messages", "tools", "json_schema", "note")
+# `json_schema` must be too; it is checked on the compile thread (a schema may be megabytes).
+JSON_FIELDS = ("message", "messages", "tools", "note")
 
 
 def validate(op: str, args, vocab_size: int) -> dict:
@@ -253,6 +254,9 @@ def validate(op: str, args, vocab_size: int) -> dict:
         parsed = msgspec.convert(args, schema)
     except msgspec.ValidationError as e:
         raise BadRequest(f"{op}: {describe(e)}") from None
+    where = unstorable(args)
+    if where is not None:
+        raise BadRequest(f"{op}: {where}: {UNSTORABLE}")
     values = {f: getattr(parsed, f) for f in parsed.__struct_fields__}
     for name in JSON_FIELDS:
         if values.get(name) is not None:
@@ -271,6 +275,43 @@ def validate(op: str, args, vocab_size: int) -> dict:
 def check_vocabulary(op: str, name: str, tokens, vocab_size: int) -> None:
     if isinstance(tokens, list) and tokens and max(tokens) >= vocab_size:
         raise BadRequest(f"{op}: {name}: token ids must be in [0, {vocab_size})")
+
+
+UNSTORABLE = "text with a lone surrogate (U+D800-U+DFFF) cannot be stored: it is not UTF-8"
+
+
+def unstorable(value) -> str | None:
+    """The path ("messages[0].content", "metadata (a key)") of the first string or key of a
+    request that UTF-8 cannot encode (a lone surrogate, which JSON's \\ud800 escape can carry),
+    or None. The store keeps text as UTF-8: what it cannot encode is refused at the boundary."""
+    try:
+        msgspec.msgpack.encode(value)  # fast, and fails on exactly such text
+        return None
+    except UnicodeEncodeError:
+        pass
+    except (TypeError, ValueError):  # not encodable for another reason: the schemas say so
+        return None
+    stack = [(value, "$")]
+    while stack:
+        item, path = stack.pop()
+        if isinstance(item, str) and not is_utf8(item):
+            return path.removeprefix("$.")
+        if isinstance(item, dict):
+            for key, child in item.items():
+                if isinstance(key, str) and not is_utf8(key):
+                    return f"{path.removeprefix('$.')} (a key)"
+                stack.append((child, f"{path}.{key}"))
+        elif isinstance(item, (list, tuple)):
+            stack.extend((child, f"{path}[{i}]") for i, child in enumerate(item))
+    return None
+
+
+def is_utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+        return True
+    except UnicodeEncodeError:
+        return False
 
 
 def json_safe(value, path: str, depth: int = 0) -> None:

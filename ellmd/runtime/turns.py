@@ -76,8 +76,18 @@ class Turns:
             raise RuntimeError_("bad_request", "this model has no chat template: append text or tokens")
         text = template.render_fragment(session.messages, [message], tools=session.tools,
                                         add_generation_prompt=False, allow_rewrite=True)
-        return (yield from self.append(request, session, kind, self.engine.tokenizer.encode(text),
+        return (yield from self.append(request, session, kind, self.encode(session, text),
                                        role=message["role"], name=name, message=message))
+
+    def encode(self, session: Session, text: str) -> list[int]:
+        """The tokens of a text to append; CapacityError before encoding one that surely cannot fit
+        (a megabytes-long text would hold this thread, and every generation, for seconds)."""
+        room = self.engine.kv.sequence_length - session.length
+        if self.engine.tokenizer.cannot_fit(text, room):
+            raise CapacityError(f"session {session.session_id} has room for {room} tokens; a text of "
+                                f"{len(text)} characters is more than that (sequence length "
+                                f"{self.engine.kv.sequence_length})")
+        return self.engine.tokenizer.encode(text)
 
     def append(self, request, session: Session, kind: str, tokens: list[int], role=None, name=None, message=None):
         """Prefill a turn's tokens and log the turn (generator); returns the reply's result."""

@@ -6,7 +6,8 @@ ellmd.server.metrics); OpenAI's Responses API (ellmd.server.responses) and Anthr
 (ellmd.server.anthropic) are built on this module's helpers.
 
 A handler renders the conversation with the chat template and tokenizes it (in a worker thread:
-both take a while on long prompts), then submits one `completion` op holding the whole prompt. The
+both take a while on long prompts; a long text is encoded with the GIL released, so the event loop
+goes on), then submits one `completion` op holding the whole prompt. The
 runtime finds the KV to reuse: that of the session named by a `session_id` body field or an
 `X-Session-Id` header (created when new), else that of the resident session whose tokens the
 prompt extends furthest. So a plain OpenAI client resending its growing conversation prefills only
@@ -23,7 +24,9 @@ never reaches `content`; the calls follow in one `tool_calls` delta.
 Structured output: `response_format` (json_object, json_schema), tools marked `strict` (a grammar of
 the model's call format with each tool's schema, ellmd.text.tool_grammar) and vLLM's `guided_json`,
 `guided_regex`, `guided_grammar` and `guided_choice` become the runtime's `json_schema` or
-`grammar` argument, compiled when the request is validated (a bad one is a 400). One per request.
+`grammar` argument, compiled on the runtime's compile thread within its limits (a bad one, or one
+beyond a limit, is a 400). One per request. A body holding text UTF-8 cannot encode (a lone
+surrogate) is a 400 naming the field: the store could never hold it.
 
 Where ellm differs from OpenAI it answers 400 rather than differ silently: `n` and `best_of` must
 be 1; `echo` and `suffix` are not supported; nor are content parts other than text. Defaults
@@ -63,6 +66,7 @@ from aiohttp import web
 
 from ellmd.errors import EllmError
 from ellmd.runtime.errors import RuntimeError_
+from ellmd.runtime.schemas import UNSTORABLE, unstorable
 from ellmd.runtime.session import unscoped_id
 from ellmd.server.limits import Admission, Limits, QueueFull
 from ellmd.server.metrics import Metrics
@@ -219,6 +223,9 @@ async def read_json(request: web.Request, timeout: float) -> dict:
         raise ApiError(400, f"the request body is not valid JSON: {e}") from None
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
+    where = unstorable(body)
+    if where is not None:
+        raise ApiError(400, f"{where}: {UNSTORABLE}", param=where)
     return body
 
 

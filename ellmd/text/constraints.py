@@ -11,16 +11,30 @@ computing it on a worker thread (llguidance releases the GIL) before the forward
 that position's logits, and applies it after: the mask is ready by then, at no cost to the decode.
 The matcher lets the model's end-of-sequence tokens through once the grammar is complete, and only
 them once nothing more can follow.
+
+Compiling is bounded and isolated. llguidance's compiler recurses once per `$ref` of a chain and per
+rule of a chain of rules: past the 8 MiB stack of an ordinary thread that is a SIGSEGV, whatever
+catches exceptions. So a source is first measured against `LIMITS` (bytes, `$ref`s, rules,
+alternatives, enum values: counted in Python, before llguidance sees it), then compiled on one
+thread of its own whose stack (`COMPILE_STACK`) holds the deepest source the limits let through
+several times over, never on a server's event loop nor on the engine thread. Compiled matchers are
+kept by content (`CACHE_SIZE`): a schema sent again is a copy, not a compile; so is a refusal.
 """
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
+import hashlib
 import json
 import logging
+import queue
+import re
 import threading
+import time
 
 import llguidance
+import msgspec
 import numpy as np
 
 from ellmd.text.tokenizer import Tokenizer
@@ -34,8 +48,60 @@ KINDS = ("json_schema", "regex", "grammar")
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
+# The bounds a constraint must keep to before it is compiled (a request beyond one is refused
+# naming it). Measured with the built-in model's tokenizer: a `$ref` chain costs the compiler
+# up to 16 KiB of stack per link (1,000 links overflow 8 MiB) and 0.2 s per 1,000 links; a chain
+# of Lark rules up to 6.4 KiB per rule; 10,000 alternatives compile in 0.3 s, 50,000 in 9 s;
+# 50,000 enum values (0.5 MB) in 0.3 s.
+LIMITS = {
+    "schema_bytes": 512 << 10,  # a JSON Schema as compact JSON text (OpenAI allows ~5,000 properties)
+    "grammar_bytes": 1 << 20,  # a Lark or GBNF grammar's text (also the argument's own bound)
+    "refs": 2_000,  # `$ref`s in a schema or grammar: the longest chain is at most this
+    "rules": 10_000,  # rules of a grammar
+    "alternatives": 10_000,  # `|` of a grammar, anyOf/oneOf/allOf branches of a schema
+    "enum_values": 10_000,  # enum and const values of a schema, together
+    "compile_seconds": 10.0,  # beyond it the source is refused (and remembered as refused)
+}
+COMPILE_STACK = 256 << 20  # the compile thread's stack: refs x 16 KiB = 32 MiB, rules x 6.4 KiB = 64 MiB
+CACHE_SIZE = 64  # compiled constraints kept by content
+RULE = re.compile(r"^[ \t]*[?!]?[A-Za-z_][\w.-]*[ \t]*(?:\.[0-9]+[ \t]*)?(?::|::=)", re.M)  # `name:` / `name ::=`
+
+
 class GrammarError(ValueError):
     """A schema, regular expression or grammar that does not compile (the message says where)."""
+
+
+def schema_counts(schema: dict) -> collections.Counter:
+    """How many `$ref`s, branches and enum values a JSON Schema holds (every nested map counted)."""
+    counts, stack = collections.Counter(), [schema]
+    while stack:  # iterative: no recursion limit to rely on
+        value = stack.pop()
+        if isinstance(value, dict):
+            counts["refs"] += "$ref" in value
+            counts["enum_values"] += len(value["enum"]) if isinstance(value.get("enum"), list) else 0
+            counts["enum_values"] += "const" in value
+            counts["alternatives"] += sum(len(value[k]) for k in ("anyOf", "oneOf", "allOf")
+                                          if isinstance(value.get(k), list))
+            stack.extend(value.values())
+        elif isinstance(value, list):
+            stack.extend(value)
+    return counts
+
+
+def check_limits(kind: str, source) -> None:
+    """GrammarError naming the first limit of LIMITS that `source` goes beyond."""
+    if kind == "json_schema" and isinstance(source, dict):
+        counts = schema_counts(source)
+        counts["schema_bytes"] = len(msgspec.json.encode(source))  # json.dumps holds the GIL 15 times longer
+    elif kind == "grammar" and isinstance(source, str):
+        counts = collections.Counter(grammar_bytes=len(source.encode("utf-8", "replace")),
+                                     refs=source.count('"$ref"'), rules=len(RULE.findall(source)),
+                                     alternatives=source.count("|"))
+    else:
+        return
+    for name, count in counts.items():
+        if count > LIMITS[name]:
+            raise GrammarError(f"{kind}: {count} {name.replace('_', ' ')} is beyond the limit of {LIMITS[name]}")
 
 
 def grammar_text(kind: str, source) -> str:
@@ -77,6 +143,10 @@ class Grammars:
         self._llg_tokenizer: llguidance.LLTokenizer | None = None
         self._lock = threading.Lock()
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None  # computes masks beside the forward
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()  # (future, kind, source, check) for the compile thread; None ends it
+        self._compiler: threading.Thread | None = None
+        self._compiler_lock = threading.Lock()
+        self._cache: collections.OrderedDict = collections.OrderedDict()  # content_key -> LLMatcher | GrammarError
 
     @property
     def llg_tokenizer(self) -> llguidance.LLTokenizer:
@@ -105,17 +175,86 @@ class Grammars:
 
         threading.Thread(target=build, name="constraint-warm-up", daemon=True).start()
 
+    def submit(self, kind: str, source, check=None) -> concurrent.futures.Future:
+        """Compile on the compile thread: a future of a fresh Constraint (one generation's state),
+        or of GrammarError saying what is wrong or which limit the source is beyond. `check()`, if
+        given, runs there first (the caller's validation of a source too large for its thread)."""
+        future = concurrent.futures.Future()
+        with self._compiler_lock:  # not self._lock: that one is held while the tokenizer is built
+            if self._compiler is None:
+                self._compiler = start_thread(self._compile_jobs, "constraint-compile", COMPILE_STACK)
+        self._jobs.put((future, kind, source, check))
+        return future
+
     def compile(self, kind: str, source) -> Constraint:
-        """A fresh constraint (one generation's state), or GrammarError saying what is wrong."""
+        """`submit`, waited for."""
+        return self.submit(kind, source).result()
+
+    def _compile_jobs(self) -> None:
+        """The compile thread: one job at a time (a compile is bounded by LIMITS)."""
+        while (job := self._jobs.get()) is not None:
+            future, kind, source, check = job
+            if future.set_running_or_notify_cancel():
+                try:
+                    if check is not None:
+                        check()
+                    future.set_result(Constraint(self._matcher(kind, source).deep_copy(), self.vocab_size, self._pool))
+                except BaseException as e:
+                    future.set_exception(e)
+
+    def _matcher(self, kind: str, source) -> llguidance.LLMatcher:
+        """The pristine matcher of a source, from the cache or compiled; GrammarError is cached too."""
+        key = content_key(kind, source)
+        kept = self._cache.get(key)
+        if kept is None:
+            began = time.perf_counter()
+            try:
+                kept = self._compiled(kind, source)
+            except GrammarError as e:
+                kept = e
+            seconds = time.perf_counter() - began
+            if seconds > LIMITS["compile_seconds"]:
+                kept = GrammarError(f"{kind}: compiling took {seconds:.1f} s, beyond the limit of "
+                                    f"{LIMITS['compile_seconds']:g} s")
+            self._cache[key] = kept
+            if len(self._cache) > CACHE_SIZE:
+                self._cache.popitem(last=False)
+        self._cache.move_to_end(key)
+        if isinstance(kept, GrammarError):
+            raise GrammarError(str(kept))
+        return kept
+
+    def _compiled(self, kind: str, source) -> llguidance.LLMatcher:
+        check_limits(kind, source)
         grammar = grammar_text(kind, source)
         matcher = llguidance.LLMatcher(self.llg_tokenizer, grammar, log_level=0)  # builds it on first use
         if matcher.is_error():
             raise GrammarError(f"{kind}: {first_line(matcher.get_error())}")
-        return Constraint(matcher, self.vocab_size, self._pool)
+        return matcher
 
     def close(self) -> None:
+        if self._compiler is not None:
+            self._jobs.put(None)
+            self._compiler.join()
         if self._pool is not None:
             self._pool.shutdown(wait=True)
+
+
+def content_key(kind: str, source) -> str:
+    """A constraint's cache key: the hash of its kind and canonical text."""
+    text = source.encode("utf-8", "surrogatepass") if isinstance(source, str) else msgspec.json.encode(source, order="sorted")
+    return hashlib.sha256(kind.encode() + b"\0" + text).hexdigest()
+
+
+def start_thread(target, name: str, stack_size: int) -> threading.Thread:
+    """A daemon thread with a stack of its own size (threading's setting is global: restored at once)."""
+    previous = threading.stack_size(stack_size)
+    try:
+        thread = threading.Thread(target=target, name=name, daemon=True)
+        thread.start()
+    finally:
+        threading.stack_size(previous)
+    return thread
 
 
 class Constraint:

@@ -21,6 +21,9 @@ from tokenizers.models import BPE
 # tokens that are always matched whole but not special.
 _CONTROL = 3
 _USER_DEFINED = 4
+# Texts longer than this (characters) are encoded with the GIL released (a 4 MB text takes ~4 s):
+# the servers' event loop goes on meanwhile. Shorter ones take the plain call, which is cheaper.
+LONG_TEXT = 1 << 16
 
 _LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
@@ -222,7 +225,10 @@ class Tokenizer:
 
         `add_special_tokens` prepends BOS when the model asks for it (`add_bos_token`).
         """
-        ids = self.backend.encode(text, add_special_tokens=False).ids
+        if len(text) > LONG_TEXT:  # tokenizers' encode holds the GIL throughout; encode_batch lets it go
+            ids = self.backend.encode_batch([text], add_special_tokens=False)[0].ids
+        else:
+            ids = self.backend.encode(text, add_special_tokens=False).ids
         if add_special_tokens and self.add_bos_token and self.bos_token_id is not None:
             ids.insert(0, self.bos_token_id)
         return ids
@@ -251,6 +257,20 @@ class Tokenizer:
             else:
                 table[i] = token.encode("utf-8")
         return table
+
+    @cached_property
+    def max_token_bytes(self) -> int | None:
+        """The most bytes one token spells (None: not known, the tokenizer is not byte-level)."""
+        try:
+            return max(map(len, self._token_bytes), default=0) or None
+        except ValueError:
+            return None
+
+    def cannot_fit(self, text: str, room: int) -> bool:
+        """True when `text` surely encodes to more than `room` tokens, found without encoding it:
+        a token spells at most max_token_bytes bytes, a character at least one (halved for the
+        normalizer, which may join characters)."""
+        return self.max_token_bytes is not None and len(text) > 2 * room * self.max_token_bytes
 
     def fingerprint(self) -> str:
         """sha256 hex over vocabulary, merges, added tokens, special tokens and chat template."""
