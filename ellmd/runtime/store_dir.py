@@ -34,8 +34,8 @@ import numpy as np
 from ellmd.runtime.leases import Holder, Lease, pid_alive
 from ellmd.runtime.store_base import (CHUNK_TOKENS, DROP, KEEP, SessionStore, StoreError, _checksum, _test_sleep,
                                       check_chunk, checked_record, chunk_count, chunk_tokens, deliver_chunks,
-                                      exported_chunk, first_changed, loaded_tokens, lock, log, pack, parse_meta,
-                                      private_dir, unpack)
+                                      disk_full, exported_chunk, first_changed, loaded_tokens, lock, log, pack, parse_meta,
+                                      private_dir, snapshot_bytes, unpack)
 
 LEASE_LOCK_STALE_S = 5.0  # a lease lock older than this was left by a crash (holding one takes milliseconds)
 LEASE_LOCK_WAIT_S = 2.0
@@ -85,7 +85,8 @@ class DirectoryStore(SessionStore):
                 written += len(data)
                 yield index, (_checksum(data), data)
 
-        self._commit(session_id, old, record, np.asarray(tokens, "<i4").tobytes(), chunks(), "snapshot")
+        self._commit(session_id, old, record, np.asarray(tokens, "<i4").tobytes(), chunks(), "snapshot",
+                     snapshot_bytes(count, first, bytes_per_token))
         return {"chunks_written": last - first, "bytes_written": written, "stored_tokens": count}
 
     def copy(self, source_id: str, target_id: str, target_meta: dict) -> None:
@@ -123,9 +124,11 @@ class DirectoryStore(SessionStore):
         self._commit(meta["session_id"], None, meta, tokens, ((i, (v,)) for i, v in enumerate(chunks)), "import")
         return meta
 
-    def _commit(self, session_id: str, old: dict | None, record: dict, tokens: bytes, chunks, kind: str) -> None:
+    def _commit(self, session_id: str, old: dict | None, record: dict, tokens: bytes, chunks, kind: str,
+                needed: int = 0) -> None:
         """Write a session's new generation: the chunks given (index, parts of its value), its token
-        ids, then `meta` naming them and old's files for the chunks not given; then remove the rest."""
+        ids, then `meta` naming them and old's files for the chunks not given; then remove the rest.
+        needed: the bytes it writes, when known (a full filesystem's error names them)."""
         folder = self._folder(session_id)
         generation = old["generation"] + 1 if old else 1
         files = list(old["chunks"][:record["chunks"]]) if old else []
@@ -145,7 +148,8 @@ class DirectoryStore(SessionStore):
             _write_file(folder / "meta", (pack(envelope),))
             _fsync_dir(folder)
         except OSError as e:
-            raise StoreError(f"{kind} of {session_id} failed: {e} (the previous snapshot is intact)") from None
+            raise disk_full(f"{kind} of session {session_id}", self.path, needed, e) or \
+                StoreError(f"{kind} of {session_id} failed: {e} (the previous snapshot is intact)") from None
         keep = {"meta", f"tokens.{generation}", *(f"kv.{i}.{g}" for i, g in enumerate(files))}
         for name in os.listdir(folder):  # older generations, and what a crash left behind
             if name not in keep:
