@@ -82,11 +82,31 @@ def check_full_store(daemon: Daemon) -> None:
     daemon.stop()
 
 
-def test_a_full_map_loses_no_acknowledged_turn(tmp_path):
+def small_map(tmp_path, extra: str = "") -> Daemon:
     config = tmp_path / "config" / "ellm"
     config.mkdir(parents=True)
-    (config / "ellmd.toml").write_text("store_map_size_gb = 0.02\n")  # 21 MB: 900 tokens of KV
-    check_full_store(Daemon(tmp_path, slots=2))
+    (config / "ellmd.toml").write_text("store_map_size_gb = 0.02\n" + extra)  # 21 MB: 900 tokens of KV
+    return Daemon(tmp_path, slots=2)
+
+
+def test_a_full_map_loses_no_acknowledged_turn(tmp_path):
+    check_full_store(small_map(tmp_path))
+
+
+def test_a_stop_that_cannot_save_a_session_exits_1_naming_it(tmp_path):
+    """With snapshot_ack "queued" a turn is acknowledged before it is written: on a full store its
+    session cannot be saved at the stop either, which used to exit 0 after a log line."""
+    daemon = small_map(tmp_path, 'snapshot_ack = "queued"\n').start()
+    with daemon.client() as client:
+        acked, _ = fill(client, sessions=4, chats=4, seed=0)
+        resident = [s["session_id"] for s in client.list_sessions() if s["resident"]]
+    assert daemon.stop() == 1
+    log = daemon.log.read_text()
+    named = re.search(r"could not be saved \(the store keeps their last snapshot\): (.*)", log).group(1).split(", ")
+    assert named and set(named) <= set(resident)
+    for session_id in named:
+        assert re.search(f"shutdown: session {session_id} could not be saved: snapshot of session {session_id} "
+                         f"failed: the store is full", log)
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="mounting a small tmpfs needs root")
