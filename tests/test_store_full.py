@@ -25,13 +25,16 @@ FULL = re.compile(r"the store is full: it needs \d+\.\d MB of free space and .* 
 
 def fill(client, sessions: int, chats: int, seed: int) -> tuple[dict, list[str]]:
     """Open sessions and chat in them until (and past) the store is full. Returns (session id ->
-    turns acknowledged, the errors' messages); every error must be `store`."""
+    turns acknowledged, the errors' messages); every error must be `store`, naming the session
+    it is about: the one chatting, or a new one (whose id its client never got)."""
     acked, errors = {}, []
     for i in range(sessions):
         try:
             session = client.open_session(system="You are terse.")
         except StoreError as e:
             errors.append(str(e))
+            named = re.match(r"(no slot for the new session|snapshot of session) (\w+)", str(e))
+            assert named and named.group(2) not in acked, str(e)
             continue
         acked[session.id] = 1
         for turn in range(chats):
@@ -40,6 +43,7 @@ def fill(client, sessions: int, chats: int, seed: int) -> tuple[dict, list[str]]
                 acked[session.id] += 2  # the message and the reply
             except StoreError as e:
                 errors.append(str(e))
+                assert re.match(f"(no slot for session|snapshot of session) {session.id}", str(e)), str(e)
     return acked, errors
 
 
@@ -54,9 +58,6 @@ def check_full_store(daemon: Daemon) -> None:
     with daemon.client() as client:
         acked, errors = fill(client, sessions=6, chats=4, seed=0)
     assert errors and all(FULL.search(e) for e in errors), errors
-    for message in errors:  # each names the session it is about: a new one, or the one chatting
-        assert message.startswith("no slot for the new session ") or \
-            re.match(r"snapshot of session (\w+) failed", message).group(1) in acked, message
     code = daemon.stop()
     log = daemon.log.read_text()
     unsaved = re.search(r"could not be saved \(the store keeps their last snapshot\): (.*)", log)

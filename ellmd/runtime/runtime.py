@@ -112,7 +112,7 @@ class Runtime:
         self.prefills: list[Prefill] = []  # prefills in progress, in arrival order (their sessions busy)
         self.deferred: dict[str, list[Request]] = {}  # session id -> requests queued behind its prefill or write
         self.awaiting: dict[StoreWrite, list[tuple]] = {}  # write -> (request, handler, session marked busy) waiting for it
-        self.replies_after: dict[StoreWrite, list[tuple]] = {}  # write -> (request, result, session, restore): generations' replies
+        self.replies_after: dict[StoreWrite, list[tuple]] = {}  # write -> generations' (request, result, session, restore)
         self.started = time.time()
         self._thread = threading.Thread(target=self.run, name="engine", daemon=True)
         self._aside = {kind: concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"aside-{kind}")
