@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -234,6 +235,54 @@ def test_bad_model_inputs_get_one_clear_line(llama, tmp_path):
     assert result.returncode != 0
     assert "Traceback" not in result.stderr
     assert words in result.stderr.strip().splitlines()[-1]
+
+
+OUT_OF_RANGE = [  # (config.json field, value, the rule the error must state)
+    ("num_hidden_layers", -2, "must be an integer >= 1"), ("num_attention_heads", 0, "must be an integer >= 1"),
+    ("num_key_value_heads", 5, "must divide num_attention_heads ("),
+    ("vocab_size", 0, "must be an integer >= 1"), ("hidden_size", 2.5, "must be an integer >= 1"),
+    ("intermediate_size", "big", "must be an integer >= 0"), ("rms_norm_eps", -1, "must be a number in (0, 1)"),
+    ("rope_theta", 0, "must be a finite number > 0"), ("max_position_embeddings", 0, "must be an integer >= 1"),
+    ("eos_token_id", [10 ** 9], "must be token ids in [0, "), ("bos_token_id", -1, "must be a token id in [0, "),
+    ("tie_word_embeddings", "yes", "must be true or false"), ("rope_scaling", {"factor": -2}, "factor is a number > 0"),
+]
+
+
+def test_every_config_field_out_of_range_gets_one_line_naming_it(llama, tmp_path):
+    """num_hidden_layers -2 and num_attention_heads 0 used to end in 40-50-line tracebacks."""
+    config = json.loads((llama / "config.json").read_text())
+    for name, value, rule in OUT_OF_RANGE:
+        broken = tmp_path / name
+        shutil.copytree(llama, broken)
+        (broken / "config.json").write_text(json.dumps({**config, name: value}))
+        with pytest.raises(ModelError) as error:
+            Engine(broken, sequence_length=16, chunk_size=8)
+        assert str(error.value).startswith(f"config.json: {name} = {value!r}: "), str(error.value)
+        assert rule in str(error.value)
+    # and the daemon refuses to start with that one line, no traceback
+    for name in ("num_hidden_layers", "num_attention_heads"):
+        result = subprocess.run([sys.executable, "-m", "ellmd.cli", "start", "--model-path", str(tmp_path / name),
+                                 "--socket", str(tmp_path / "run" / "ellmd.sock"), "--store", str(tmp_path / "store")],
+                                capture_output=True, text=True, cwd=ROOT, timeout=300)
+        assert result.returncode != 0 and "Traceback" not in result.stderr, result.stderr[-3000:]
+        assert f"config.json: {name} = " in result.stderr.strip().splitlines()[-1]
+
+
+def test_gguf_metadata_out_of_range_gets_one_line_naming_it():
+    from ellmd.model.spec import ModelSpec
+
+    fields = {"general.architecture": "llama", "llama.attention.head_count": 4, "llama.embedding_length": 64,
+              "llama.block_count": 2, "llama.feed_forward_length": 128, "llama.vocab_size": 256}
+    assert ModelSpec.from_gguf(fields).head_dim == 16
+    for key, value, words in [("llama.block_count", 0, "block_count (ellm's num_hidden_layers) = 0: must be an integer >= 1"),
+                              ("llama.attention.head_count", 0, "attention.head_count (ellm's num_attention_heads) = 0"),
+                              ("llama.attention.head_count_kv", 3, "must divide num_attention_heads (4)"),
+                              ("llama.rope.freq_base", -1.0, "rope.freq_base (ellm's rope_theta) = -1.0"),
+                              ("tokenizer.ggml.eos_token_id", 999, "must be token ids in [0, 256)"),
+                              ("llama.embedding_length", None, "llama.embedding_length is missing"),
+                              ("llama.block_count", "two", "a value of the wrong type")]:
+        with pytest.raises(ModelError, match=re.escape(words)):
+            ModelSpec.from_gguf({**fields, key: value})
 
 
 def test_generate_json_on_the_builtin_model():

@@ -153,6 +153,7 @@ def test_shutdown_snapshots_every_session_even_when_one_fails(runtime, monkeypat
     monkeypatch.setattr(runtime.store, "snapshot", failing)
     runtime.stop(timeout=60)
     assert runtime.store.get_meta(b)["tokens"] > 0
+    assert list(runtime.unsaved) == [a]  # what the daemon names as it exits 1
     with pytest.raises(RuntimeError_, match="shutting down"):
         runtime.submit("session.info", {"session_id": b}).future.result(timeout=5)
 

@@ -177,7 +177,7 @@ def test_odd_head_dim_is_a_model_error(tmp_path):
         ModelSpec.from_config(_config(hidden_size=60))
     fields = {
         "general.architecture": "llama", "llama.attention.head_count": 4, "llama.embedding_length": 48,
-        "llama.block_count": 1, "llama.vocab_size": 64, "llama.attention.key_length": 9,
+        "llama.block_count": 1, "llama.vocab_size": 64, "llama.attention.key_length": 9, "llama.feed_forward_length": 96,
     }
     with pytest.raises(ModelError, match="head_dim 9 is odd"):
         ModelSpec.from_gguf(fields)

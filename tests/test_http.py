@@ -276,6 +276,24 @@ def test_errors_are_openai_errors_and_the_server_keeps_serving(smol, client):
     assert reply.choices[0].message.content
 
 
+def test_no_tokens_asked_is_refused_as_openai_does(smol):
+    """max_tokens 0 used to generate one token (finish "length"); OpenAI refuses it with a 400
+    naming the field, and so do the chat, completions, Responses and Messages APIs here."""
+    port = smol[1]
+    asked = [("/v1/chat/completions", {"messages": QUESTION, "max_tokens": 0}, "max_tokens"),
+             ("/v1/chat/completions", {"messages": QUESTION, "max_completion_tokens": 0}, "max_completion_tokens"),
+             ("/v1/completions", {"prompt": "Hi", "max_tokens": 0}, "max_tokens"),
+             ("/v1/responses", {"input": "Hi", "max_output_tokens": 0}, "max_output_tokens"),
+             ("/v1/messages", {"messages": QUESTION, "max_tokens": 0}, "max_tokens")]
+    for path, body, name in asked:
+        status, reply = post(port, path, json.dumps({"model": "smol", **body}).encode())
+        assert status == 400, (path, reply)
+        assert f"{name} must be >= 1" in json.dumps(reply), (path, reply)
+    status, reply = post(port, "/v1/chat/completions", json.dumps(
+        {"model": "smol", "messages": QUESTION, "max_tokens": 1, "temperature": 0}).encode())
+    assert status == 200 and reply["usage"]["completion_tokens"] == 1
+
+
 # ---- tool calls: a model that always calls get_weather -------------------------------------
 
 CALL_HEAD = "<tool_call><function=get_weather>\n"

@@ -273,3 +273,29 @@ def test_fleet_settings_are_checked_before_anything_opens(tmp_path, monkeypatch)
         load_settings(None, {"lease_ttl_s": 0})
     with pytest.raises(EllmError, match="store_backend must be one of lmdb, directory, not 's3'"):
         open_store("s3", tmp_path / "store")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a small tmpfs needs root")
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_full_filesystem_is_the_store_is_full_with_the_space_needed(backend, tmp_path):
+    """ENOSPC (LMDB reports its short write as EIO) used to read "mdb_txn_commit: Input/output error"."""
+    root = tmp_path / "store"
+    root.mkdir(mode=0o700)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m,mode=0700", "tmpfs", str(root)], check=True)
+    try:
+        store = open_store(backend, root, map_size=1 << 30)
+        per_token, tokens = 1024, list(range(1024))  # 1 MiB a session
+        written = []
+        with pytest.raises(StoreError) as full:
+            for i in range(8):
+                store.snapshot(meta(f"s{i}"), tokens, lambda a, b: bytes((b - a) * per_token), 0, per_token)
+                written.append(f"s{i}")
+        assert 1 <= len(written) < 8
+        message = str(full.value)
+        assert message.startswith(f"snapshot of session s{len(written)} failed: the store is full: it needs 1.0 MB "
+                                  f"of free space and the filesystem of {root} has "), message
+        for session_id in written:  # nothing committed is lost
+            assert load(store, session_id, per_token)[1] == tokens
+        store.close()
+    finally:
+        subprocess.run(["umount", str(root)], check=True)

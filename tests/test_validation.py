@@ -154,6 +154,20 @@ def test_requests_that_killed_the_daemon_are_bad_requests_and_change_nothing(dae
         assert len(reply.token_ids) >= 1
 
 
+def test_no_tokens_asked_is_refused_and_changes_nothing(daemon):
+    """max_tokens 0 used to generate one token (finish "length"): refused, naming max_tokens."""
+    with daemon.client() as client:
+        session = client.open_session(system="Be brief.")
+        before = session.info()
+        for op, extra in (("session.generate", {}), ("session.chat", {"content": "Hi"})):
+            with pytest.raises(ClientBadRequest, match="max_tokens: Expected `int` >= 1"):
+                client.call(op, session_id=session.id, max_tokens=0, **extra)
+        with pytest.raises(ClientBadRequest, match="max_tokens"):
+            client.call("completion", tokens=[1, 2, 3], max_tokens=0)
+        assert session.info() == before
+        assert len(session.chat("Hi", max_tokens=1).token_ids) == 1
+
+
 def test_over_long_system_prompt_leaves_no_ghost_session(daemon):
     with daemon.client() as client:
         resident = client.stats()["sessions_resident"]

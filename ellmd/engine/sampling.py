@@ -33,7 +33,7 @@ class SamplingParams:
 
     def __post_init__(self):
         checks = [
-            (self.max_tokens >= 0, "max_tokens must be >= 0"),
+            (self.max_tokens >= 1, "max_tokens must be >= 1"),
             (self.temperature >= 0, "temperature must be >= 0"),
             (self.top_k >= 0, "top_k must be >= 0"),
             (0 < self.top_p <= 1, "top_p must be in (0, 1]"),

@@ -71,7 +71,7 @@ class Generations:
         self.turns = turns  # Turns.restore puts a failed generation's session back
         self.counters = counters
         self.snapshot_turn = snapshot_turn  # the snapshot policy: snapshot_turn(session) -> StoreWrite | None
-        self.reply = reply  # reply(request, result=None, error=None, write=None): after `write`, per the ack policy
+        self.reply = reply  # reply(request, result, error, write, session, restore): after `write`, per the ack policy
         self.active: list[Generation] = []
         self.draft_rows = 0  # draft tokens in the last step (the policy's step-time observations)
         self.observers: list = []  # callables given the final usage of every generation
@@ -230,22 +230,22 @@ class Generations:
         session.add_turn("generation", gen.start, role="assistant", name=gen.name, messages=messages_before)
         session.busy = False
         usage = self.final_usage(gen)
-        write = None
-        try:
-            write = self.snapshot_turn(session)  # a failed write is logged as it settles; the next snapshot retries
-        except EllmError as e:  # the generation itself succeeded
-            log.error("snapshot after generation failed: %s", e)
         for observe in self.observers:
             try:
                 observe(usage)
             except Exception:
                 log.exception("usage observer failed")
+        try:
+            write = self.snapshot_turn(session)  # acknowledged once written (Runtime.reply_after)
+        except EllmError as e:  # nothing was queued: the turn cannot be acknowledged
+            self.turns.restore(session, gen.restore)
+            return self.reply(gen.request, error=e)
         self.reply(gen.request, {
             "session_id": session.session_id, "text": text, "token_ids": gen.generated,
             "finish_reason": reason, "tool_calls": tool_calls, "usage": usage,
             **({"content": session.messages[-1]["content"]} if tool_calls else {}),
             **({"logprobs": gen.token_logprobs} if gen.logprobs else {}),
-        }, write=write)
+        }, write=write, session=session, restore=gen.restore)
 
     def close_turn(self, gen: Generation, text: str) -> list[dict]:
         """End the assistant turn as the template would and log its message; returns its tool calls.

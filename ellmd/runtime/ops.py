@@ -186,7 +186,8 @@ def session_chat(rt, request, session_id, content=None, message=None, **sampling
     session = idle(rt.residency.session(session_id, request.owner))
     before = snapshot_of(session)
     message = message if message is not None else {"role": "user", "content": content}
-    yield from rt.turns.append_message(request, session, message)
+    # one snapshot, after the reply's turn: the message and the reply are acknowledged, or undone, together
+    yield from rt.turns.append_message(request, session, message, snapshot=False)
     yield from generate(rt, request, session, sampling, restore=before)
 
 

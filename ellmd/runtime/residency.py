@@ -48,6 +48,7 @@ class Residency:
         self.fingerprint = model_fingerprint(engine)
         self.sessions: dict[str, Session] = {}
         self.slots: list[Session | None] = [None] * engine.kv.slots
+        self.unsaved: dict[str, StoreError] = {}  # session id -> the error of its last snapshot, until one succeeds
 
     # ---- finding sessions ----------------------------------------------------------------
 
@@ -145,7 +146,11 @@ class Residency:
         if session.slot is not None:
             session.last_used = time.monotonic()
             return session.slot
-        slot = self.free_slot()
+        try:
+            slot = self.free_slot()
+        except StoreError as e:  # the victim's snapshot failed: the error is about this session's request
+            new = "the new " if session.session_id not in self.sessions else ""
+            raise StoreError(f"no slot for {new}session {session.session_id}: an eviction failed: {e}") from None
         engine = self.engine
         engine.rewind(slot, 0)
         if session.tokens is None or session.stored_tokens:
@@ -303,18 +308,21 @@ class Residency:
         if write.settled:
             return
         write.settled = True
+        if write.kind == "delete" or (write.kind == "snapshot" and write.error is None):
+            self.unsaved.pop(write.session_id, None)
         if write.error is None:
             if write.kind == "snapshot":
                 self.policy.observe_swap("write", write.result["bytes_written"] // self.engine.kv.bytes_per_token,
                                          write.seconds)
             return
-        log.error("%s of session %s failed: %s", write.kind, write.session_id, write.error)
+        log.error("%s", write.error)  # it names the session
         session = self.sessions.get(write.session_id)
         if session is None:
             return
         if write.kind == "snapshot":
             session.stored_tokens = min(session.stored_tokens, write.stored_tokens)
             session.dirty = True
+            self.unsaved[write.session_id] = write.error
         elif write.kind == "copy" and session.tokens is None:
             self.forget(session)  # a fork whose copy failed does not exist
 

@@ -23,8 +23,9 @@ Snapshots: a turn's snapshot is copied out of the KV on this thread and written 
 (writer.py), so no decode step waits on LMDB. When the writer is done, it puts the StoreWrite
 on the queue and the loop settles it. `snapshot_ack` is when a turn is acknowledged: "written"
 (the default) replies once its snapshot is on disk, the handler waiting as for a prefill (the
-loop goes on with the others; a failed write is the request's error, as it was); "queued" replies
-at once, a failed write then only logged and written again at the session's next snapshot.
+loop goes on with the others; a failed write is the request's error, `store`, and the turn is
+undone: the session stays resident, its unsaved state written by its next snapshot); "queued"
+replies at once, a failed write then only logged and written again at the session's next snapshot.
 """
 
 from __future__ import annotations
@@ -121,7 +122,7 @@ class Runtime:
         self.deferred: dict[str, list[Request]] = {}  # session id -> requests queued behind its prefill or write
         self.compiling: list[Request] = []  # requests that reached the loop before their constraint compiled
         self.awaiting: dict[StoreWrite, list[tuple]] = {}  # write -> (request, handler, session marked busy) waiting for it
-        self.replies_after: dict[StoreWrite, list[tuple]] = {}  # write -> (request, result): generations' replies
+        self.replies_after: dict[StoreWrite, list[tuple]] = {}  # write -> generations' (request, result, session, restore)
         self.started = time.time()
         self._thread = threading.Thread(target=self.run, name="engine", daemon=True)
         self._aside = {kind: concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"aside-{kind}")
@@ -129,6 +130,7 @@ class Runtime:
         self._aside_pending: dict[int, Request] = {}  # aside requests waiting or running
         self._stopped = threading.Event()
         self._closed = False  # set once shutdown begins: later requests are cancelled at once
+        self.unsaved: dict[str, Exception] = {}  # set at shutdown: sessions whose last state is not in the store
 
     @property
     def store(self) -> SessionStore:
@@ -293,7 +295,7 @@ class Runtime:
 
     def _blocked(self, session_id: str) -> bool:
         return any(job.session.session_id == session_id for job in self.prefills) or \
-            any(write.session_id == session_id for write in self.awaiting) or \
+            any(write.session_id == session_id for write in (*self.awaiting, *self.replies_after)) or \
             any(request.args.get("session_id") == session_id for request in self.compiling)
 
     def _compiled(self, request: Request) -> None:
@@ -408,8 +410,13 @@ class Runtime:
         """The writer is done with a write: settle it, send the replies that waited for it, resume
         the handlers that did (its error thrown in), then the requests deferred behind them."""
         self.residency.settle(write)
-        for request, result in self.replies_after.pop(write, ()):
-            reply(request, result)
+        for request, result, session, restore in self.replies_after.pop(write, ()):
+            session.busy = False
+            if write.error is None:
+                reply(request, result)
+            else:  # not on disk: not acknowledged, so not kept
+                self.turns.restore(session, restore)
+                reply(request, error=StoreError(f"{write.error}; the turn is undone"))
         for request, handler, marked in self.awaiting.pop(write, ()):
             if marked is not None:
                 marked.busy = False
@@ -445,7 +452,7 @@ class Runtime:
             for job in list(self.prefills):
                 self._end_prefill(job, error=cancelled("the daemon is shutting down"))
             self.generations.end_all()
-            if not self.awaiting:
+            if not self.awaiting and not self.replies_after:
                 break
             self.residency.writer.flush()
             self._drain()
@@ -456,6 +463,9 @@ class Runtime:
                 log.exception("shutdown: snapshot of session %s failed", session.session_id)
         self.residency.writer.flush()
         self._drain()  # a failed write is logged as it settles
+        self.unsaved = dict(self.residency.unsaved)
+        for session_id, error in self.unsaved.items():
+            log.critical("shutdown: session %s could not be saved: %s", session_id, error)
         self.residency.close()
         if self.grammars is not None:
             self.grammars.close()
@@ -496,10 +506,12 @@ class Runtime:
         return (yield write)
 
     def reply_after(self, request, result=None, error: Exception | None = None,
-                    write: StoreWrite | None = None) -> None:
-        """Reply now, or with ack "written" once `write` (the turn's snapshot) has run. A failed
-        write does not change the reply (the turn itself succeeded): it is logged as it settles."""
+                    write: StoreWrite | None = None, session=None, restore: tuple = ()) -> None:
+        """Reply now, or with ack "written" once `write` (the turn's snapshot) has run: until then
+        `session` is busy (not evicted; requests naming it wait their turn). Should the write fail,
+        the reply is its error and the session goes back to `restore` (turns.snapshot_of)."""
         if write is not None and error is None and self.snapshot_ack == "written":
-            self.replies_after.setdefault(write, []).append((request, result))
+            session.busy = True
+            self.replies_after.setdefault(write, []).append((request, result, session, restore))
         else:
             reply(request, result, error)

@@ -56,7 +56,7 @@ class Owned(Args, kw_only=True):
 class Sampling(Owned, kw_only=True):
     """Sampling arguments (PROTOCOL.md, Sampling arguments); ranges as OpenAI's where it has one."""
 
-    max_tokens: Count | None = None
+    max_tokens: Annotated[int, msgspec.Meta(ge=1, le=1 << 31)] | None = None  # a generation has a token
     temperature: Annotated[float, msgspec.Meta(ge=0, le=100)] | None = None
     top_k: Count | None = None
     top_p: Annotated[float, msgspec.Meta(gt=0, le=1)] | None = None

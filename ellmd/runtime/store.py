@@ -34,14 +34,13 @@ from ellmd.errors import EllmError
 from ellmd.runtime.leases import Holder, Lease
 from ellmd.runtime.store_base import (CHECKSUM_BYTES, CHUNK_TOKENS, DROP, KEEP, SessionStore, StoreError, _checksum,
                                       _test_sleep, check_chunk, checked_record, chunk_count, chunk_tokens,
-                                      deliver_chunks, exported_chunk, first_changed, loaded_tokens, lock, note_key, pack,
-                                      parse_meta, private_dir, unpack)
+                                      deliver_chunks, disk_full, exported_chunk, first_changed, full, loaded_tokens,
+                                      lock, note_key, pack, parse_meta, private_dir, snapshot_bytes, unpack)
 
 log = logging.getLogger("ellmd.store")
 
 BACKENDS = ("lmdb", "directory")
 LEASES_MAP_SIZE = 1 << 30
-FULL = "the store is full: raise store_map_size or delete sessions (nothing was lost)"
 
 
 def open_store(backend: str, path: Path, map_size: int = 1 << 40, replica: str | None = None) -> SessionStore:
@@ -105,7 +104,7 @@ class Store(SessionStore):
         session_id = meta["session_id"]
         count = len(tokens)
         last = chunk_count(count)
-        written = 0
+        written = needed = 0
         try:
             with self.env.begin(write=True) as txn:
                 self.fence(session_id)
@@ -113,6 +112,7 @@ class Store(SessionStore):
                 old = unpack(old) if old else {"tokens": 0, "chunks": 0}
                 record = checked_record({**meta, "tokens": count, "chunks": last})
                 first = first_changed(count, stored_tokens, old["tokens"])
+                needed = snapshot_bytes(count, first, bytes_per_token)
                 for index in range(first, last):
                     start = index * CHUNK_TOKENS
                     data = exported_chunk(session_id, export, start, start + chunk_tokens(count, index), bytes_per_token)
@@ -123,10 +123,8 @@ class Store(SessionStore):
                 txn.put(session_id.encode(), np.asarray(tokens, "<i4").tobytes(), db=self.tokens)
                 txn.put(session_id.encode(), pack(record), db=self.meta)
                 _test_sleep("snapshot")
-        except lmdb.MapFullError:
-            raise StoreError(FULL) from None
         except lmdb.Error as e:
-            raise StoreError(f"snapshot of {session_id} failed: {e} (the previous snapshot is intact)") from None
+            raise self._failed(f"snapshot of session {session_id}", e, max(needed, written)) from None
         return {"chunks_written": last - first, "bytes_written": written, "stored_tokens": count}
 
     def _value(self, data) -> memoryview:
@@ -141,7 +139,18 @@ class Store(SessionStore):
         value[:CHECKSUM_BYTES] = _checksum(data)
         return value
 
+    def _failed(self, action: str, error: lmdb.Error, needed: int) -> StoreError:
+        """The error of a write transaction that failed (and left the store as it was): "the store is
+        full" when its map or its filesystem is, with the space the write needed."""
+        if isinstance(error, lmdb.MapFullError):
+            stats = self.stats()
+            return full(action, needed, stats["map_size"] - stats["bytes_used"], "the map (store_map_size_gb)",
+                        "raise store_map_size_gb or delete sessions")
+        return disk_full(action, self.path, needed, error) or \
+            StoreError(f"{action} failed: {error} (the previous snapshot is intact)")
+
     def copy(self, source_id: str, target_id: str, target_meta: dict) -> None:
+        needed = 0
         try:
             with self.env.begin(write=True) as txn:
                 self.fence(target_id)
@@ -151,14 +160,14 @@ class Store(SessionStore):
                 source = unpack(raw)
                 record = checked_record({**target_meta, "tokens": source["tokens"], "chunks": source["chunks"]})
                 for index in range(source["chunks"]):
-                    txn.put(_chunk_key(target_id, index), txn.get(_chunk_key(source_id, index), db=self.kv), db=self.kv)
+                    value = txn.get(_chunk_key(source_id, index), db=self.kv)
+                    needed += len(value)
+                    txn.put(_chunk_key(target_id, index), value, db=self.kv)
                 txn.put(target_id.encode(), txn.get(source_id.encode(), db=self.tokens), db=self.tokens)
                 txn.put(target_id.encode(), pack(record), db=self.meta)
                 _test_sleep("copy")
-        except lmdb.MapFullError:
-            raise StoreError(FULL) from None
         except lmdb.Error as e:
-            raise StoreError(f"fork of {source_id} failed: {e}") from None
+            raise self._failed(f"fork of session {source_id} into {target_id}", e, needed) from None
 
     def delete(self, session_id: str) -> bool:
         try:
@@ -176,7 +185,7 @@ class Store(SessionStore):
                     cursor.delete()
                 _test_sleep("delete")
         except lmdb.Error as e:
-            raise StoreError(f"delete of {session_id} failed: {e}") from None
+            raise self._failed(f"delete of session {session_id}", e, 0) from None
         return True
 
     def put_note(self, session_id: str, name: str, note: dict | None) -> None:
@@ -188,10 +197,9 @@ class Store(SessionStore):
                     txn.delete(key, db=self.notes)
                 else:
                     txn.put(key, pack(note), db=self.notes)
-        except lmdb.MapFullError:
-            raise StoreError(FULL) from None
         except lmdb.Error as e:
-            raise StoreError(f"the note of {session_id}'s point {name!r} could not be written: {e}") from None
+            raise self._failed(f"the note of session {session_id}'s point {name!r}", e,
+                               0 if note is None else len(pack(note))) from None
 
     def get_note(self, session_id: str, name: str) -> dict | None:
         with self.env.begin() as txn:
@@ -210,10 +218,8 @@ class Store(SessionStore):
                 txn.put(session_id.encode(), tokens, db=self.tokens)
                 txn.put(session_id.encode(), pack(meta), db=self.meta)
                 _test_sleep("import")
-        except lmdb.MapFullError:
-            raise StoreError(FULL) from None
         except lmdb.Error as e:
-            raise StoreError(f"import failed: {e}") from None
+            raise self._failed(f"import of session {meta['session_id']}", e, sum(map(len, chunks))) from None
         return meta
 
     # ---- reads ------------------------------------------------------------------------------

@@ -26,10 +26,12 @@ from __future__ import annotations
 
 import abc
 import concurrent.futures
+import errno
 import fcntl
 import hashlib
 import logging
 import os
+import shutil
 import signal
 import time
 from pathlib import Path
@@ -52,6 +54,7 @@ CHECKSUM_BYTES = 8
 # makes the next write transaction SIGKILL the process before it commits. Unset in normal use.
 TXN_SLEEP = float(os.environ.get("ELLMD_TEST_TXN_SLEEP", "0") or 0)
 TXN_KILL = os.environ.get("ELLMD_TEST_TXN_KILL")
+SLACK_BYTES = 1 << 20  # what a write needs beside its data (B-tree, metadata and free-list pages)
 KEEP, DROP = "keep", "drop"  # what a lease decision does to the record, besides writing a new Lease
 
 
@@ -249,6 +252,30 @@ def first_changed(count: int, stored_tokens: int, old_tokens: int) -> int:
     if count == old_tokens == valid:
         first = chunk_count(count)  # the partial last chunk is as stored too
     return first
+
+
+def megabytes(count: int) -> str:
+    return f"{count / 1e6:.1f} MB"
+
+
+def full(action: str, needed: int, free: int, where: str, remedy: str) -> StoreError:
+    """The error of a write that did not fit: "the store is full", the space it needed, the space left."""
+    return StoreError(f"{action} failed: the store is full: it needs {megabytes(needed)} of free space and "
+                      f"{where} has {megabytes(max(free, 0))}; {remedy} (nothing was lost)")
+
+
+def disk_full(action: str, path: Path, needed: int, error: Exception) -> StoreError | None:
+    """A write that failed on a full filesystem, as `full`; None if the filesystem has room. LMDB
+    reports a short write (ENOSPC on most filesystems) as EIO, so the free space decides."""
+    free = shutil.disk_usage(path).free
+    if getattr(error, "errno", None) == errno.ENOSPC or free < needed + SLACK_BYTES:
+        return full(action, needed, free, f"the filesystem of {path}", "free disk space or delete sessions")
+    return None
+
+
+def snapshot_bytes(count: int, first: int, bytes_per_token: int | None) -> int:
+    """KV bytes a snapshot writes: its chunks from `first` on (0 when the token size is not given)."""
+    return max(count - first * CHUNK_TOKENS, 0) * (bytes_per_token or 0)
 
 
 def checked_record(record: dict) -> dict:

@@ -35,8 +35,8 @@ import numpy as np
 from ellmd.runtime.leases import Holder, Lease, pid_alive
 from ellmd.runtime.store_base import (CHUNK_TOKENS, DROP, KEEP, SessionStore, StoreError, _checksum, _test_sleep,
                                       check_chunk, checked_record, chunk_count, chunk_tokens, deliver_chunks,
-                                      exported_chunk, first_changed, loaded_tokens, lock, log, note_key, pack, parse_meta,
-                                      private_dir, unpack)
+                                      disk_full, exported_chunk, first_changed, loaded_tokens, lock, log, note_key, pack,
+                                      parse_meta, private_dir, snapshot_bytes, unpack)
 
 LEASE_LOCK_STALE_S = 5.0  # a lease lock older than this was left by a crash (holding one takes milliseconds)
 LEASE_LOCK_WAIT_S = 2.0
@@ -86,7 +86,8 @@ class DirectoryStore(SessionStore):
                 written += len(data)
                 yield index, (_checksum(data), data)
 
-        self._commit(session_id, old, record, np.asarray(tokens, "<i4").tobytes(), chunks(), "snapshot")
+        self._commit(session_id, old, record, np.asarray(tokens, "<i4").tobytes(), chunks(), "snapshot",
+                     snapshot_bytes(count, first, bytes_per_token))
         return {"chunks_written": last - first, "bytes_written": written, "stored_tokens": count}
 
     def copy(self, source_id: str, target_id: str, target_meta: dict) -> None:
@@ -132,7 +133,9 @@ class DirectoryStore(SessionStore):
                 path.parent.mkdir(mode=0o700, exist_ok=True)
                 _write_file(path, (pack(note),))
         except OSError as e:
-            raise StoreError(f"the note of {session_id}'s point {name!r} could not be written: {e}") from None
+            action = f"the note of session {session_id}'s point {name!r}"
+            raise disk_full(action, self.path, 0 if note is None else len(pack(note)), e) or \
+                StoreError(f"{action} failed: {e}") from None
 
     def get_note(self, session_id: str, name: str) -> dict | None:
         try:
@@ -148,9 +151,11 @@ class DirectoryStore(SessionStore):
         self._commit(meta["session_id"], None, meta, tokens, ((i, (v,)) for i, v in enumerate(chunks)), "import")
         return meta
 
-    def _commit(self, session_id: str, old: dict | None, record: dict, tokens: bytes, chunks, kind: str) -> None:
+    def _commit(self, session_id: str, old: dict | None, record: dict, tokens: bytes, chunks, kind: str,
+                needed: int = 0) -> None:
         """Write a session's new generation: the chunks given (index, parts of its value), its token
-        ids, then `meta` naming them and old's files for the chunks not given; then remove the rest."""
+        ids, then `meta` naming them and old's files for the chunks not given; then remove the rest.
+        needed: the bytes it writes, when known (a full filesystem's error names them)."""
         folder = self._folder(session_id)
         generation = old["generation"] + 1 if old else 1
         files = list(old["chunks"][:record["chunks"]]) if old else []
@@ -170,7 +175,8 @@ class DirectoryStore(SessionStore):
             _write_file(folder / "meta", (pack(envelope),))
             _fsync_dir(folder)
         except OSError as e:
-            raise StoreError(f"{kind} of {session_id} failed: {e} (the previous snapshot is intact)") from None
+            raise disk_full(f"{kind} of session {session_id}", self.path, needed, e) or \
+                StoreError(f"{kind} of {session_id} failed: {e} (the previous snapshot is intact)") from None
         keep = {"meta", f"tokens.{generation}", *(f"kv.{i}.{g}" for i, g in enumerate(files))}
         for name in os.listdir(folder):  # older generations, and what a crash left behind
             if name not in keep:

@@ -69,7 +69,7 @@ class Turns:
     def role(self, role) -> str:
         return role or self.context_role
 
-    def append_message(self, request, session: Session, message, kind="message", name=None):
+    def append_message(self, request, session: Session, message, kind="message", name=None, snapshot=True):
         """Render a message as a fragment of the session's conversation and append it (generator)."""
         template = self.engine.chat_template
         if template is None:
@@ -77,7 +77,7 @@ class Turns:
         text = template.render_fragment(session.messages, [message], tools=session.tools,
                                         add_generation_prompt=False, allow_rewrite=True)
         return (yield from self.append(request, session, kind, self.encode(session, text),
-                                       role=message["role"], name=name, message=message))
+                                       role=message["role"], name=name, message=message, snapshot=snapshot))
 
     def encode(self, session: Session, text: str) -> list[int]:
         """The tokens of a text to append; CapacityError before encoding one that surely cannot fit
@@ -89,8 +89,10 @@ class Turns:
                                 f"{self.engine.kv.sequence_length})")
         return self.engine.tokenizer.encode(text)
 
-    def append(self, request, session: Session, kind: str, tokens: list[int], role=None, name=None, message=None):
-        """Prefill a turn's tokens and log the turn (generator); returns the reply's result."""
+    def append(self, request, session: Session, kind: str, tokens: list[int], role=None, name=None, message=None,
+               snapshot=True):
+        """Prefill a turn's tokens and log the turn (generator); returns the reply's result. snapshot:
+        False when the turn is the first half of a request whose end is snapshotted (a chat's message)."""
         if session.busy:
             raise busy(session.session_id)
         start, messages_before = session.length, len(session.messages)
@@ -100,7 +102,8 @@ class Turns:
             if message is not None:
                 session.messages.append(message)
             session.add_turn(kind, start, role=role, name=name, messages=messages_before)
-            yield from self.after_turn(session)
+            if snapshot:
+                yield from self.after_turn(session)
         except SlotsBusy:
             raise
         except BaseException:  # a turn that reports an error has not been appended

@@ -47,7 +47,7 @@ class Settings:
     threads: int | None = None
     socket: str | None = None
     store: str | None = None
-    store_map_size_gb: int = 1024
+    store_map_size_gb: float = 1024
     store_backend: str = "lmdb"
     replica: str | None = None
     lease_ttl_s: float = 10.0

@@ -44,8 +44,8 @@ def run(settings: Settings, progress=None) -> int:
         raise EllmError(f"another ellmd is already serving on {settings.socket_path} (stop it with: ellmd stop)")
     # The store's lock too: a second daemon on this store is refused before the model loads (a fleet
     # replica shares its store: its sessions are leased one by one instead).
-    store = open_store(settings.store_backend, settings.store_path, map_size=settings.store_map_size_gb << 30,
-                       replica=settings.replica)
+    map_size = int(settings.store_map_size_gb * (1 << 30))
+    store = open_store(settings.store_backend, settings.store_path, map_size=map_size, replica=settings.replica)
     leases = Leases(store, settings.lease_ttl_s) if settings.replica is not None else None
     servers = None
     try:
@@ -77,6 +77,10 @@ def run(settings: Settings, progress=None) -> int:
             servers.request_stop()
             servers.join()
         store.close()
+    if runtime.unsaved:  # what a clean stop did not save, named: the exit code says it too
+        log.critical("stopped, but %d session(s) could not be saved (the store keeps their last snapshot): %s",
+                     len(runtime.unsaved), ", ".join(runtime.unsaved))
+        return 1
     log.info("stopped")
     return 1 if servers.error else 0
 

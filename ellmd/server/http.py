@@ -259,8 +259,11 @@ def sampling_args(body: dict, room: int) -> dict:
     for name, (arg, kind) in RENAMED_SAMPLING_FIELDS.items():
         if (value := field(body, name, kind)) is not None:
             args[arg] = value
-    max_tokens = field(body, "max_completion_tokens", INT, field(body, "max_tokens", INT))
-    args["max_tokens"] = room if max_tokens is None else max_tokens
+    name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    max_tokens = field(body, name, INT)
+    if max_tokens is not None and max_tokens < 1:  # as OpenAI: no completion of no tokens
+        raise ApiError(400, f"{name} must be >= 1, not {max_tokens}", param=name)
+    args["max_tokens"] = max(room, 1) if max_tokens is None else max_tokens  # no room: a capacity error
     stop = body.get("stop")
     if stop is not None:
         stop = [stop] if isinstance(stop, str) else stop

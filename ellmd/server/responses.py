@@ -37,9 +37,9 @@ import uuid
 
 from aiohttp import web
 
-from ellmd.server.http import (ARRAY, BOOL, OBJECT, SAMPLING_FIELDS, STRING, TOOL_CALL_MARKER, ApiError, NamedEventStream,
-                               Holdback, chat_tools, content_text, field, format_args, read_json, reply_parts,
-                               sampling_args)
+from ellmd.server.http import (ARRAY, BOOL, INT, OBJECT, SAMPLING_FIELDS, STRING, TOOL_CALL_MARKER, ApiError,
+                               NamedEventStream, Holdback, chat_tools, content_text, field, format_args, read_json,
+                               reply_parts, sampling_args)
 
 log = logging.getLogger("ellmd.http")
 
@@ -158,7 +158,10 @@ class ResponsesApi:
         turn = uuid.uuid4().hex[:TURN_NAME]
         store = field(body, "store", BOOL, True)
         previous = field(body, "previous_response_id", STRING)
-        sampling = {**{k: body.get(k) for k in SAMPLING_FIELDS}, "max_tokens": body.get("max_output_tokens")}
+        limit = field(body, "max_output_tokens", INT)
+        if limit is not None and limit < 1:
+            raise ApiError(400, f"max_output_tokens must be >= 1, not {limit}", param="max_output_tokens")
+        sampling = {**{k: body.get(k) for k in SAMPLING_FIELDS}, "max_tokens": limit}
         owner = {"owner": request["owner"]} if "owner" in request else {}
         if previous is not None:
             point = point_of(previous)
