@@ -385,6 +385,7 @@ def check_fingerprint(ours: dict, meta: dict) -> None:
 def model_fingerprint(engine) -> dict:
     """What a session's KV depends on: model and weight precision, tokenizer, template, KV layout."""
     from ellmd.kernels.formats import FORMAT_NAMES
+    from ellmd.kernels.kv_blocks import format_name
 
     names = {v: k for k, v in FORMAT_NAMES.items()}
     spec = engine.spec
@@ -394,5 +395,5 @@ def model_fingerprint(engine) -> dict:
         "model": model.hexdigest()[:16],
         "tokenizer": engine.tokenizer.fingerprint()[:16] if engine.tokenizer else "none",
         "template": hashlib.sha256(template.encode()).hexdigest()[:16],
-        "kv": f"{names[engine.kv.fmt]}:{spec.num_hidden_layers}x{spec.num_key_value_heads}x{spec.head_dim}",
+        "kv": f"{format_name(engine.kv.fmt)}:{spec.num_hidden_layers}x{spec.num_key_value_heads}x{spec.head_dim}",
     }
