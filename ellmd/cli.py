@@ -81,10 +81,22 @@ def describe_engine(engine) -> str:
         f"memory    weights {budget['weights'] / mib:.1f} MiB ({by_format}) + "
         f"KV {budget['kv'] / mib:.1f} MiB ({budget['kv_bytes_per_token']} B/token x {kv.sequence_length} tokens "
         f"x {kv.slots} slots, {format_name(kv.fmt)}) + workspace {budget['workspace'] / mib:.1f} MiB\n"
+        f"{describe_capacity(engine)}\n"
         f"start-up  load {engine.timings['load']:.1f}s, KV commit {engine.timings['kv_commit']:.1f}s, "
         f"kernel compile {engine.timings['compile']:.1f}s, {engine.threads} threads\n"
         f"kernels   {engine.describe_kernels()}"
     )
+
+
+def describe_capacity(engine) -> str:
+    """Tokens per GiB and sessions of the configured length that this KV memory would hold, per KV format."""
+    from ellmd.engine.kvcache import capacity
+
+    spec, kv = engine.spec, engine.kv
+    formats = capacity(spec.num_hidden_layers, spec.num_key_value_heads, spec.head_dim, kv.sequence_length, kv.nbytes)
+    return "capacity  " + "; ".join(
+        f"{name} {c['tokens_per_gib']:,} tokens/GiB, {c['sessions_in_memory']} x {kv.sequence_length}"
+        for name, c in formats.items()) + " (sessions in this KV memory)"
 
 
 @app.command()
@@ -425,7 +437,10 @@ def status(socket: Optional[str] = SocketPath, config: Optional[Path] = ConfigFi
         ("model", f"{stats['model']} ({stats['model_type']})"),
         ("capacity", f"{stats['slots']} slots x {stats['sequence_length']} tokens"),
         ("KV", f"{stats['kv_bytes_used'] / mib:.1f} MiB used, {stats['kv_bytes_free'] / mib:.1f} MiB free "
-               f"({stats['kv_bytes_per_token']} B/token)"),
+               f"({stats['kv_bytes_per_token']} B/token, {stats.get('kv_dtype', 'bf16')})"),
+        *[(f"KV {name}", f"{c['tokens_per_gib']:,} tokens/GiB; sessions of {stats['sequence_length']} tokens: "
+                         f"{c['sessions_in_memory']} in this memory, {c['sessions_on_disk']} on the store's disk")
+          for name, c in stats.get("kv_capacity", {}).items()],
         ("sessions", f"{stats['sessions_resident']} resident, {stats['sessions_stored']} stored, "
                      f"{stats['generating']} generating"),
         ("uptime", f"{stats['uptime_s']:.0f}s"),

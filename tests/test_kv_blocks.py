@@ -55,7 +55,7 @@ def test_store_blocks(rng, fmt, hd):
     positions = np.array([3, 0, 7, 15, 2], np.int64)
     got = [np.zeros((slots, kvh, seq, nb), dtype) for _ in range(2)]
     want = [np.zeros((slots, kvh, seq, nb), dtype) for _ in range(2)]
-    attention.store_kv(k_new, v_new, *got, fmt, slot_ids, positions)
+    attention.store_kv(k_new.copy(), v_new.copy(), *got, fmt, slot_ids, positions)  # rotated in place
     kv_blocks.store_blocks_ref(k_new, v_new, *want, fmt, slot_ids, positions)
     for g, w in zip(got, want):
         if not kv_blocks.rotated(fmt):

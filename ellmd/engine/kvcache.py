@@ -30,6 +30,24 @@ def element(fmt: int, head_dim: int) -> tuple[np.dtype, int]:
     return formats.storage_dtype(fmt), head_dim
 
 
+def capacity(layers: int, kv_heads: int, head_dim: int, sequence_length: int, memory: int,
+             disk: int | None = None) -> dict[str, dict]:
+    """Per KV format (bf16, q8_0, q4_0): bytes per token, tokens per GiB, and how many sessions of
+    sequence_length tokens fit in `memory` bytes and in `disk` bytes (None: not asked)."""
+    out = {}
+    for name in ("bf16", "q8_0", "q4_0"):
+        fmt = kv_blocks.KV_DTYPES[name]
+        if kv_blocks.is_block_format(fmt) and head_dim % kv_blocks.BLOCK:
+            continue
+        per_token = KVCache.nbytes_for(layers, 1, kv_heads, 1, head_dim, fmt)
+        session = per_token * sequence_length
+        out[name] = {"bytes_per_token": per_token, "tokens_per_gib": 2**30 // per_token,
+                     "sessions_in_memory": memory // session}
+        if disk is not None:
+            out[name]["sessions_on_disk"] = disk // session
+    return out
+
+
 class KVCache:
     """K and V for every layer and slot, allocated once and never grown."""
 

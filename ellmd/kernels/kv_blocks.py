@@ -107,7 +107,7 @@ def as_f32(kv: np.ndarray, fmt: int) -> tuple[np.ndarray, int]:
 
 
 def store_blocks_ref(k_new, v_new, k_layer, v_layer, fmt, slots, positions):
-    """numpy reference of store_blocks."""
+    """numpy reference of store_blocks (leaves k_new and v_new as they are)."""
     for i in range(k_new.shape[0]):
         k_layer[slots[i], :, positions[i]] = quantize_ref(k_new[i], fmt)
         v_layer[slots[i], :, positions[i]] = quantize_ref(v_new[i], fmt)
@@ -218,24 +218,24 @@ def _dequantize_row_overload(row, out):
 
 
 @numba.njit(cache=True, nogil=True)
-def _store_row(src, dst, row):
-    """dst (blocks [nb]) = src [hd] quantized, rotated first where dst's dtype says; row: scratch."""
-    row[:] = src
+def _store_row(src, dst):
+    """dst (blocks [nb]) = src [hd] quantized, rotated first (in place) where dst's dtype says."""
     if _is_rotated(dst):
-        hadamard(row)
-    _quantize_row(row, dst)
+        hadamard(src)
+    _quantize_row(src, dst)
 
 
 @numba.njit(cache=True, nogil=True)
 def store_blocks(k_new, v_new, k_layer, v_layer, slots, positions):
-    """Quantize each token's keys and values (rotated first where the dtype says) into the cache
-    at (slot, head, position). k_new, v_new: [n, kvh, hd] float32; k_layer, v_layer: blocks."""
-    hd = k_new.shape[2]
-    row = np.empty(hd, np.float32)  # [hd]
+    """Quantize each token's keys and values into the cache at (slot, head, position).
+
+    k_new, v_new: [n, kvh, hd] float32, rotated in place for a rotated cache (they are the
+    forward pass's scratch: nothing reads them after the store, and a decode step allocates
+    nothing); k_layer, v_layer: blocks."""
     for i in range(k_new.shape[0]):
         for h in range(k_new.shape[1]):
-            _store_row(k_new[i, h], k_layer[slots[i], h, positions[i]], row)
-            _store_row(v_new[i, h], v_layer[slots[i], h, positions[i]], row)
+            _store_row(k_new[i, h], k_layer[slots[i], h, positions[i]])
+            _store_row(v_new[i, h], v_layer[slots[i], h, positions[i]])
 
 
 @numba.njit(cache=True, nogil=True, fastmath=True)
