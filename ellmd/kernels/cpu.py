@@ -69,3 +69,28 @@ def _from_environment() -> frozenset[str]:
 
 
 ENABLED = _from_environment()
+
+
+# The prefill GEMM of GGUF block weights by CPU class, where both candidates can run (steer by
+# measurements: scripts/kernel_bench.py --prefill, interleaving the two, GFLOP/s of 2 threads):
+#  "integer"  the integer path's GEMM (rows_vnni over tiles of rows): a token's numbers are those of
+#             decode, to the bit, whatever the chunking;
+#  "bf16"     the blocks decoded to bf16 halves on AMX (bf16.py; decode stays integer, so prefill and
+#             decode round differently).
+# avx512 (Xeon 6 model 207 without AMX, shared and loaded, directional): int16 over f32 panels
+# 1.0-1.3x on the K-quants, 0.9-1.1x Q8_0/Q4_0/Q5_0, ~0.6x Q4_1/Q5_1; the f32 panels are left to
+# ELLM_KERNELS=portable, the one-arithmetic rule wins the near ties. avx2 (Zen 3): not measured yet,
+# integer for the same rule. amx: AMX's bf16 tiles (~280 GFLOP/s a core measured) several times
+# the integer GEMM's rate (~20-40 a core here), so blocks keep the AMX path there.
+BLOCK_PREFILL = {"amx": "bf16", "avx512": "integer", "avx2": "integer"}
+
+
+def cpu_class() -> str:
+    """The class of this CPU by the paths it has: "amx", "avx512" (VNNI) or "avx2"."""
+    features = binding.get_host_cpu_features()
+    if features.get("amx-bf16") and features.get("amx-tile"):
+        return "amx"
+    return "avx512" if features.get("avx512vnni") else "avx2"
+
+
+CLASS = cpu_class()
