@@ -78,7 +78,7 @@ def test_ellm_loads_and_generates(tiny_moe):
 
 
 
-def _block_products(monkeypatch, path, tokens, chunk):
+def _block_products(path, tokens, chunk):
     """{weight: (input rows, output rows)} of every matmul on block weights and every MoE block of a
     prefill of tokens in chunks of chunk, the chunks' rows joined in order."""
     from ellmd import kernels
@@ -101,22 +101,22 @@ def _block_products(monkeypatch, path, tokens, chunk):
 
         return run
 
-    monkeypatch.setattr(kernels, "matmul", recorder(kernels.matmul, 1, 3))
-    monkeypatch.setattr(qwen3_moe, "moe_block", recorder(qwen3_moe.moe_block, 5, 7))
-    engine.prefill(0, tokens)
-    monkeypatch.undo()
+    with pytest.MonkeyPatch.context() as patch:  # the test's own patches (its kernel path) stay
+        patch.setattr(kernels, "matmul", recorder(kernels.matmul, 1, 3))
+        patch.setattr(qwen3_moe, "moe_block", recorder(qwen3_moe.moe_block, 5, 7))
+        engine.prefill(0, tokens)
     return {w: (np.concatenate(ins), np.concatenate(outs)) for w, (ins, outs) in calls.items()}
 
 
 @pytest.mark.parametrize("kernels", ["default", "vnni"])  # the integer paths (portable decodes blocks two ways)
-def test_block_products_give_a_row_the_same_bits_in_any_chunk(tiny_moe, monkeypatch, use_kernels, kernels):
+def test_block_products_give_a_row_the_same_bits_in_any_chunk(tiny_moe, use_kernels, kernels):
     # one arithmetic per token on block weights: in a prefill of 150 tokens whole (the GEMM), or in
     # chunks of 70, 70 and 10 (the last one on the decode kernels), each product gives a row whose
     # input is the same bits the same output bits: the projections, the MoE blocks, the head
     use_kernels(kernels)
     _, path = tiny_moe
     tokens = np.random.default_rng(5).integers(0, 1000, 150)
-    whole, chunked = (_block_products(monkeypatch, path, tokens, size) for size in (256, 70))
+    whole, chunked = (_block_products(path, tokens, size) for size in (256, 70))
     assert len(whole) == len(chunked) == 2 * 3 + 1  # per layer qkv, o and the MoE block; the head
     compared = 0
     for w, (x, out) in whole.items():

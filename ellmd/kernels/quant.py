@@ -25,6 +25,9 @@ integers by quantized activations: to int16 with vpdpwssd (AVX2: vpmaddwd + vpad
 2.5e-4 of the reference and its greedy text unchanged), or, one scale per 32 values, to int8
 with vpdpbusd on the "vnni" path (as llama.cpp's q8 x q8; ~1% of a product, which moves
 SmolLM2's logits by a few percent and changes some greedy answers, so it is asked for).
+rows_vnni serves decode and prefill alike (matmul._linear_int tiles prefill's rows over it), and
+sums an input row in one order whatever rows share its pass: a token's numbers do not depend on
+the chunk or the batch it comes in.
 """
 
 import numba
