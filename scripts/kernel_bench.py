@@ -29,8 +29,7 @@ from numba import prange
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from ellmd.kernels import cpu, quant  # noqa: E402
-from ellmd.kernels import matmul as matmul_module  # noqa: E402
-from ellmd.kernels.matmul import linear_rows  # noqa: E402
+from ellmd.kernels.matmul import _linear_int, _prefill_product, _worker_floats, linear_rows  # noqa: E402
 
 K = 2048
 CACHED_ROWS = 256  # ~300 KB of Q4_K: in L2
@@ -81,14 +80,14 @@ def prefill_rows(names, n: int, threads: int):
     kernels interleaved round by round (the best of each)."""
     rng = np.random.default_rng(0)
     x = rng.standard_normal((n, K)).astype(np.float32)
-    per = matmul_module._worker_floats(K)
+    per = _worker_floats(K)
     work = np.zeros((threads, per), np.float32)
     xq = np.zeros((n, K), np.int8 if "vnni" in cpu.ENABLED else np.int16)
     for name in names:
         w = random_blocks(rng, name, PREFILL_ROWS)
         out = np.zeros((n, PREFILL_ROWS), np.float32)
-        runs = (lambda: matmul_module._linear_int(x, w, out, xq, threads),
-                lambda: matmul_module._prefill_product(x, w, out, work))
+        runs = (lambda: _linear_int(x, w, out, xq, threads),
+                lambda: _prefill_product(x, w, out, work))
         best = [float("inf")] * 2
         for _ in range(3):
             for i, run in enumerate(runs):
