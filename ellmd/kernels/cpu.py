@@ -77,11 +77,12 @@ ENABLED = _from_environment()
 #             decode, to the bit, whatever the chunking;
 #  "bf16"     the blocks decoded to bf16 halves on AMX (bf16.py; decode stays integer, so prefill and
 #             decode round differently).
-# avx512 (Xeon 6 model 207 without AMX, shared and loaded, directional): int16 over f32 panels
-# 1.0-1.3x on the K-quants, 0.9-1.1x Q8_0/Q4_0/Q5_0, ~0.6x Q4_1/Q5_1; the f32 panels are left to
-# ELLM_KERNELS=portable, the one-arithmetic rule wins the near ties. avx2 (Zen 3): not measured yet,
-# integer for the same rule. amx: AMX's bf16 tiles (~280 GFLOP/s a core measured) several times
-# the integer GEMM's rate (~20-40 a core here), so blocks keep the AMX path there.
+# avx512 (Xeon model 207 without AMX, shared and loaded: directional; --prefill 512, CPU time):
+# the integer GEMM over the f32 panels 1.16-1.44x on the K-quants (125-154 GFLOP/s), 0.78-0.88x on
+# Q8_0/Q4_0/Q5_0 (92-98), ~0.5x on Q4_1/Q5_1 (55); the integer GEMM for all, one arithmetic with
+# decode outweighing the one-scale types' loss (the f32 panels stay on ELLM_KERNELS=portable).
+# avx2 (Zen 3): not measured yet, integer by the same rule. amx: AMX's bf16 tiles (~280 GFLOP/s a
+# core measured) several times the integer GEMM's rate (~45-75 a core here): blocks keep AMX there.
 BLOCK_PREFILL = {"amx": "bf16", "avx512": "integer", "avx2": "integer"}
 
 
