@@ -9,6 +9,10 @@ weighs less.
     .venv/bin/python scripts/kernel_bench.py                     # every block type, 1 thread
     .venv/bin/python scripts/kernel_bench.py --types Q4_K,Q6_K --threads 2
     ELLM_KERNELS=portable .venv/bin/python scripts/kernel_bench.py
+    .venv/bin/python scripts/kernel_bench.py --prefill 512 --threads 2   # prefill: integer GEMM vs f32 panels
+
+--prefill N times N input rows by a [PREFILL_ROWS, 2048] matrix of each type on the integer GEMM
+and on the f32 panels (blocks decoded), the two interleaved (cpu.BLOCK_PREFILL's choice).
 """
 
 from __future__ import annotations
@@ -25,11 +29,12 @@ from numba import prange
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from ellmd.kernels import cpu, quant  # noqa: E402
-from ellmd.kernels.matmul import linear_rows  # noqa: E402
+from ellmd.kernels.matmul import _linear_int, _prefill_product, _worker_floats, linear_rows  # noqa: E402
 
 K = 2048
 CACHED_ROWS = 256  # ~300 KB of Q4_K: in L2
 STREAMED_BYTES = 1.2e9
+PREFILL_ROWS = 2048  # weight rows of the prefill comparison (Qwen3-1.7B's q and o projections)
 
 
 @numba.njit(nogil=True, fastmath=True, parallel=True)
@@ -70,10 +75,31 @@ def best_seconds(run, repeats: int, threads: int) -> float:
     return best
 
 
+def prefill_rows(names, n: int, threads: int):
+    """(type, integer GFLOP/s, f32 panels GFLOP/s) of an n-row prefill matmul of each type, the two
+    kernels interleaved round by round (the best of each)."""
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((n, K)).astype(np.float32)
+    per = _worker_floats(K)
+    work = np.zeros((threads, per), np.float32)
+    xq = np.zeros((n, K), np.int8 if "vnni" in cpu.ENABLED else np.int16)
+    for name in names:
+        w = random_blocks(rng, name, PREFILL_ROWS)
+        out = np.zeros((n, PREFILL_ROWS), np.float32)
+        runs = (lambda: _linear_int(x, w, out, xq, threads),
+                lambda: _prefill_product(x, w, out, work))
+        best = [float("inf")] * 2
+        for _ in range(3):
+            for i, run in enumerate(runs):
+                best[i] = min(best[i], best_seconds(run, 1, threads))
+        yield name, *(2 * n * PREFILL_ROWS * K / s / 1e9 for s in best)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--types", default=",".join(quant.VNNI_BLOCKS), help="comma-separated GGUF block types")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--prefill", type=int, metavar="N", help="compare the prefill kernels on N input rows")
     args = parser.parse_args()
     names = [t.strip().upper() for t in args.types.split(",") if t.strip()]
     unknown = [t for t in names if t not in quant.BLOCK_DTYPES]
@@ -85,6 +111,16 @@ def main() -> None:
     from rich.table import Table
 
     integer = bool(cpu.INTEGER & cpu.ENABLED)
+    if args.prefill:
+        if not integer:
+            parser.error("--prefill compares the integer GEMM with the f32 panels: it needs an integer path")
+        table = Table(title=f"prefill matmul, {args.prefill} x {K} input, {PREFILL_ROWS} rows, {args.threads} thread(s)")
+        for column in ("type", "integer GFLOP/s", "f32 panels GFLOP/s", "ratio"):
+            table.add_column(column, justify="right")
+        for name, integer_rate, panels_rate in prefill_rows(names, args.prefill, args.threads):
+            table.add_row(name, f"{integer_rate:.1f}", f"{panels_rate:.1f}", f"{integer_rate / panels_rate:.2f}")
+        Console().print(table)
+        return
     xq_dtype = np.int8 if "vnni" in cpu.ENABLED else np.int16
     path = ("vnni (int8)" if xq_dtype == np.int8 else "int16") if integer else "portable (float32)"
     rng = np.random.default_rng(0)

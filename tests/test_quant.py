@@ -91,9 +91,9 @@ def test_matmul_on_blocks(rng, use_kernels, kernels, name, n):
     x[:, 7] *= 30.0  # an outlier channel, as in real activations
     out = np.full((n, 37), np.nan, np.float32)
     scratch = np.zeros(matmul.prefill_scratch_size(37, K), np.float32)
-    matmul.matmul(x, w, F32, out, scratch)  # n=70 takes the packed prefill path
+    matmul.matmul(x, w, F32, out, scratch)  # n=70 takes the prefill path (the integer GEMM, or packed panels)
     exact = x.astype(np.float64) @ quant.dequantize(w).T.astype(np.float64)
-    if cpu.INTEGER & cpu.ENABLED and n < matmul.PREFILL_MIN_ROWS:
+    if n < matmul.PREFILL_MIN_ROWS and cpu.INTEGER & cpu.ENABLED or matmul._integer_prefill(x, w, F32):
         dtype = np.int8 if "vnni" in cpu.ENABLED else np.int16
         want = np.zeros_like(out)  # the reference quantizes the activations the same way
         quant.rows_vnni_ref(*quant.quantize_activations_ref(x, dtype), w, want, 0, 37)
@@ -118,6 +118,28 @@ def test_a_row_sums_the_same_whatever_rows_share_its_pass(rng, use_kernels, kern
         alone = np.zeros((1, 37), np.float32)
         matmul.matmul(x[i : i + 1], w, F32, alone, None)
         assert np.array_equal(together[i], alone[0]), f"row {i}"
+
+
+@pytest.mark.parametrize("kernels", ["default", "vnni"])
+@pytest.mark.parametrize("name", NAMES)
+def test_a_prefill_row_is_the_decode_row_to_the_bit(rng, use_kernels, kernels, name):
+    # one arithmetic per token: prefills of several lengths, whole or in chunks of several sizes,
+    # give each row exactly the numbers the decode kernel gives it alone
+    use_kernels(kernels)
+    if not matmul._integer_prefill(np.zeros((1, K), np.float32), blocks(rng, name, 1), F32):
+        pytest.skip("block prefill is not on the integer path on this CPU class (cpu.BLOCK_PREFILL)")
+    w = blocks(rng, name, 37)
+    x = rng.standard_normal((200, K)).astype(np.float32)
+    x[:, 7] *= 30.0
+    alone = np.zeros((200, 37), np.float32)
+    for i in range(200):
+        matmul.matmul(x[i : i + 1], w, F32, alone[i : i + 1], None)
+    scratch = np.zeros(matmul.prefill_scratch_size(37, K), np.float32)
+    for n, chunk in [(64, 64), (70, 70), (200, 200), (200, 64), (200, 130), (137, 71)]:
+        rows = np.full((n, 37), np.nan, np.float32)
+        for i0 in range(0, n, chunk):
+            matmul.matmul(x[i0 : min(n, i0 + chunk)], w, F32, rows[i0 : i0 + chunk], scratch)
+        assert np.array_equal(rows, alone[:n]), f"n={n} in chunks of {chunk}"
 
 
 @pytest.mark.parametrize("dtype", [np.int8, np.int16])

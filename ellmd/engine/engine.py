@@ -167,6 +167,7 @@ class Engine:
         """The kernel set in use, for the start-up lines."""
         unused = sorted(cpu.host_paths() - cpu.ENABLED)
         more = f" (ELLM_KERNELS=auto adds: {', '.join(unused)})" if unused else ""
+        amx = "bf16" in cpu.ENABLED and bf16.AMX
         if "vnni" in cpu.ENABLED:
             blocks = "GGUF blocks: int8 vpdpbusd, activations quantized to int8 per 32"
         elif "int16" in cpu.ENABLED:
@@ -174,12 +175,16 @@ class Engine:
             blocks = f"GGUF blocks: int16 {madd}, activations quantized to int16 per 256 (or 32) values"
         else:
             blocks = "GGUF blocks: f32 FMA"
-        amx = "bf16" in cpu.ENABLED and bf16.AMX
+        if amx and cpu.BLOCK_PREFILL[cpu.CLASS] == "bf16":  # the class's faster path (cpu.BLOCK_PREFILL)
+            block_prefill = "decoded and split into two bf16 halves, AMX tdpbf16ps"
+        elif cpu.INTEGER & cpu.ENABLED:
+            block_prefill = "the same, a GEMM over tiles of tokens (a token's numbers as in decode)"
+        else:
+            block_prefill = "decoded to f32 panels, f32 FMA"
         prefill = "AMX tdpbf16ps (activations as two bf16 halves)" if amx else "f32 FMA"
-        block_prefill = "decoded and split into two bf16 halves, AMX tdpbf16ps" if amx else "decoded to f32 panels, f32 FMA"
-        attention = "; prefill attention over bf16 KV: AMX tdpbf16ps" if amx else ""
-        return (f"{blocks} (in prefill: {block_prefill}); bf16/f16/f32 weights: f32 FMA in decode, "
-                f"{prefill} for bf16 in prefill{attention}" + more)
+        attention = "AMX tdpbf16ps over bf16 KV in prefill, f32 FMA in decode" if amx else "f32 FMA in prefill and decode"
+        return (f"{blocks} in decode, in prefill {block_prefill}; bf16/f16/f32 weights: f32 FMA in decode, "
+                f"{prefill} for bf16 in prefill; attention: {attention} [CPU class {cpu.CLASS}]" + more)
 
     def memory_budget(self) -> dict[str, int]:
         """Bytes of weights (in all, and by format: "weights:Q4_K", ...), KV cache and workspace."""

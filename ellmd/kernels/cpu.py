@@ -69,3 +69,29 @@ def _from_environment() -> frozenset[str]:
 
 
 ENABLED = _from_environment()
+
+
+# The prefill GEMM of GGUF block weights by CPU class, where both candidates can run (steer by
+# measurements: scripts/kernel_bench.py --prefill, interleaving the two, GFLOP/s of 2 threads):
+#  "integer"  the integer path's GEMM (rows_vnni over tiles of rows): a token's numbers are those of
+#             decode, to the bit, whatever the chunking;
+#  "bf16"     the blocks decoded to bf16 halves on AMX (bf16.py; decode stays integer, so prefill and
+#             decode round differently).
+# avx512 (Xeon model 207 without AMX, shared and loaded: directional; --prefill 512, CPU time):
+# the integer GEMM over the f32 panels 1.16-1.44x on the K-quants (125-154 GFLOP/s), 0.78-0.88x on
+# Q8_0/Q4_0/Q5_0 (92-98), ~0.5x on Q4_1/Q5_1 (55); the integer GEMM for all, one arithmetic with
+# decode outweighing the one-scale types' loss (the f32 panels stay on ELLM_KERNELS=portable).
+# avx2 (Zen 3): not measured yet, integer by the same rule. amx: AMX's bf16 tiles (~280 GFLOP/s a
+# core measured) several times the integer GEMM's rate (~45-75 a core here): blocks keep AMX there.
+BLOCK_PREFILL = {"amx": "bf16", "avx512": "integer", "avx2": "integer"}
+
+
+def cpu_class() -> str:
+    """The class of this CPU by the paths it has: "amx", "avx512" (VNNI) or "avx2"."""
+    features = binding.get_host_cpu_features()
+    if features.get("amx-bf16") and features.get("amx-tile"):
+        return "amx"
+    return "avx512" if features.get("avx512vnni") else "avx2"
+
+
+CLASS = cpu_class()

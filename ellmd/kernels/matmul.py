@@ -15,7 +15,10 @@ same alone or in a batch). Prefill (large n) is compute-bound: `linear_prefill` 
 PANEL weight rows to float32 (transposed) and runs the SIMD micro-kernel of tile.py over
 blocks of inputs; on the "bf16" path (cpu.py), where the CPU has AMX, bf16 weights go to the
 AMX GEMM of bf16.py instead (activations split into two bf16 halves), and so do weights in GGUF
-blocks (decoded per group of rows, their values split as well). `matmul` picks one by n.
+blocks on the CPU classes where cpu.BLOCK_PREFILL says so (decoded per group of rows, their
+values split as well). Elsewhere blocks on an integer path (cpu.py) take the integer kernel in
+prefill as in decode, a GEMM over tiles of rows: a token's numbers are the same to the bit
+whatever the chunk it comes in, or alone in a decode step. `matmul` picks one by n.
 
 Why not numpy's BLAS for prefill: OpenBLAS keeps its own thread pool, whose threads spin after
 each call while numba's workers poll for the next parallel region; on a machine with as many
@@ -40,6 +43,7 @@ ROW_BLOCK = 16  # weight rows per parallel task of linear
 PREFILL_MIN_ROWS = 64  # from this many input rows linear_prefill wins (packing amortized)
 PANEL = 32  # weight rows packed by a linear_prefill task (a multiple of NR)
 INPUT_BLOCK = 120  # input rows multiplied per packed panel pass (stay in L2; a multiple of TALL_MR)
+INT_INPUT_BLOCK = 64  # input rows an integer prefill task runs a weight row block over (see _linear_int)
 DEPTH_BLOCK = 128  # depth of one micro-kernel call: its panel slice (16 KiB) and rows of x stay in L1
 
 
@@ -223,27 +227,50 @@ def _linear(x, w, out):
 
 
 @numba.njit(cache=True, nogil=True, fastmath=True, parallel=True)
-def _linear_int(x, w, out, xq):
+def _linear_int(x, w, out, xq, workers):
+    """out = x @ w.T on the integer path, decode and prefill: x quantized once (its rows split between
+    the workers), then each worker an equal run of ROW_BLOCK weight rows, each block over
+    INT_INPUT_BLOCK rows of x at a time, so that the block's rows and those inputs stay in cache
+    while rows_vnni's passes unpack each weight row once per ROW_PASSES[0] inputs. A row is computed
+    alike whatever rows come with it (rows_vnni sums a row in one order whatever its pass)."""
     n, k = x.shape
     m = w.shape[0]
-    xd = np.empty((n, k // 32), np.float32)  # the activations, quantized once for every weight row
+    xd = np.empty((n, k // 32), np.float32)
     xs = np.empty((n, k // 16), np.int32)
-    quant.quantize_activations(x, xq, xd, xs)
     if n * m * k < 8 * PARALLEL_MIN:
+        quant.quantize_activations(x, xq, xd, xs)
         quant.rows_vnni(xq, xd, xs, w, out, 0, m)
         return
-    for b in prange((m + ROW_BLOCK - 1) // ROW_BLOCK):
-        quant.rows_vnni(xq, xd, xs, w, out, b * ROW_BLOCK, min(m, b * ROW_BLOCK + ROW_BLOCK))
+    for wk in prange(workers):
+        r0, r1 = wk * n // workers, (wk + 1) * n // workers
+        quant.quantize_activations(x[r0:r1], xq[r0:r1], xd[r0:r1], xs[r0:r1])
+    blocks = (m + ROW_BLOCK - 1) // ROW_BLOCK
+    for wk in prange(workers):  # even shares of weight rows: each worker writes its own columns
+        for b in range(wk * blocks // workers, (wk + 1) * blocks // workers):
+            j0, j1 = b * ROW_BLOCK, min(m, b * ROW_BLOCK + ROW_BLOCK)
+            for i0 in range(0, n, INT_INPUT_BLOCK):
+                i1 = min(n, i0 + INT_INPUT_BLOCK)
+                quant.rows_vnni(xq[i0:i1], xd[i0:i1], xs[i0:i1], w, out[i0:i1], j0, j1)
 
 
 @numba.njit(cache=True, nogil=True)
-def _linear_vnni(x, w, out):
-    _linear_int(x, w, out, np.empty(x.shape, np.int8))
+def _linear_vnni(x, w, out, workers):
+    _linear_int(x, w, out, np.empty(x.shape, np.int8), workers)
 
 
 @numba.njit(cache=True, nogil=True)
-def _linear_int16(x, w, out):
-    _linear_int(x, w, out, np.empty(x.shape, np.int16))
+def _linear_int16(x, w, out, workers):
+    _linear_int(x, w, out, np.empty(x.shape, np.int16), workers)
+
+
+def _linear_integer(x, w, out):
+    """out = x @ w.T for block weight w on the integer path cpu.ENABLED names ("vnni" before "int16")."""
+    (_linear_vnni if "vnni" in cpu.ENABLED else _linear_int16)(x, w, out, numba.get_num_threads())
+
+
+def _integer(w):
+    """True when block weight w runs on an integer path (cpu.py) of this call."""
+    return quant.block_name(w) in quant.VNNI_BLOCKS and bool(cpu.INTEGER & cpu.ENABLED)
 
 
 def linear(x, w, fmt, out):
@@ -257,8 +284,8 @@ def linear(x, w, fmt, out):
     ("vnni" wins when both are on).
     """
     for part, cols in _parts(w, out):
-        if quant.block_name(part) in quant.VNNI_BLOCKS and cpu.INTEGER & cpu.ENABLED:
-            (_linear_vnni if "vnni" in cpu.ENABLED else _linear_int16)(x, part, cols)
+        if _integer(part):
+            _linear_integer(x, part, cols)
         else:
             _linear(x, kernel_view(part, fmt), cols)
 
@@ -355,16 +382,24 @@ def linear_prefill(x, w, fmt, out, scratch):
     prefill_scratch_size(m, k) elements (room for fewer threads only lowers the parallelism).
     Each weight row is converted once; compute-bound, ~75 GFLOP/s per core in f32. On the
     "bf16" path, bf16 weights and GGUF blocks go to bf16.gemm where it is usable (AMX; several
-    times faster).
+    times faster); blocks on an integer path take the integer kernel instead (_integer_prefill).
     """
     per = _worker_floats(x.shape[1])
     workers = max(1, min(numba.get_num_threads(), scratch.size // per))
     work = scratch[: workers * per].reshape(workers, per)  # [workers, per]
     for part, cols in _parts(w, out):
-        if _on_bf16_path(x, part, fmt):
+        if _integer_prefill(x, part, fmt):
+            _linear_integer(x, part, cols)
+        elif _on_bf16_path(x, part, fmt):
             bf16.gemm(x, part, cols, work)
         else:
             _prefill_product(x, kernel_view(part, fmt), cols, work)
+
+
+def _integer_prefill(x, w, fmt):
+    """True when block weight w's prefill takes the integer GEMM: on an integer path, unless this
+    CPU class prefers AMX for blocks (cpu.BLOCK_PREFILL) and AMX can take it."""
+    return _integer(w) and not (cpu.BLOCK_PREFILL[cpu.CLASS] == "bf16" and _on_bf16_path(x, w, fmt))
 
 
 def _on_bf16_path(x, w, fmt):
@@ -378,7 +413,7 @@ def _on_bf16_path(x, w, fmt):
 def linear_prefill_ref(x, w, fmt, out, scratch):
     """numpy reference of linear_prefill (on the "bf16" path, of its bf16 GEMM where it applies)."""
     for part, cols in _parts(w, out):
-        if _on_bf16_path(x, part, fmt):
+        if _on_bf16_path(x, part, fmt) and not _integer_prefill(x, part, fmt):
             bf16.gemm_ref(x, part, cols, None)
         else:
             linear_ref(x, part, fmt, cols)

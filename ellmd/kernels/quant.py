@@ -25,6 +25,9 @@ integers by quantized activations: to int16 with vpdpwssd (AVX2: vpmaddwd + vpad
 2.5e-4 of the reference and its greedy text unchanged), or, one scale per 32 values, to int8
 with vpdpbusd on the "vnni" path (as llama.cpp's q8 x q8; ~1% of a product, which moves
 SmolLM2's logits by a few percent and changes some greedy answers, so it is asked for).
+rows_vnni serves decode and prefill alike (matmul._linear_int tiles prefill's rows over it), and
+sums an input row in one order whatever rows share its pass: a token's numbers do not depend on
+the chunk or the batch it comes in.
 """
 
 import numba
@@ -674,7 +677,7 @@ def _dot_rows_overload(x, w, out, j0, j1, acc=None):
 # (vpmullw), its 8 groups sum in int32, and one float step per super-block remains (the
 # per-group float scaling cost more than the products). Every kernel streams its rows with
 # software prefetches PREFETCH bytes ahead. rows_vnni unpacks a weight row's blocks (codes,
-# scales; the int16 K-quants' scaled codes) once for a pass of up to 4 input rows (ROW_PASSES):
+# scales; the int16 K-quants' scaled codes) once for a pass of up to 8 input rows (ROW_PASSES):
 # one row at a time, the unpacking was redone for each, and n rows cost n times one.
 
 
@@ -997,9 +1000,10 @@ def _bias(q, xs_at, offset, a, m, wide):
     return b.fmul(terms[0] if len(terms) == 1 else b.fadd(*terms), total)
 
 
-# input rows that share one unpacking of a weight row's blocks (codes, scales), largest first: a
-# pass of 4 rows, then at most one of 2 and one of 1 for the rest
-ROW_PASSES = (4, 2, 1)
+# input rows that share one unpacking of a weight row's blocks (codes, scales), largest first: passes
+# of 8 rows where 32 vector registers hold their sums (prefill's GEMM), of 4 on AVX2's 16, then at
+# most one of 2 and one of 1 for the rest
+ROW_PASSES = (8, 4, 2, 1) if WORDS_VNNI else (4, 2, 1)
 
 
 class _RowSums:
@@ -1032,6 +1036,9 @@ class _RowSums:
 def _rows_vnni_codegen(name, wide):
     size, groups = _INT_BLOCKS[name]
     lanes = 16 if wide else 8  # lanes [0, lanes/2) hold the first 16 values of a group
+    # float lanes of a one-scale group's sums: vpdpwssd's 16 converted as they are (a fold costs two
+    # instructions on 512-bit registers, one less conversion and FMA gains nothing); else folded
+    group_lanes = 16 if wide and WORDS_VNNI else lanes // 2
 
     def codegen(context, builder, signature, args):
         w_a, xq_a, xd_a, xs_a, out_a = (context.make_array(t)(context, builder, v)
@@ -1056,13 +1063,13 @@ def _rows_vnni_codegen(name, wide):
             q.prefetch(o, size)
             codes, offset, a, _, m = _group(name, q, o, 0)  # one scale for the 32 values
             words = _group_words(q, codes, offset, wide)
-            half = lanes // 2
             for row in rows:
                 dot = _dot_group(q, xq_a, x_at(row, blk, 0), words, wide)
-                dot = tile.fold(builder, dot)  # one scale: the halves of the lanes add up before the float conversion
+                if dot.type.count > group_lanes:  # one scale: the halves of the lanes add up before the float conversion
+                    dot = tile.fold(builder, dot)
                 dx = builder.gep(xd_a.data, [builder.add(builder.mul(row.i, builder.udiv(k, c(32))), blk)])
                 dx = builder.load(dx)
-                row.fma(chain, builder.sitofp(dot, q.vec(q.f32, half)), q.splat(builder.fmul(a, dx), half))
+                row.fma(chain, builder.sitofp(dot, q.vec(q.f32, group_lanes)), q.splat(builder.fmul(a, dx), group_lanes))
                 s = builder.add(builder.mul(row.i, builder.udiv(k, c(16))), builder.mul(blk, c(2)))
                 bias = _bias(q, lambda h: builder.gep(xs_a.data, [builder.add(s, c(h))]), offset, a, m, wide)
                 if bias is not None:
@@ -1138,7 +1145,7 @@ def _rows_vnni_codegen(name, wide):
                     row.fma(0, bias, q.splat(builder.fmul(dmin, dx), 8))
 
         def rows_pass(i0, together):
-            rows = [_RowSums(q, builder.add(i0, c(r)), lanes // 2 if groups == 1 else 8, 16 if name == "Q6_K" else 8)
+            rows = [_RowSums(q, builder.add(i0, c(r)), group_lanes if groups == 1 else 8, 16 if name == "Q6_K" else 8)
                     for r in range(together)]
             if groups == 1:  # blocks in pairs, one on each chain, whatever the pass (a row sums in one order)
                 with cgutils.for_range(builder, builder.udiv(nb, c(2))) as pairs:
