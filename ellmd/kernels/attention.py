@@ -34,8 +34,7 @@ emit wraparound checks that stop LLVM from vectorizing.
 
 import numba
 import numpy as np
-from numba import prange, types
-from numba.extending import overload
+from numba import prange
 
 from ellmd.kernels import bf16, cpu
 from ellmd.kernels.activations import exp_f32
@@ -63,11 +62,6 @@ def _round_up(x, m):
 
 @numba.njit(cache=True, nogil=True, fastmath=True)
 def _store(k_new, v_new, k_layer, v_layer, slots, positions):
-    _store_any(k_new, v_new, k_layer, v_layer, slots, positions)
-
-
-@numba.njit(cache=True, nogil=True, fastmath=True)
-def _store_values(k_new, v_new, k_layer, v_layer, slots, positions):
     # serial: a few values per token, memory-bound
     for i in range(k_new.shape[0]):
         for h in range(k_new.shape[1]):
@@ -199,8 +193,8 @@ def _prefill_task(q, k_slot, v_slot, start, scale, h, q0, nq, k0, k1):
                 qt[d, qi * g + gi] = q[q0 + qi, h * g + gi, d] * np.float32(scale)
     for t0 in range(k0, k1, TILE_KEYS):
         nk = min(TILE_KEYS, k1 - t0)
-        _load_any(k_slot[h], t0, nk, kt)
-        _load_any(v_slot[h], t0, nk, vt)
+        _load_rows(k_slot[h], t0, nk, kt)
+        _load_rows(v_slot[h], t0, nk, vt)
         # query qi sees keys up to start + q0 + qi
         _prefill_tile(qt, kt, vt, rows, nk, start + q0 - t0, g, st, m, l, acc, m_new, alpha, total)
     return m, l, acc
@@ -507,7 +501,7 @@ def decode_scratch_shapes(max_batch, H, hd, max_splits):
     """
     rows_p = _round_up(H, MR)  # bounds the padded group size
     hdp = _round_up(hd, NR)
-    tile = rows_p * (2 * hdp + TILE_KEYS) + 2 * TILE_KEYS * hdp  # + key and value tiles: hd % NR, or blocks
+    tile = rows_p * (2 * hdp + TILE_KEYS) + (2 * TILE_KEYS * hdp if hd % NR else 0)
     return {
         "partial_m": (max_splits, max_batch, H),
         "partial_l": (max_splits, max_batch, H),
@@ -739,7 +733,7 @@ def _decode_part(q, k_layer, v_layer, slots, lengths, scale, partial_m, partial_
         k0 = min(length, part * per)
         k1 = min(length, k0 + per)
         for h in range(kvh):
-            _decode_split_any(
+            _decode_split(
                 q, k_layer[slots[b], h], v_layer[slots[b], h], b, h, k0, k1, scale,
                 partial_m[part, b, h * g : h * g + g], partial_l[part, b, h * g : h * g + g],
                 partial_acc[part, b, h * g : h * g + g], tile[s],
@@ -817,52 +811,3 @@ def attention_decode_ref(q, k_layer, v_layer, fmt, slots, lengths, scale, out, p
             scores = keys[hq // g] @ q[b, hq].astype(np.float64) * scale  # [T]
             p = np.exp(scores - scores.max())
             out[b, hq] = (p @ values[hq // g] / p.sum()).astype(np.float32)
-
-
-# ---- KV held in blocks (kv_blocks.py): the kernels above pick its functions by the KV's type ----
-
-
-def _held_in_blocks(kv):
-    return isinstance(kv.dtype, types.Record)
-
-
-def _store_any(k_new, v_new, k_layer, v_layer, slots, positions):
-    raise NotImplementedError("numba only")
-
-
-@overload(_store_any, jit_options={"nogil": True})
-def _store_any_overload(k_new, v_new, k_layer, v_layer, slots, positions):
-    if _held_in_blocks(k_layer):
-        from ellmd.kernels.kv_blocks import store_blocks
-
-        return lambda k_new, v_new, k_layer, v_layer, slots, positions: store_blocks(
-            k_new, v_new, k_layer, v_layer, slots, positions)
-    return lambda k_new, v_new, k_layer, v_layer, slots, positions: _store_values(
-        k_new, v_new, k_layer, v_layer, slots, positions)
-
-
-def _load_any(head, k0, nk, dst):
-    raise NotImplementedError("numba only")
-
-
-@overload(_load_any, jit_options={"nogil": True, "fastmath": True})
-def _load_any_overload(head, k0, nk, dst):
-    if _held_in_blocks(head):
-        from ellmd.kernels.kv_blocks import load_rows
-
-        return lambda head, k0, nk, dst: load_rows(head, k0, nk, dst)
-    return lambda head, k0, nk, dst: _load_rows(head, k0, nk, dst)
-
-
-def _decode_split_any(q, k_head, v_head, b, h, k0, k1, scale, m, l, acc_out, tile):
-    raise NotImplementedError("numba only")
-
-
-@overload(_decode_split_any, jit_options={"nogil": True, "fastmath": True})
-def _decode_split_any_overload(q, k_head, v_head, b, h, k0, k1, scale, m, l, acc_out, tile):
-    split = _decode_split
-    if _held_in_blocks(k_head):
-        from ellmd.kernels.kv_blocks import decode_split as split
-
-    return lambda q, k_head, v_head, b, h, k0, k1, scale, m, l, acc_out, tile: split(
-        q, k_head, v_head, b, h, k0, k1, scale, m, l, acc_out, tile)
