@@ -100,7 +100,7 @@ def _add(x, y):
 
 
 @numba.njit(cache=True, nogil=True, fastmath=True)
-def _attention(weights, ws, n, slots, positions, shape, eps, scale, nsplit, paths):
+def _attention(weights, ws, n, slots, positions, shape, eps, scale, threads, paths):
     """x += attention(rmsnorm(x)); then h = post-attention rmsnorm(x)."""
     index, ln1, qkv_w, bias, q_norm, k_norm, o_w, ln2 = weights
     x, h, qkv_buf, attn, lengths, cos, sin, kv_k, kv_v, pm, pl, pa, tile, acc = ws
@@ -124,7 +124,7 @@ def _attention(weights, ws, n, slots, positions, shape, eps, scale, nsplit, path
     _store(k, v, k_layer, v_layer, slots, positions)
     for i in range(n):
         lengths[i] = positions[i] + 1
-    decode_rows(q, k_layer, v_layer, slots, lengths[:n], scale, pm, pl, pa, tile, nsplit, attn[:n].reshape((n, H, d)))
+    decode_rows(q, k_layer, v_layer, slots, lengths[:n], scale, pm, pl, pa, tile, threads, attn[:n].reshape((n, H, d)))
     _linear(attn[:n], o_w, h, acc, q8buf, integer, workers)
     _add(x, h)
     _rmsnorm_rows(x, ln2, eps, h, 0, n)
@@ -144,7 +144,7 @@ def _dense_mlp(weights, ws, n, paths):
 
 
 @numba.njit(cache=True, nogil=True, fastmath=True)
-def decode_dense(layers, ws, mlp_ws, n, slots, positions, shape, eps, scale, nsplit, paths):
+def decode_dense(layers, ws, mlp_ws, n, slots, positions, shape, eps, scale, threads, paths):
     """Decode n rows through a run of dense layers (Llama, Qwen3); x[:n] holds their embeddings.
 
     layers: a tuple of (attention weights, (gate_up parts, down parts)), every layer of the same
@@ -155,12 +155,12 @@ def decode_dense(layers, ws, mlp_ws, n, slots, positions, shape, eps, scale, nsp
     """
     for i in range(len(layers)):
         attention_weights, mlp_weights = layers[i]
-        _attention(attention_weights, ws, n, slots, positions, shape, eps, scale, nsplit, paths)
+        _attention(attention_weights, ws, n, slots, positions, shape, eps, scale, threads, paths)
         _dense_mlp(mlp_weights, mlp_ws, n, paths)
 
 
 @numba.njit(cache=True, nogil=True, fastmath=True)
-def decode_moe(layers, ws, moe_ws, n, slots, positions, shape, eps, scale, nsplit, paths, top_k, normalize):
+def decode_moe(layers, ws, moe_ws, n, slots, positions, shape, eps, scale, threads, paths, top_k, normalize):
     """decode_dense for a run of Qwen3-MoE layers: the routed experts' MLP (moe.moe_block's fused path).
 
     layers: a tuple of (attention weights, (router [E, h], gate, up, up0, down)) with the expert
@@ -171,7 +171,7 @@ def decode_moe(layers, ws, moe_ws, n, slots, positions, shape, eps, scale, nspli
     integer = paths[0]
     for i in range(len(layers)):
         attention_weights, (router, gate, up, up0, down) = layers[i]
-        _attention(attention_weights, ws, n, slots, positions, shape, eps, scale, nsplit, paths)
+        _attention(attention_weights, ws, n, slots, positions, shape, eps, scale, threads, paths)
         _block_fused(h[:n], router, top_k, normalize, (gate, up, up0, down), out[:n], logits[:n], weights[:n],
                      experts[:n], work, integer)
         _add(x[:n], out[:n])

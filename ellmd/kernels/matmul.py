@@ -30,7 +30,7 @@ from numba import prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
-from ellmd.kernels import bf16, cpu, quant
+from ellmd.kernels import bf16, cpu, gemm, quant
 from ellmd.kernels.activations import PARALLEL_MIN
 from ellmd.kernels.formats import BF16, kernel_view, to_f32
 from ellmd.kernels.quant import decode_row
@@ -278,7 +278,7 @@ def linear_ref(x, w, fmt, out):
 
 
 def _worker_floats(k):
-    return max(k * PANEL + INPUT_BLOCK * PANEL + INPUT_BLOCK * k, bf16.worker_floats(k))
+    return max(k * PANEL + INPUT_BLOCK * PANEL + INPUT_BLOCK * k, gemm.PANEL * k, bf16.worker_floats(k))
 
 
 def prefill_scratch_size(m, k):
@@ -363,8 +363,10 @@ def linear_prefill(x, w, fmt, out, scratch):
     for part, cols in _parts(w, out):
         if _on_bf16_path(x, part, fmt):
             bf16.gemm(x, part, cols, work)
-        else:
-            _prefill_product(x, kernel_view(part, fmt), cols, work)
+        elif quant.is_blocks(part):
+            _prefill_product(x, part, cols, work)
+        else:  # float weights: decode's order of sums, so a token's numbers do not depend on its chunk
+            gemm.product(x, kernel_view(part, fmt), cols, work)
 
 
 def _on_bf16_path(x, w, fmt):
