@@ -1,4 +1,4 @@
-"""Causal attention over the resident KV cache: KV store, tiled prefill, split-K decode.
+"""Causal attention over the resident KV cache: KV store, tiled prefill, segmented decode.
 
 Shape legend:
   n      query tokens of one prefill chunk
@@ -9,13 +9,23 @@ Shape legend:
   KB     keys per tile (TILE_KEYS)
   R      query rows of a task: (query, head of the group) pairs, row r = qi * g + gi;
          Rp = R rounded up for the SIMD kernel (to 32 on AMX)
+  segments  a row's keys in SEGMENT-key pieces (decode's partial softmaxes, one per segment)
   KA, RB keys per tile and query rows per softmax block of the AMX path (AMX_KEYS, AMX_BLOCK)
 
 Both kernels are flash attention: keys are visited in tiles with an online softmax (running
-max, running sum, rescaled accumulator), the products run on the SIMD kernel of tile.py, and no
-n x n matrix is ever built. Any head_dim: prefill converts keys and values into float32 tiles
-padded to hdp columns, and so does decode when hd % NR != 0 (it reads storage directly
-otherwise): the KV layout stays exactly [..., hd] whatever hd.
+max, running sum, rescaled accumulator), and no n x n matrix is ever built. Any head_dim: the KV
+layout stays exactly [..., hd] whatever hd.
+
+One arithmetic per token (the f32 kernels): decode computes each row exactly as prefill computes
+the same query, so a token's numbers do not depend on the chunk, batch or step that ran it. A
+row's keys are cut into segments of SEGMENT keys at fixed positions; within a segment, tiles of
+KB keys from the segment's start: scores in decode's dot-product order (matmul.linear_rows on a
+few rows, the packed GEMM of gemm.py on many: the same sums), the softmax step along the rows and
+sequential over the keys (_tile_step: a key a row does not see gets probability 0, which adds
+nothing), values on the SIMD kernel of tile.py (a sum over the tile's keys, then added); then the
+row's segments are merged in order (_fold_row) and divided by the sum. Decode shares (row,
+segment, kv head) tasks among the threads; prefill walks a task's segments in order, or, for a
+chunk with too few tasks for the threads, shares its segments too.
 Storage: see formats.py (f16 is viewed as int16 inside kernels).
 
 Prefill of bf16 KV on the "bf16" path (cpu.py, AMX): the two products are tdpbf16ps tile products
@@ -26,8 +36,8 @@ keys in tiles of KA, each packed once (keys as rows, values transposed) for all 
 blocks of RB rows: scores^T [KA, RB] = keys . queries^T, softmax along the rows, probabilities
 rounded to bf16 (as flash attention does; no change in the logit error measured) and
 acc^T [hdp, R] += values^T . p^T. Key ranges split the causal work of a query block into one
-share per thread; the partial softmaxes are merged as in decode. f16 and f32 KV, kept for their
-precision, take the f32 kernels.
+share per thread; the partial softmaxes are merged. f16 and f32 KV, kept for their precision, take
+the f32 kernels. (This path does not share decode's arithmetic: bf16 products differ from f32 FMA.)
 Loops index from 0 over views: an index that may be negative, like range(lo, n), makes numba
 emit wraparound checks that stop LLVM from vectorizing.
 """
@@ -44,13 +54,13 @@ from ellmd.kernels.tile import MR, NR, TALL_MR, gemm_tile
 
 TILE_KEYS = 64  # KB, a multiple of NR
 TASK_ROWS = 144  # R target of a prefill task: query block = TASK_ROWS // g queries
-# Below this many (kv head, query block) units per thread, prefill splits the keys of every unit
-# too (one share per thread, merged as in decode): a short chunk has as few units as kv heads,
-# and 3 units on 2 threads leave one thread idle a third of the time.
+# Below this many (kv head, query block) units per thread, prefill shares the segments of every
+# unit among the threads (merged in order as decode merges them): a short chunk has as few units
+# as kv heads, and 3 units on 2 threads leave one thread idle a third of the time. (The AMX path
+# splits keys into one share per thread.)
 SPLIT_UNITS = 4
 # Below this many (key, kv head) pairs a decode step runs on the calling thread (launching the
-# parallel region, ~10 us with this many arrays, costs more than it saves), and a row's keys are
-# not split across the threads (_row_splits).
+# parallel region, ~10 us with this many arrays, costs more than it saves).
 DECODE_PARALLEL_MIN = 2048
 # Running max before any key: finite, because fastmath assumes no infinities.
 _NO_MAX = np.float32(-1e30)
@@ -577,11 +587,12 @@ def attention_prefill(q, k_slot, v_slot, fmt, start, scale, out):
     Query i sits at position start + i and sees keys [0, start + i]; keys [0, start + n) must be
     stored. q: [n, H, hd] float32; k_slot, v_slot: [kvh, S, hd] storage; out: [n, H, hd] float32.
     bf16 KV on the "bf16" path where the CPU has AMX: tile products (see above), the output
-    within 2**-8 x max|v| of exact (bf16 probabilities). Otherwise the f32 kernels: tasks are
-    (kv head, block of TASK_ROWS // g queries), each converting a key tile once for all g heads
-    of its block, ordered short, long, short, ... (causal work grows with the block) so that the
-    contiguous task ranges the threads receive carry equal work; a short chunk, with too few
-    tasks for the threads, also splits every task's keys into one share per thread.
+    within 2**-8 x max|v| of exact (bf16 probabilities). Otherwise the f32 kernels, each query
+    computed as a decode step computes it: tasks are (kv head, block of TASK_ROWS // g queries),
+    each converting a key tile once for all g heads of its block, ordered short, long, short, ...
+    (causal work grows with the block) so that the contiguous task ranges the threads receive
+    carry equal work; a short chunk, with too few tasks for the threads, shares every task's
+    segments among them.
     """
     if _on_amx(q, k_slot, fmt):
         _prefill_amx(q, k_slot, v_slot, start, scale, out, numba.get_num_threads())

@@ -11,11 +11,13 @@ converting bf16/f16 in registers, two rows x four inputs per pass so that the ve
 not starved by loads; inputs left over from the fours (all of them at n = 1) go four weight
 rows side by side, with software prefetches a few passes ahead. Both passes sum a row in one
 order, so an input row's result does not depend on the rows beside it (a session decodes the
-same alone or in a batch). Prefill (large n) is compute-bound: `linear_prefill` packs panels of
-PANEL weight rows to float32 (transposed) and runs the SIMD micro-kernel of tile.py over
-blocks of inputs; on the "bf16" path (cpu.py), where the CPU has AMX, bf16 weights go to the
-AMX GEMM of bf16.py instead (activations split into two bf16 halves), and so do weights in GGUF
-blocks (decoded per group of rows, their values split as well). `matmul` picks one by n.
+same alone or in a batch). Prefill (large n) is compute-bound: float weights go to the GEMM of
+gemm.py, which sums every output in exactly decode's order (so a token's numbers do not depend on
+whether it ran in a prefill chunk or a decode step); weights in GGUF blocks are packed in panels
+of PANEL rows decoded to float32 (transposed) for the SIMD micro-kernel of tile.py; on the "bf16"
+path (cpu.py), where the CPU has AMX, bf16 weights go to the AMX GEMM of bf16.py instead
+(activations split into two bf16 halves), and so do weights in GGUF blocks (decoded per group of
+rows, their values split as well). `matmul` picks one by n.
 
 Why not numpy's BLAS for prefill: OpenBLAS keeps its own thread pool, whose threads spin after
 each call while numba's workers poll for the next parallel region; on a machine with as many
@@ -349,13 +351,13 @@ def _prefill_product(x, w, out, work):
 
 
 def linear_prefill(x, w, fmt, out, scratch):
-    """out = x @ w.T for large n (prefill): packed weight panels on the SIMD micro-kernel.
+    """out = x @ w.T for large n (prefill): packed weight panels on a SIMD micro-kernel.
 
     x: [n, k] float32; w: as in linear; out: [n, m] float32; scratch: 1-D float32 of
     prefill_scratch_size(m, k) elements (room for fewer threads only lowers the parallelism).
-    Each weight row is converted once; compute-bound, ~75 GFLOP/s per core in f32. On the
+    Each weight row is converted once. Float weights: gemm.product, decode's sums. On the
     "bf16" path, bf16 weights and GGUF blocks go to bf16.gemm where it is usable (AMX; several
-    times faster).
+    times faster, but not decode's sums).
     """
     per = _worker_floats(x.shape[1])
     workers = max(1, min(numba.get_num_threads(), scratch.size // per))
