@@ -102,3 +102,43 @@ def test_the_prefill_gemm_sums_as_decode():
             linear(x, w, fmt, decode)
             gemm.product(x, formats.kernel_view(w, fmt), prefill, np.zeros((2, gemm.PANEL * k), np.float32))
             assert np.array_equal(prefill, decode), (n, m, k, fmt)
+
+
+# ---- over HTTP, the real daemon -------------------------------------------------------------
+
+TOPICS = ["a lighthouse keeper", "a lost robot", "the first snow", "a chess game", "a river town",
+          "an old violin", "a night train", "a beekeeper", "a desert well"]
+
+
+@pytest.fixture(scope="module")
+def smol_bf16(tmp_path_factory):
+    """The built-in SmolLM2 with its weights as bf16: the float kernels (its GGUF blocks take the
+    block kernels, whose prefill does not share decode's sums yet)."""
+    from test_http import start_daemon
+
+    daemon, port = start_daemon(tmp_path_factory.mktemp("arith"), slots=2, extra=["--weight-dtype", "bf16"])
+    yield port
+    assert daemon.stop() == 0
+
+
+def ask(client, topic):
+    """A greedy question whose own tokens (> 64: the prefill GEMM's rows) no other prompt shares."""
+    system = f"You write about {topic}. " + "Keep every answer short, concrete and vivid, and never use lists. " * 5
+    return client.chat.completions.create(
+        model="smol", max_tokens=12, temperature=0, logprobs=True, top_logprobs=3,
+        messages=[{"role": "system", "content": system}, {"role": "user", "content": f"Two sentences about {topic}."}])
+
+
+def test_the_same_greedy_request_twice_gives_the_same_text_and_logprobs(smol_bf16):
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"http://127.0.0.1:{smol_bf16}/v1", api_key="none", max_retries=0)
+    for topic in TOPICS:
+        first, second = ask(client, topic), ask(client, topic)
+        assert first.usage.prompt_tokens > 64 + 20
+        # the second is served from the first's prompt: all but its last token shared, that one alone
+        assert second.usage.prompt_tokens_details.cached_tokens == second.usage.prompt_tokens - 1
+        assert second.choices[0].message.content == first.choices[0].message.content, topic
+        steps = [[(e.token, e.logprob, [(t.token, t.logprob) for t in e.top_logprobs]) for e in r.choices[0].logprobs.content]
+                 for r in (first, second)]
+        assert steps[1] == steps[0], topic

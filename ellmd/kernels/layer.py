@@ -31,7 +31,7 @@ from ellmd.kernels.activations import PARALLEL_MIN, silu_mul
 from ellmd.kernels.attention import _store, decode_rows
 from ellmd.kernels.matmul import ROW_BLOCK, path_rows
 from ellmd.kernels.moe import _block_fused
-from ellmd.kernels.norm import _rmsnorm_rows, rmsnorm_heads
+from ellmd.kernels.norm import _rmsnorm_rows, qk_norm
 from ellmd.kernels.rope import _rope_rows
 
 
@@ -113,11 +113,10 @@ def _attention(weights, ws, n, slots, positions, shape, eps, scale, threads, pat
     for i in range(n if bias.shape[0] else 0):
         for c in range(bias.shape[0]):
             qkv[i, c] += bias[c]
+    if q_norm.shape[0]:
+        qk_norm(qkv, H, G, q_norm, k_norm, eps)
     heads = qkv.reshape((n, H + 2 * G, d))
     q, k, v = heads[:, :H], heads[:, H : H + G], heads[:, H + G :]
-    if q_norm.shape[0]:
-        rmsnorm_heads(q, q_norm, eps)
-        rmsnorm_heads(k, k_norm, eps)
     _rope_rows(q, positions, cos, sin, 0, n)
     _rope_rows(k, positions, cos, sin, 0, n)
     k_layer, v_layer = kv_k[index], kv_v[index]
