@@ -194,8 +194,54 @@ def _tile_step(st, values, rows, nk, limit, g, m, l, acc, m_new, alpha, total):
     gemm_tile(st, True, values, acc, rows_p, values.shape[1], nk, True, rows_p % TALL_MR == 0)
 
 
+@numba.njit(cache=True, nogil=True, fastmath={"nnan", "ninf", "nsz", "contract", "afn"})
+def _sum_in_order(s):
+    """s[0] + s[1] + ... from 0, one add after the other (no reassociation: _tile_step's order)."""
+    total = np.float32(0.0)
+    for j in range(s.shape[0]):
+        total += s[j]
+    return total
+
+
 @numba.njit(cache=True, nogil=True, fastmath=True)
-def _segment(qs, k_head, v_head, t_lo, t_hi, limit, g, rows, st, m, l, acc, m_new, alpha, total, vt, panel):
+def _row_step(sr, values, rows, nk, m, l, acc):
+    """_tile_step's arithmetic for rows that see every key of the tile (decode), row by row, the
+    exponentials vectorized along the keys: sr: [Rp, KB] scores, rows in order (rows past `rows`
+    finite); values, m, l, acc as in _tile_step."""
+    rows_p = acc.shape[0]
+    for r in range(rows):
+        s = sr[r, :nk]
+        mx = m[r]
+        for j in range(nk):
+            mx = max(mx, s[j])
+        alpha = exp_f32(m[r] - mx)
+        for j in range(nk):
+            s[j] = exp_f32(s[j] - mx)
+        m[r] = mx
+        l[r] = l[r] * alpha + _sum_in_order(s)
+        a = acc[r]
+        for d in range(a.shape[0]):
+            a[d] *= alpha
+    gemm_tile(sr, False, values, acc, rows_p, values.shape[1], nk, True, rows_p % TALL_MR == 0)
+
+
+@numba.njit(cache=True, nogil=True, fastmath=True)
+def _decode_tile(qs, k_head, v_head, t0, nk, rows, st, m, l, acc, vt):
+    """A decode task's tile: scores [Rp, KB] (rows in 4s where that shares the key loads: their
+    sums do not change) and _row_step."""
+    sr = st.reshape((acc.shape[0], TILE_KEYS))
+    score_rows = rows if rows < 3 else min(_round_up(rows, 4), acc.shape[0])
+    linear_rows(qs[:score_rows], k_head[t0 : t0 + nk], sr[:score_rows, :nk], 0, nk)
+    if vt.shape[0]:
+        _load_rows(v_head, t0, nk, vt)
+        _row_step(sr, vt[:nk], rows, nk, m, l, acc)
+    else:
+        _row_step(sr, v_head[t0 : t0 + nk], rows, nk, m, l, acc)
+
+
+@numba.njit(cache=True, nogil=True, fastmath=True)
+def _segment(qs, k_head, v_head, t_lo, t_hi, limit, g, rows, st, m, l, acc, m_new, alpha, total, vt, panel,
+             every_key=False):
     """The partial softmax m, l: [Rp] and acc: [Rp, hdv] of `rows` query rows over keys [t_lo, t_hi)
     (one segment), from a fresh start; row r sees key t when r // g >= t - limit.
 
@@ -208,6 +254,9 @@ def _segment(qs, k_head, v_head, t_lo, t_hi, limit, g, rows, st, m, l, acc, m_ne
     acc[:] = np.float32(0.0)
     for t0 in range(t_lo, t_hi, TILE_KEYS):
         nk = min(TILE_KEYS, t_hi - t0)
+        if every_key:  # decode: every row sees every key
+            _decode_tile(qs, k_head, v_head, t0, nk, rows, st, m, l, acc, vt)
+            continue
         _tile_scores(qs, k_head[t0 : t0 + nk], rows, st, panel)
         if vt.shape[0]:
             _load_rows(v_head, t0, nk, vt)
@@ -666,7 +715,7 @@ def _decode_task(q, k_head, v_head, b, h, length, seg, scale, m_out, l_out, acc_
             qs[r, d] = src[d] * np.float32(scale)
     t_lo = seg * SEGMENT
     t_hi = min(length, t_lo + SEGMENT)
-    _segment(qs, k_head, v_head, t_lo, t_hi, t_hi, g, g, st, m, l, acc, m_new, alpha, total, vt, panel)
+    _segment(qs, k_head, v_head, t_lo, t_hi, t_hi, g, g, st, m, l, acc, m_new, alpha, total, vt, panel, True)
     for r in range(g):
         m_out[r] = m[r]
         l_out[r] = l[r]
