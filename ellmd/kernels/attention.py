@@ -195,38 +195,42 @@ def _tile_step(st, values, rows, nk, limit, g, m, l, acc, m_new, alpha, total):
 
 
 @numba.njit(cache=True, nogil=True, fastmath={"nnan", "ninf", "nsz", "contract", "afn"})
-def _sum_in_order(s):
-    """s[0] + s[1] + ... from 0, one add after the other (no reassociation: _tile_step's order)."""
-    total = np.float32(0.0)
-    for j in range(s.shape[0]):
-        total += s[j]
-    return total
+def _sums_in_order(sr, rows, nk, total):
+    """total[r] = sr[r, 0] + sr[r, 1] + ... from 0, one add after the other (no reassociation:
+    _tile_step's order), the rows' chains side by side."""
+    for r in range(rows):
+        total[r] = np.float32(0.0)
+    for j in range(nk):
+        for r in range(rows):
+            total[r] += sr[r, j]
 
 
 @numba.njit(cache=True, nogil=True, fastmath=True)
-def _row_step(sr, values, rows, nk, m, l, acc):
+def _row_step(sr, values, rows, nk, m, l, acc, alpha, total):
     """_tile_step's arithmetic for rows that see every key of the tile (decode), row by row, the
     exponentials vectorized along the keys: sr: [Rp, KB] scores, rows in order (rows past `rows`
-    finite); values, m, l, acc as in _tile_step."""
+    finite); values, m, l, acc, alpha, total as in _tile_step."""
     rows_p = acc.shape[0]
     for r in range(rows):
         s = sr[r, :nk]
         mx = m[r]
         for j in range(nk):
             mx = max(mx, s[j])
-        alpha = exp_f32(m[r] - mx)
+        alpha[r] = exp_f32(m[r] - mx)
         for j in range(nk):
             s[j] = exp_f32(s[j] - mx)
         m[r] = mx
-        l[r] = l[r] * alpha + _sum_in_order(s)
+    _sums_in_order(sr, rows, nk, total)
+    for r in range(rows):
+        l[r] = l[r] * alpha[r] + total[r]
         a = acc[r]
         for d in range(a.shape[0]):
-            a[d] *= alpha
+            a[d] *= alpha[r]
     gemm_tile(sr, False, values, acc, rows_p, values.shape[1], nk, True, rows_p % TALL_MR == 0)
 
 
 @numba.njit(cache=True, nogil=True, fastmath=True)
-def _decode_tile(qs, k_head, v_head, t0, nk, rows, st, m, l, acc, vt):
+def _decode_tile(qs, k_head, v_head, t0, nk, rows, st, m, l, acc, alpha, total, vt):
     """A decode task's tile: scores [Rp, KB] (rows in 4s where that shares the key loads: their
     sums do not change) and _row_step."""
     sr = st.reshape((acc.shape[0], TILE_KEYS))
@@ -234,9 +238,9 @@ def _decode_tile(qs, k_head, v_head, t0, nk, rows, st, m, l, acc, vt):
     linear_rows(qs[:score_rows], k_head[t0 : t0 + nk], sr[:score_rows, :nk], 0, nk)
     if vt.shape[0]:
         _load_rows(v_head, t0, nk, vt)
-        _row_step(sr, vt[:nk], rows, nk, m, l, acc)
+        _row_step(sr, vt[:nk], rows, nk, m, l, acc, alpha, total)
     else:
-        _row_step(sr, v_head[t0 : t0 + nk], rows, nk, m, l, acc)
+        _row_step(sr, v_head[t0 : t0 + nk], rows, nk, m, l, acc, alpha, total)
 
 
 @numba.njit(cache=True, nogil=True, fastmath=True)
@@ -255,7 +259,7 @@ def _segment(qs, k_head, v_head, t_lo, t_hi, limit, g, rows, st, m, l, acc, m_ne
     for t0 in range(t_lo, t_hi, TILE_KEYS):
         nk = min(TILE_KEYS, t_hi - t0)
         if every_key:  # decode: every row sees every key
-            _decode_tile(qs, k_head, v_head, t0, nk, rows, st, m, l, acc, vt)
+            _decode_tile(qs, k_head, v_head, t0, nk, rows, st, m, l, acc, alpha, total, vt)
             continue
         _tile_scores(qs, k_head[t0 : t0 + nk], rows, st, panel)
         if vt.shape[0]:
