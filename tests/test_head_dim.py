@@ -101,7 +101,7 @@ def test_attention_decode(rng, fmt, lengths, kvh, group, hd):
     v = formats.to_storage(randn(rng, slots, kvh, seq, hd), fmt)
     slot_ids = rng.permutation(slots)[:batch].astype(np.int64)
     lengths = np.array(lengths, np.int64)
-    shapes = attention.decode_scratch_shapes(batch + 1, heads, hd, 4)
+    shapes = attention.decode_scratch_shapes(batch + 1, heads, hd, 4, seq)
     scratch = [np.full(shapes[name], np.nan, np.float32) for name in ("partial_m", "partial_l", "partial_acc", "tile")]
     got, want = np.full_like(q, np.nan), np.empty_like(q)
     attention.attention_decode(q, k, v, fmt, slot_ids, lengths, hd**-0.5, got, *scratch)
@@ -117,12 +117,15 @@ def test_decode_matches_prefill_of_last_token(rng, use_kernels, kernels, hd):
     k = formats.to_storage(randn(rng, 1, kvh, seq, hd), BF16)
     v = formats.to_storage(randn(rng, 1, kvh, seq, hd), BF16)
     q = randn(rng, 1, kvh * group, hd)
-    shapes = attention.decode_scratch_shapes(1, kvh * group, hd, 2)
+    shapes = attention.decode_scratch_shapes(1, kvh * group, hd, 2, seq)
     scratch = [np.zeros(shapes[name], np.float32) for name in ("partial_m", "partial_l", "partial_acc", "tile")]
     dec, pre = np.empty_like(q), np.empty_like(q)
     attention.attention_decode(q, k, v, BF16, np.zeros(1, np.int64), np.array([seq], np.int64), hd**-0.5, dec, *scratch)
     attention.attention_prefill(q, k[0], v[0], BF16, seq - 1, hd**-0.5, pre)
-    assert_prefill_close(dec, pre, q, k[0], v[0], BF16)
+    if attention._on_amx(q, k[0], BF16):
+        assert_prefill_close(dec, pre, q, k[0], v[0], BF16)
+    else:  # the f32 kernels: decode computes a row as prefill computes its query, to the bit
+        assert np.array_equal(dec, pre)
 
 
 @pytest.mark.parametrize("hd", [12, 40, 80])

@@ -340,9 +340,9 @@ def test_attention_prefill(rng, monkeypatch, fmt, n, start, kvh, group, hd):
 
 
 
-@pytest.mark.parametrize("n,start", [(20, 300), (5, 0)])  # (5, 0): one tile, so two of the splits are empty
+@pytest.mark.parametrize("n,start", [(20, 300), (5, 0), (9, 2100)])
 def test_attention_prefill_key_splits(rng, n, start):
-    """Keys split in 3 shares per (kv head, query block), as with 3 threads, on any machine."""
+    """A short chunk's segments shared among 3 threads, on any machine."""
     kvh, group, hd = 2, 3, 64
     q = randn(rng, n, kvh * group, hd)
     k = formats.to_storage(randn(rng, kvh, start + n, hd), BF16)
@@ -368,7 +368,7 @@ def test_attention_decode(rng, fmt, lengths, kvh, group, hd):
     v = formats.to_storage(randn(rng, slots, kvh, seq, hd), fmt)
     slot_ids = rng.permutation(slots)[:batch].astype(np.int64)
     lengths = np.array(lengths, np.int64)
-    shapes = attention.decode_scratch_shapes(batch + 2, heads, hd, 4)
+    shapes = attention.decode_scratch_shapes(batch + 2, heads, hd, 4, seq)
     scratch = [np.full(shapes[name], np.nan, np.float32) for name in ("partial_m", "partial_l", "partial_acc", "tile")]
     got, want = np.empty_like(q), np.empty_like(q)
     attention.attention_decode(q, k, v, fmt, slot_ids, lengths, hd**-0.5, got, *scratch)
@@ -387,12 +387,40 @@ def test_decode_matches_prefill_of_last_token(rng, monkeypatch):
     k = formats.to_storage(randn(rng, 1, kvh, seq, hd), BF16)
     v = formats.to_storage(randn(rng, 1, kvh, seq, hd), BF16)
     q = randn(rng, 1, kvh * group, hd)
-    shapes = attention.decode_scratch_shapes(1, kvh * group, hd, 2)
+    shapes = attention.decode_scratch_shapes(1, kvh * group, hd, 2, seq)
     scratch = [np.zeros(shapes[name], np.float32) for name in ("partial_m", "partial_l", "partial_acc", "tile")]
     dec, pre = np.empty_like(q), np.empty_like(q)
     attention.attention_decode(q, k, v, BF16, np.zeros(1, np.int64), np.array([seq], np.int64), 0.125, dec, *scratch)
     attention.attention_prefill(q, k[0], v[0], BF16, seq - 1, 0.125, pre)
-    np.testing.assert_allclose(dec, pre, **TOL)
+    assert np.array_equal(dec, pre)  # decode computes a row as prefill computes its query
+
+
+@pytest.mark.parametrize(
+    "fmt,kvh,group,hd,total",
+    [(BF16, 3, 3, 64, 1300), (F16, 2, 1, 128, 300), (F32, 2, 2, 72, 200), (BF16, 1, 12, 64, 2200)],
+)
+def test_attention_one_arithmetic(rng, monkeypatch, fmt, kvh, group, hd, total):
+    """A query's output is the same bits in one prefill, in chunks of any size, and in a decode step
+    (across segment boundaries; head_dim padded; groups past FEW_ROWS take the packed scores)."""
+    monkeypatch.setattr(cpu, "ENABLED", frozenset())
+    heads = kvh * group
+    q = randn(rng, total, heads, hd)
+    k = formats.to_storage(randn(rng, kvh, total, hd), fmt)
+    v = formats.to_storage(randn(rng, kvh, total, hd), fmt)
+    full = np.empty_like(q)
+    attention.attention_prefill(q, k, v, fmt, 0, hd**-0.5, full)
+    for chunk in (1, 7, 333):
+        pieces = np.empty_like(q)
+        for s in range(0, total, chunk):
+            attention.attention_prefill(q[s : s + chunk], k, v, fmt, s, hd**-0.5, pieces[s : s + chunk])
+        assert np.array_equal(pieces, full), chunk
+    shapes = attention.decode_scratch_shapes(2, heads, hd, 2, total)
+    scratch = [np.full(shapes[name], np.nan, np.float32) for name in ("partial_m", "partial_l", "partial_acc", "tile")]
+    for pos in sorted({0, 63, 64, attention.SEGMENT - 1, attention.SEGMENT, total - 1} - set(range(total, 9999))):
+        one = np.empty_like(q[:1])
+        attention.attention_decode(q[pos : pos + 1], k[None], v[None], fmt, np.zeros(1, np.int64),
+                                   np.array([pos + 1]), hd**-0.5, one, *scratch)
+        assert np.array_equal(one[0], full[pos]), pos
 
 
 # --- moe ---------------------------------------------------------------------------------

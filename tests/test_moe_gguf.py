@@ -126,7 +126,6 @@ def test_block_products_give_a_row_the_same_bits_in_any_chunk(tiny_moe, use_kern
     assert compared > 0.75 * (6 * 150 + 1)  # all but the rows an attention made differ
 
 
-@pytest.mark.xfail(strict=True, reason="attention sums a chunk's first rows in another order than the whole prefill")
 def test_last_logits_are_the_same_bits_however_the_prompt_was_split(tiny_moe, use_kernels):
     # one arithmetic per token: a whole prefill, a prefill in chunks, and a prefill of all but the
     # last token then a decode step give the last token the same logits, to the bit

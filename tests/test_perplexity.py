@@ -51,7 +51,7 @@ def test_the_command_scores_a_text_file_and_chunking_does_not_change_it(tmp_path
         results.append(json.loads(done.stdout))
     assert results[0]["windows"] > 3 and results[0]["tokens_scored"] > 300
     assert 1.0 < results[0]["perplexity"] < 20  # a repeated sentence is easy to predict
-    assert results[0]["perplexity"] == pytest.approx(results[1]["perplexity"], rel=1e-3)  # the chunks do not matter
+    assert results[0]["perplexity"] == results[1]["perplexity"]  # one arithmetic per token, whatever the chunks
 
 
 def test_bad_arguments_get_one_line():

@@ -67,7 +67,7 @@ class Workspace:
         self.cos, self.sin = kernels.rope_tables(
             d, spec.rope_theta, spec.rope_scaling, spec.max_position_embeddings, sequence_length
         )
-        shapes = kernels.decode_scratch_shapes(D, H, d, numba.get_num_threads())
+        shapes = kernels.decode_scratch_shapes(D, H, d, numba.get_num_threads(), sequence_length)
         self.attention_scratch = {name: np.zeros(shape, f32) for name, shape in shapes.items()}
         self.matmul_scratch = np.zeros(max(kernels.prefill_scratch_size(m, k) for m, k in weight_shapes), f32)
         widest = max(k for _, k in weight_shapes)
@@ -157,10 +157,10 @@ class Plan:
 
     def _decode_layers(self, n: int) -> None:
         spec, ws = self.model.spec, self.ws
-        nsplit = min(ws.attention_scratch["partial_m"].shape[0], numba.get_num_threads())
+        threads = min(ws.attention_scratch["tile"].shape[0], numba.get_num_threads())
         paths = self._paths()
         shape = (spec.num_attention_heads, spec.num_key_value_heads, spec.head_dim)
-        common = (n, ws.slots, ws.positions, shape, spec.rms_norm_eps, self.model.scale, nsplit, paths)
+        common = (n, ws.slots, ws.positions, shape, spec.rms_norm_eps, self.model.scale, threads, paths)
         moe_ws = self._moe_ws() if spec.num_experts else None
         for moe, layers in self.runs:
             if moe:

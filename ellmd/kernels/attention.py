@@ -1,4 +1,4 @@
-"""Causal attention over the resident KV cache: KV store, tiled prefill, split-K decode.
+"""Causal attention over the resident KV cache: KV store, tiled prefill, segmented decode.
 
 Shape legend:
   n      query tokens of one prefill chunk
@@ -9,13 +9,23 @@ Shape legend:
   KB     keys per tile (TILE_KEYS)
   R      query rows of a task: (query, head of the group) pairs, row r = qi * g + gi;
          Rp = R rounded up for the SIMD kernel (to 32 on AMX)
+  segments  a row's keys in SEGMENT-key pieces (decode's partial softmaxes, one per segment)
   KA, RB keys per tile and query rows per softmax block of the AMX path (AMX_KEYS, AMX_BLOCK)
 
 Both kernels are flash attention: keys are visited in tiles with an online softmax (running
-max, running sum, rescaled accumulator), the products run on the SIMD kernel of tile.py, and no
-n x n matrix is ever built. Any head_dim: prefill converts keys and values into float32 tiles
-padded to hdp columns, and so does decode when hd % NR != 0 (it reads storage directly
-otherwise): the KV layout stays exactly [..., hd] whatever hd.
+max, running sum, rescaled accumulator), and no n x n matrix is ever built. Any head_dim: the KV
+layout stays exactly [..., hd] whatever hd.
+
+One arithmetic per token (the f32 kernels): decode computes each row exactly as prefill computes
+the same query, so a token's numbers do not depend on the chunk, batch or step that ran it. A
+row's keys are cut into segments of SEGMENT keys at fixed positions; within a segment, tiles of
+KB keys from the segment's start: scores in decode's dot-product order (matmul.linear_rows on a
+few rows, the packed GEMM of gemm.py on many: the same sums), the softmax step along the rows and
+sequential over the keys (_tile_step: a key a row does not see gets probability 0, which adds
+nothing), values on the SIMD kernel of tile.py (a sum over the tile's keys, then added); then the
+row's segments are merged in order (_fold_row) and divided by the sum. Decode shares (row,
+segment, kv head) tasks among the threads; prefill walks a task's segments in order, or, for a
+chunk with too few tasks for the threads, shares its segments too.
 Storage: see formats.py (f16 is viewed as int16 inside kernels).
 
 Prefill of bf16 KV on the "bf16" path (cpu.py, AMX): the two products are tdpbf16ps tile products
@@ -26,8 +36,8 @@ keys in tiles of KA, each packed once (keys as rows, values transposed) for all 
 blocks of RB rows: scores^T [KA, RB] = keys . queries^T, softmax along the rows, probabilities
 rounded to bf16 (as flash attention does; no change in the logit error measured) and
 acc^T [hdp, R] += values^T . p^T. Key ranges split the causal work of a query block into one
-share per thread; the partial softmaxes are merged as in decode. f16 and f32 KV, kept for their
-precision, take the f32 kernels.
+share per thread; the partial softmaxes are merged. f16 and f32 KV, kept for their precision, take
+the f32 kernels. (This path does not share decode's arithmetic: bf16 products differ from f32 FMA.)
 Loops index from 0 over views: an index that may be negative, like range(lo, n), makes numba
 emit wraparound checks that stop LLVM from vectorizing.
 """
@@ -36,20 +46,21 @@ import numba
 import numpy as np
 from numba import prange
 
-from ellmd.kernels import bf16, cpu
-from ellmd.kernels.activations import exp_f32
+from ellmd.kernels import bf16, cpu, gemm
+from ellmd.kernels.activations import FASTMATH_DIVIDES, exp_f32
 from ellmd.kernels.formats import BF16, _bitcast_f32, _bitcast_u32, decode, encode, kernel_view, to_f32, to_storage
+from ellmd.kernels.matmul import linear_rows
 from ellmd.kernels.tile import MR, NR, TALL_MR, gemm_tile
 
 TILE_KEYS = 64  # KB, a multiple of NR
 TASK_ROWS = 144  # R target of a prefill task: query block = TASK_ROWS // g queries
-# Below this many (kv head, query block) units per thread, prefill splits the keys of every unit
-# too (one share per thread, merged as in decode): a short chunk has as few units as kv heads,
-# and 3 units on 2 threads leave one thread idle a third of the time.
+# Below this many (kv head, query block) units per thread, prefill shares the segments of every
+# unit among the threads (merged in order as decode merges them): a short chunk has as few units
+# as kv heads, and 3 units on 2 threads leave one thread idle a third of the time. (The AMX path
+# splits keys into one share per thread.)
 SPLIT_UNITS = 4
 # Below this many (key, kv head) pairs a decode step runs on the calling thread (launching the
-# parallel region, ~10 us with this many arrays, costs more than it saves), and a row's keys are
-# not split across the threads (_row_splits).
+# parallel region, ~10 us with this many arrays, costs more than it saves).
 DECODE_PARALLEL_MIN = 2048
 # Running max before any key: finite, because fastmath assumes no infinities.
 _NO_MAX = np.float32(-1e30)
@@ -119,20 +130,42 @@ def _exp_into(s, m, total):
         total[r] += e
 
 
-@numba.njit(cache=True, nogil=True, fastmath=True)
-def _prefill_tile(qt, kt, vt, rows, nk, limit, g, st, m, l, acc, m_new, alpha, total):
-    """One online-softmax step of a task's query rows over a tile of nk keys.
+# Every row's keys are cut into segments of SEGMENT keys at fixed positions (0, SEGMENT, ...): a
+# segment's partial softmax starts afresh, and a row's segments are merged in order (_fold_row).
+# Decode shares a long row's segments among the threads; prefill walks them in one task or, for a
+# short chunk, shares them too: the same sums either way (one arithmetic per token).
+SEGMENT = 1024
+FEW_ROWS = 8  # up to this many query rows, scores come from decode's kernel on the stored keys
 
-    Works on transposed scores so that every softmax loop runs along the rows, elementwise,
-    with no reductions. Key j of the tile is seen by rows r with r // g >= j - limit.
-    qt: [hd, Rp] pre-scaled queries transposed, zero past `rows`; kt: [KBp, hdp] keys (KBp = KB
-    rounded up to TALL_MR, finite past nk); vt: [KB, hdp] values; st: [KBp, Rp] scores
-    transposed; m, l: [Rp] running max and sum; acc: [Rp, hdp] output accumulator;
+
+@numba.njit(cache=True, nogil=True, fastmath=True)
+def _tile_scores(qs, keys, rows, st, panel):
+    """st[j, r] = qs[r] . keys[j] for r < rows and the nk = len(keys) keys, in decode's order of sums
+    (gemm.py): on a few rows, decode's kernel on the stored keys; on more, the keys packed to float32
+    once for all rows. qs: [>= rows, hd] float32 C-contiguous; keys: [nk, hd] storage; st: [KBp, Rp];
+    panel: 1-D float32 of gemm.PANEL * hd (unused on a few rows)."""
+    nk = keys.shape[0]
+    out = st[:nk, :rows].T
+    if rows <= FEW_ROWS:
+        linear_rows(qs[:rows], keys, out, 0, nk)
+        return
+    for j0 in range(0, nk, gemm.PANEL):
+        gemm.pack(keys, j0, panel)
+        gemm.panel_product(qs[:rows], panel, out, j0, nk)
+
+
+@numba.njit(cache=True, nogil=True, fastmath=True)
+def _tile_step(st, values, rows, nk, limit, g, m, l, acc, m_new, alpha, total):
+    """One online-softmax step of a task's query rows over a tile of nk keys whose scores are in st.
+
+    Works on transposed scores so that every softmax loop runs along the rows, elementwise, and
+    over the keys in order: a row's numbers do not depend on the rows beside it. Key j of the tile
+    is seen by rows r with r // g >= j - limit; the hidden ones get probability 0, which adds
+    nothing to the values' sums. st: [KBp, Rp] (columns past rows zero); values: [nk, hdv] storage
+    or float32, hdv a multiple of NR; m, l: [Rp] running max and sum; acc: [Rp, hdv];
     m_new, alpha, total: [Rp] scratch.
     """
-    hd, rows_p = qt.shape
-    hdp = acc.shape[1]
-    gemm_tile(kt, False, qt, st, _round_up(nk, TALL_MR), rows_p, hd, False, True)
+    rows_p = acc.shape[0]
     # new running max, ping-ponging between alpha and m_new so that it ends in m_new
     src = m
     for j in range(nk):
@@ -154,51 +187,234 @@ def _prefill_tile(qt, kt, vt, rows, nk, limit, g, st, m, l, acc, m_new, alpha, t
     for r in range(rows):
         m[r] = m_new[r]
         l[r] = l[r] * alpha[r] + total[r]
-    for r in range(rows):
         a = acc[r]
-        for d in range(hd):
+        for d in range(a.shape[0]):
             a[d] *= alpha[r]
     # acc[r, d] += sum_j st[j, r] * v[j, d]: st read transposed in place
-    gemm_tile(st, True, vt, acc, rows_p, hdp, nk, True, rows_p % TALL_MR == 0)
+    gemm_tile(st, True, values, acc, rows_p, values.shape[1], nk, True, rows_p % TALL_MR == 0)
+
+
+@numba.njit(cache=True, nogil=True, fastmath={"nnan", "ninf", "nsz", "contract", "afn"})
+def _sums_in_order(sr, rows, nk, total):
+    """total[r] = sr[r, 0] + sr[r, 1] + ... from 0, one add after the other (no reassociation:
+    _tile_step's order), the rows' chains side by side."""
+    for r in range(rows):
+        total[r] = np.float32(0.0)
+    for j in range(nk):
+        for r in range(rows):
+            total[r] += sr[r, j]
 
 
 @numba.njit(cache=True, nogil=True, fastmath=True)
-def _prefill_task(q, k_slot, v_slot, start, scale, h, q0, nq, k0, k1):
-    """Queries q0..q0+nq of the g heads of kv head h over keys [k0, k1): the unnormalised partial
-    softmax m, l: [Rp] and acc: [Rp, hdp], row r = qi * g + gi.
+def _row_step(sr, values, rows, nk, m, l, acc, alpha, total):
+    """_tile_step's arithmetic for rows that see every key of the tile (decode), row by row, the
+    exponentials vectorized along the keys: sr: [Rp, KB] scores, rows in order (rows past `rows`
+    finite); values, m, l, acc, alpha, total as in _tile_step."""
+    rows_p = acc.shape[0]
+    for r in range(rows):
+        s = sr[r, :nk]
+        mx = m[r]
+        for j in range(nk):
+            mx = max(mx, s[j])
+        alpha[r] = exp_f32(m[r] - mx)
+        for j in range(nk):
+            s[j] = exp_f32(s[j] - mx)
+        m[r] = mx
+    _sums_in_order(sr, rows, nk, total)
+    for r in range(rows):
+        l[r] = l[r] * alpha[r] + total[r]
+        a = acc[r]
+        for d in range(a.shape[0]):
+            a[d] *= alpha[r]
+    gemm_tile(sr, False, values, acc, rows_p, values.shape[1], nk, True, rows_p % TALL_MR == 0)
 
-    Rp is rows rounded to NR (the scores' columns), not to 48: a short chunk of 1..5 tokens would
-    spend most of its products on padding rows; the values product then takes the 4-row blocks
-    where Rp is no multiple of TALL_MR.
+
+@numba.njit(cache=True, nogil=True, fastmath=True)
+def _decode_tile(qs, k_head, v_head, t0, nk, rows, st, m, l, acc, alpha, total, vt):
+    """A decode task's tile: scores [Rp, KB] (rows in 4s where that shares the key loads: their
+    sums do not change) and _row_step."""
+    sr = st.reshape((acc.shape[0], TILE_KEYS))
+    score_rows = rows if rows < 3 else min(_round_up(rows, 4), acc.shape[0])
+    linear_rows(qs[:score_rows], k_head[t0 : t0 + nk], sr[:score_rows, :nk], 0, nk)
+    if vt.shape[0]:
+        _load_rows(v_head, t0, nk, vt)
+        _row_step(sr, vt[:nk], rows, nk, m, l, acc, alpha, total)
+    else:
+        _row_step(sr, v_head[t0 : t0 + nk], rows, nk, m, l, acc, alpha, total)
+
+
+@numba.njit(cache=True, nogil=True, fastmath=True)
+def _segment(qs, k_head, v_head, t_lo, t_hi, limit, g, rows, st, m, l, acc, m_new, alpha, total, vt, panel,
+             every_key=False):
+    """The partial softmax m, l: [Rp] and acc: [Rp, hdv] of `rows` query rows over keys [t_lo, t_hi)
+    (one segment), from a fresh start; row r sees key t when r // g >= t - limit.
+
+    qs: [Rp, hd] pre-scaled queries; k_head, v_head: [S, hd] storage; st: [KBp, Rp]; values in
+    float32 tiles vt: [KB, hdv] when vt has rows (hdv = hd rounded up to NR), else read as stored
+    (hd a multiple of NR, hdv = hd); panel: _tile_scores' scratch.
     """
-    heads, hd = q.shape[1], q.shape[2]
-    g = heads // k_slot.shape[0]
+    m[:] = _NO_MAX
+    l[:] = np.float32(0.0)
+    acc[:] = np.float32(0.0)
+    for t0 in range(t_lo, t_hi, TILE_KEYS):
+        nk = min(TILE_KEYS, t_hi - t0)
+        if every_key:  # decode: every row sees every key
+            _decode_tile(qs, k_head, v_head, t0, nk, rows, st, m, l, acc, alpha, total, vt)
+            continue
+        _tile_scores(qs, k_head[t0 : t0 + nk], rows, st, panel)
+        if vt.shape[0]:
+            _load_rows(v_head, t0, nk, vt)
+            _tile_step(st, vt[:nk], rows, nk, limit - t0, g, m, l, acc, m_new, alpha, total)
+        else:
+            _tile_step(st, v_head[t0 : t0 + nk], rows, nk, limit - t0, g, m, l, acc, m_new, alpha, total)
+
+
+@numba.njit(cache=True, nogil=True, fastmath=True)
+def _fold_row(state_m, state_l, o, m, l, acc):
+    """Merge one segment's partial softmax (m, l, acc: [hd]) into a row's running one (state_m,
+    state_l, o: [hd], updated in place), segments in order; returns the new (state_m, state_l).
+    A row starts at (_NO_MAX, 0, zeros)."""
+    mx = max(state_m, m)
+    a = exp_f32(state_m - mx)
+    b = exp_f32(m - mx)
+    for d in range(o.shape[0]):
+        o[d] = o[d] * a + acc[d] * b
+    return mx, state_l * a + l * b
+
+
+@numba.njit(cache=True, nogil=True, fastmath=FASTMATH_DIVIDES)
+def _normalize(o, total, dst):
+    """dst = o / total, as o * (1 / total) in every caller (no reciprocal rewrites: FASTMATH_DIVIDES)."""
+    inv = np.float32(1.0) / total
+    for d in range(dst.shape[0]):
+        dst[d] = o[d] * inv
+
+
+@numba.njit(cache=True, nogil=True, fastmath=True)
+def _segments(length):
+    return (length + SEGMENT - 1) // SEGMENT
+
+
+# ---- prefill on the f32 kernels ------------------------------------------------------------
+
+
+@numba.njit(cache=True, nogil=True, fastmath=True)
+def _task_buffers(rows, hd):
+    """A prefill task's arrays: qs [Rp, hd], st [KBp, Rp], acc [Rp, hdp], m, l, m_new, alpha, total
+    [Rp], vt [KB, hdp], panel [gemm.PANEL * hd] (Rp: rows rounded up to TALL_MR)."""
+    rows_p = _round_up(rows, TALL_MR)
     hdp = _round_up(hd, NR)
-    rows = nq * g
-    rows_p = _round_up(rows, NR)
-    keys_p = _round_up(TILE_KEYS, TALL_MR)
-    qt = np.zeros((hd, rows_p), np.float32)  # [hd, Rp]
-    kt = np.zeros((keys_p, hdp), np.float32)  # [KBp, hdp]
-    vt = np.zeros((TILE_KEYS, hdp), np.float32)  # [KB, hdp]; zeros past hd, never stray denormals
-    st = np.empty((keys_p, rows_p), np.float32)  # [KBp, Rp]
-    acc = np.zeros((rows_p, hdp), np.float32)  # [Rp, hdp]
-    m = np.full(rows_p, _NO_MAX, np.float32)  # [Rp]
-    l = np.zeros(rows_p, np.float32)  # [Rp]
-    m_new = np.empty(rows_p, np.float32)  # [Rp]
-    alpha = np.empty(rows_p, np.float32)  # [Rp]
-    total = np.empty(rows_p, np.float32)  # [Rp]
+    return (np.zeros((rows_p, hd), np.float32), np.zeros((TILE_KEYS, rows_p), np.float32),
+            np.zeros((rows_p, hdp), np.float32), np.empty(rows_p, np.float32), np.empty(rows_p, np.float32),
+            np.empty(rows_p, np.float32), np.empty(rows_p, np.float32), np.empty(rows_p, np.float32),
+            np.zeros((TILE_KEYS, hdp), np.float32), np.empty(gemm.PANEL * hd, np.float32))
+
+
+@numba.njit(cache=True, nogil=True, fastmath=True)
+def _unit_partial(q, k_slot, v_slot, start, scale, h, q0, nq, seg, bufs):
+    """The partial softmax of segment seg for queries q0..q0+nq of the g heads of kv head h (row
+    r = qi * g + gi) into bufs' m, l, acc (bufs: _task_buffers, its qs filled by _fill_queries)."""
+    qs, st, acc, m, l, m_new, alpha, total, vt, panel = bufs
+    g = q.shape[1] // k_slot.shape[0]
+    t_lo = seg * SEGMENT
+    t_hi = min(start + q0 + nq, t_lo + SEGMENT)  # the unit's last query sees keys up to start + q0 + nq - 1
+    _segment(qs, k_slot[h], v_slot[h], t_lo, t_hi, start + q0, g, nq * g, st, m, l, acc, m_new, alpha, total, vt,
+             panel)
+
+
+@numba.njit(cache=True, nogil=True, fastmath=True)
+def _fill_queries(q, h, g, q0, nq, scale, qs):
+    """qs[qi * g + gi] = q[q0 + qi, h * g + gi] * scale (the rows past nq * g stay as they are)."""
     for qi in range(nq):
         for gi in range(g):
-            for d in range(hd):
-                qt[d, qi * g + gi] = q[q0 + qi, h * g + gi, d] * np.float32(scale)
-    for t0 in range(k0, k1, TILE_KEYS):
-        nk = min(TILE_KEYS, k1 - t0)
-        _load_rows(k_slot[h], t0, nk, kt)
-        _load_rows(v_slot[h], t0, nk, vt)
-        # query qi sees keys up to start + q0 + qi
-        _prefill_tile(qt, kt, vt, rows, nk, start + q0 - t0, g, st, m, l, acc, m_new, alpha, total)
-    return m, l, acc
+            src, dst = q[q0 + qi, h * g + gi], qs[qi * g + gi]
+            for d in range(src.shape[0]):
+                dst[d] = src[d] * np.float32(scale)
 
+
+@numba.njit(cache=True, nogil=True, fastmath=True)
+def _write_rows(state_m, state_l, o, h, g, q0, nq, out):
+    """out rows of the unit = its rows' merged softmax (o: [Rp, >= hd])."""
+    hd = out.shape[2]
+    for qi in range(nq):
+        for gi in range(g):
+            r = qi * g + gi
+            _normalize(o[r, :hd], state_l[r], out[q0 + qi, h * g + gi])
+
+
+@numba.njit(cache=True, nogil=True, fastmath=True)
+def _prefill_unit(q, k_slot, v_slot, start, scale, h, q0, nq, out):
+    """Queries q0..q0+nq of kv head h over all their keys, segment after segment, into out."""
+    g, hd = q.shape[1] // k_slot.shape[0], q.shape[2]
+    rows = nq * g
+    bufs = _task_buffers(rows, hd)
+    _fill_queries(q, h, g, q0, nq, scale, bufs[0])
+    acc, m, l = bufs[2], bufs[3], bufs[4]
+    state_m = np.full(rows, _NO_MAX, np.float32)
+    state_l = np.zeros(rows, np.float32)
+    o = np.zeros((rows, hd), np.float32)
+    for seg in range(_segments(start + q0 + nq)):
+        _unit_partial(q, k_slot, v_slot, start, scale, h, q0, nq, seg, bufs)
+        for r in range(rows):
+            state_m[r], state_l[r] = _fold_row(state_m[r], state_l[r], o[r], m[r], l[r], acc[r, :hd])
+    _write_rows(state_m, state_l, o, h, g, q0, nq, out)
+
+
+@numba.njit(cache=True, nogil=True, fastmath=True)
+def _unit_bounds(u, n, qb, nqb):
+    """(kv head, first query, queries) of unit u, blocks ordered short, long, short, ...: the
+    contiguous unit ranges the threads receive carry equal causal work."""
+    h, t = u // nqb, u % nqb
+    b = t // 2 if t % 2 == 0 else nqb - 1 - t // 2
+    q0 = b * qb
+    return h, q0, min(n, q0 + qb) - q0
+
+
+@numba.njit(cache=True, nogil=True, fastmath=True, parallel=True)
+def _prefill(q, k_slot, v_slot, start, scale, out, threads):
+    n, heads, hd = q.shape
+    kvh = k_slot.shape[0]
+    g = heads // kvh
+    qb = max(1, TASK_ROWS // g)  # queries per unit
+    nqb = (n + qb - 1) // qb
+    units = kvh * nqb  # (kv head, query block)
+    if units >= SPLIT_UNITS * threads:
+        for u in prange(units):
+            h, q0, nq = _unit_bounds(u, n, qb, nqb)
+            _prefill_unit(q, k_slot, v_slot, start, scale, h, q0, nq, out)
+        return
+    # a short chunk: its units' segments are shared among the threads, then merged in order
+    nseg = _segments(start + n)
+    rows_p = _round_up(min(n, qb) * g, TALL_MR)
+    pm = np.full((units, nseg, rows_p), _NO_MAX, np.float32)
+    pl = np.zeros((units, nseg, rows_p), np.float32)
+    pacc = np.zeros((units, nseg, rows_p, hd), np.float32)
+    for task in prange(units * nseg):  # segment-major: the threads' contiguous ranges mix long and short
+        seg, u = task // units, task % units
+        h, q0, nq = _unit_bounds(u, n, qb, nqb)
+        if seg >= _segments(start + q0 + nq):
+            continue  # past the unit's keys: the fold below skips it too
+        bufs = _task_buffers(nq * g, hd)
+        _fill_queries(q, h, g, q0, nq, scale, bufs[0])
+        _unit_partial(q, k_slot, v_slot, start, scale, h, q0, nq, seg, bufs)
+        rows = nq * g
+        pm[u, seg, :rows] = bufs[3][:rows]
+        pl[u, seg, :rows] = bufs[4][:rows]
+        pacc[u, seg, :rows] = bufs[2][:rows, :hd]
+    for u in prange(units):
+        h, q0, nq = _unit_bounds(u, n, qb, nqb)
+        rows = nq * g
+        state_m = np.full(rows, _NO_MAX, np.float32)
+        state_l = np.zeros(rows, np.float32)
+        o = np.zeros((rows, hd), np.float32)
+        for seg in range(_segments(start + q0 + nq)):
+            for r in range(rows):
+                state_m[r], state_l[r] = _fold_row(state_m[r], state_l[r], o[r], pm[u, seg, r], pl[u, seg, r],
+                                                   pacc[u, seg, r])
+        _write_rows(state_m, state_l, o, h, g, q0, nq, out)
+
+
+# ---- prefill on AMX (tdpbf16ps), bf16 KV -------------------------------------------------
 
 @numba.njit(cache=True, nogil=True, fastmath=True)
 def _split_point(first, nq, kend, s, nsplit, tile):
@@ -245,48 +461,6 @@ def _merge_key_splits(pm, pl, pacc, u, h, q0, nq, g, out):
                 o[d] = x * inv
 
 
-@numba.njit(cache=True, nogil=True, fastmath=True, parallel=True)
-def _prefill(q, k_slot, v_slot, start, scale, out, threads):
-    n, heads, hd = q.shape
-    kvh = k_slot.shape[0]
-    g = heads // kvh
-    qb = max(1, TASK_ROWS // g)  # queries per task
-    nqb = (n + qb - 1) // qb
-    units = kvh * nqb  # (kv head, query block)
-    nsplit = threads if units < SPLIT_UNITS * threads else 1
-    parts = nsplit if nsplit > 1 else 0  # no partials unless keys are split
-    rows_p = _round_up(min(n, qb) * g, NR)
-    pm = np.empty((parts, units, rows_p), np.float32)
-    pl = np.empty((parts, units, rows_p), np.float32)
-    pacc = np.empty((parts, units, _round_up(hd, NR), rows_p), np.float32)
-    for task in prange(nsplit * units):  # split-major: a thread's contiguous range is split s of every unit
-        s, h, t = task // units, task % units // nqb, task % nqb
-        b = t // 2 if t % 2 == 0 else nqb - 1 - t // 2  # blocks short, long, short, ...: equal ranges
-        q0 = b * qb
-        nq = min(n, q0 + qb) - q0
-        kend = start + q0 + nq  # keys seen by the block's last query
-        k0 = _split_point(start + q0, nq, kend, s, nsplit, TILE_KEYS)
-        k1 = _split_point(start + q0, nq, kend, s + 1, nsplit, TILE_KEYS)
-        m, l, acc = _prefill_task(q, k_slot, v_slot, start, scale, h, q0, nq, k0, k1)
-        if nsplit == 1:
-            for qi in range(nq):
-                for gi in range(g):
-                    r = qi * g + gi
-                    inv = np.float32(1.0) / l[r]
-                    for d in range(hd):
-                        out[q0 + qi, h * g + gi, d] = acc[r, d] * inv
-        else:
-            u = h * nqb + b
-            pm[s, u, : m.shape[0]] = m
-            pl[s, u, : l.shape[0]] = l
-            pacc[s, u, :, : acc.shape[0]] = acc.T
-    if nsplit > 1:
-        for u in prange(units):
-            q0 = u % nqb * qb
-            _merge_key_splits(pm, pl, pacc, u, u // nqb, q0, min(n, q0 + qb) - q0, g, out)
-
-
-# ---- prefill on AMX (tdpbf16ps), bf16 KV -------------------------------------------------
 
 AMX_KEYS = 64  # KA: keys per tile of the AMX path
 AMX_BLOCK = 128  # RB: query rows of one softmax pass (its scores [KA, RB] stay in L1)
@@ -466,11 +640,12 @@ def attention_prefill(q, k_slot, v_slot, fmt, start, scale, out):
     Query i sits at position start + i and sees keys [0, start + i]; keys [0, start + n) must be
     stored. q: [n, H, hd] float32; k_slot, v_slot: [kvh, S, hd] storage; out: [n, H, hd] float32.
     bf16 KV on the "bf16" path where the CPU has AMX: tile products (see above), the output
-    within 2**-8 x max|v| of exact (bf16 probabilities). Otherwise the f32 kernels: tasks are
-    (kv head, block of TASK_ROWS // g queries), each converting a key tile once for all g heads
-    of its block, ordered short, long, short, ... (causal work grows with the block) so that the
-    contiguous task ranges the threads receive carry equal work; a short chunk, with too few
-    tasks for the threads, also splits every task's keys into one share per thread.
+    within 2**-8 x max|v| of exact (bf16 probabilities). Otherwise the f32 kernels, each query
+    computed as a decode step computes it: tasks are (kv head, block of TASK_ROWS // g queries),
+    each converting a key tile once for all g heads of its block, ordered short, long, short, ...
+    (causal work grows with the block) so that the contiguous task ranges the threads receive
+    carry equal work; a short chunk, with too few tasks for the threads, shares every task's
+    segments among them.
     """
     if _on_amx(q, k_slot, fmt):
         _prefill_amx(q, k_slot, v_slot, start, scale, out, numba.get_num_threads())
@@ -493,295 +668,112 @@ def attention_prefill_ref(q, k_slot, v_slot, fmt, start, scale, out):
         out[:, hq] = (p @ values[hq // g] / p.sum(axis=1, keepdims=True)).astype(np.float32)
 
 
-def decode_scratch_shapes(max_batch, H, hd, max_splits):
-    """Shapes of attention_decode's float32 scratch arrays, by argument name.
-
-    Every sequence is cut into min(max_splits, threads) key splits: max_splits = the thread
-    count is enough.
-    """
-    rows_p = _round_up(H, MR)  # bounds the padded group size
+def decode_scratch_shapes(max_batch, H, hd, threads, sequence_length):
+    """Shapes of attention_decode's float32 scratch arrays, by argument name: a partial softmax per
+    segment of each row (sequence_length bounds the segments), and each thread's tile scratch."""
+    rows_p = _round_up(H, 12)  # bounds the padded group size (to MR, or to TALL_MR past 2 * MR)
     hdp = _round_up(hd, NR)
-    tile = rows_p * (2 * hdp + TILE_KEYS) + (2 * TILE_KEYS * hdp if hd % NR else 0)
+    tile = rows_p * (hd + TILE_KEYS + hdp + 5) + TILE_KEYS * hdp + (gemm.PANEL * hd if H > FEW_ROWS else 0)
+    segments = (sequence_length + SEGMENT - 1) // SEGMENT
     return {
-        "partial_m": (max_splits, max_batch, H),
-        "partial_l": (max_splits, max_batch, H),
-        "partial_acc": (max_splits, max_batch, H, hd),
-        "tile": (max_splits, tile),
+        "partial_m": (segments, max_batch, H),
+        "partial_l": (segments, max_batch, H),
+        "partial_acc": (segments, max_batch, H, hd),
+        "tile": (threads, tile),
     }
 
 
 @numba.njit(cache=True, nogil=True, fastmath=True)
-def _scores_rows4(qs, k_head, k0, nk, rows, scores):
-    """_decode_scores in blocks of 4 rows."""
-    hd = qs.shape[1]
-    zero = np.float32(0.0)
-    for j in range(0, nk, 2):
-        j1 = min(j + 1, nk - 1)  # an odd last key is computed twice
-        b0, b1 = k_head[k0 + j], k_head[k0 + j1]
-        for r in range(0, rows, 4):
-            a0, a1, a2, a3 = qs[r], qs[r + 1], qs[r + 2], qs[r + 3]
-            s00 = s01 = s10 = s11 = s20 = s21 = s30 = s31 = zero
-            for d in range(hd):
-                u = decode(b0[d])
-                v = decode(b1[d])
-                s00 += a0[d] * u
-                s01 += a0[d] * v
-                s10 += a1[d] * u
-                s11 += a1[d] * v
-                s20 += a2[d] * u
-                s21 += a2[d] * v
-                s30 += a3[d] * u
-                s31 += a3[d] * v
-            scores[r, j] = s00
-            scores[r + 1, j] = s10
-            scores[r + 2, j] = s20
-            scores[r + 3, j] = s30
-            scores[r, j1] = s01
-            scores[r + 1, j1] = s11
-            scores[r + 2, j1] = s21
-            scores[r + 3, j1] = s31
-
-
-@numba.njit(cache=True, nogil=True, fastmath=True)
-def _scores_rows2(qs, k_head, k0, nk, scores):
-    """_decode_scores of rows 0 and 1."""
-    hd = qs.shape[1]
-    a0, a1 = qs[0], qs[1]
-    zero = np.float32(0.0)
-    for j in range(0, nk, 2):
-        j1 = min(j + 1, nk - 1)
-        b0, b1 = k_head[k0 + j], k_head[k0 + j1]
-        s00 = s01 = s10 = s11 = zero
-        for d in range(hd):
-            u = decode(b0[d])
-            v = decode(b1[d])
-            s00 += a0[d] * u
-            s01 += a0[d] * v
-            s10 += a1[d] * u
-            s11 += a1[d] * v
-        scores[0, j] = s00
-        scores[1, j] = s10
-        scores[0, j1] = s01
-        scores[1, j1] = s11
-
-
-@numba.njit(cache=True, nogil=True, fastmath=True)
-def _scores_rows1(qs, k_head, k0, nk, scores):
-    """_decode_scores of row 0."""
-    hd = qs.shape[1]
-    a0 = qs[0]
-    zero = np.float32(0.0)
-    for j in range(0, nk, 2):
-        j1 = min(j + 1, nk - 1)
-        b0, b1 = k_head[k0 + j], k_head[k0 + j1]
-        s0 = s1 = zero
-        for d in range(hd):
-            s0 += a0[d] * decode(b0[d])
-            s1 += a0[d] * decode(b1[d])
-        scores[0, j] = s0
-        scores[0, j1] = s1
-
-
-@numba.njit(cache=True, nogil=True, fastmath=True, inline="always")
-def _decode_scores(qs, k_head, k0, nk, rows, scores):
-    """scores[r, j] = qs[r] . key k0 + j for r < rows, keys read from storage.
-
-    Dot products along hd, 4 rows x 2 keys per pass sharing each key load: with a handful of
-    query rows this beats transposing keys for the SIMD kernel. Blocks run into the zero
-    padding rows of qs; groups of 1 (MHA) and 2 rows have passes of their own, where a 4-row
-    block would be mostly padding (one loop nest per function: LLVM vectorizes those best).
-    qs: [Rp, hd]; k_head: [S, hd] storage (or float32); scores: [Rp, KB].
-    """
-    if rows == 1:
-        _scores_rows1(qs, k_head, k0, nk, scores)
-    elif rows == 2:
-        _scores_rows2(qs, k_head, k0, nk, scores)
-    else:
-        _scores_rows4(qs, k_head, k0, nk, rows, scores)
-
-
-@numba.njit(cache=True, nogil=True, fastmath=True)
-def _values_rows1(scores, values, acc):
-    """_values_rows of row 0."""
-    a0 = acc[0]
-    for j in range(values.shape[0]):
-        row = values[j]
-        s0 = scores[0, j]
-        for d in range(row.shape[0]):
-            a0[d] += s0 * decode(row[d])
-
-
-@numba.njit(cache=True, nogil=True, fastmath=True)
-def _values_rows2(scores, values, acc):
-    """_values_rows of rows 0 and 1."""
-    a0, a1 = acc[0], acc[1]
-    for j in range(values.shape[0]):
-        row = values[j]
-        s0, s1 = scores[0, j], scores[1, j]
-        for d in range(row.shape[0]):
-            x = decode(row[d])
-            a0[d] += s0 * x
-            a1[d] += s1 * x
-
-
-@numba.njit(cache=True, nogil=True, fastmath=True, inline="always")
-def _values_rows(scores, values, g, acc):
-    """acc[:g] += scores[:g, :nk] @ values for g of 1 or 2, where the SIMD kernel's 4-row blocks
-    would be mostly padding: one pass over each value row, the accumulators in L1.
-
-    values: [nk, hd] storage or float32; scores: [Rp, KB]; acc: [Rp, >=hd].
-    """
-    if g == 1:
-        _values_rows1(scores, values, acc)
-    else:
-        _values_rows2(scores, values, acc)
-
-
-@numba.njit(cache=True, nogil=True, fastmath=True)
-def _decode_split(q, k_head, v_head, b, h, k0, k1, scale, m, l, acc_out, tile):
-    """Attention of the g query heads of (batch row b, kv head h) over keys [k0, k1).
-
-    Writes this split's partial results m, l: [g] and acc_out: [g, hd]; tile: its scratch.
-    """
-    g, hd = acc_out.shape
+def _carve(tile, g, hd, padded):
+    """The _segment arrays of a decode task, views of its thread's tile scratch: qs [Rp, hd],
+    st [KB, Rp], acc [Rp, hdv], m, l, m_new, alpha, total [Rp], vt [KB, hdp] or no rows, panel."""
+    rows_p = _round_up(g, TALL_MR) if g > 2 * MR else _round_up(g, MR)
     hdp = _round_up(hd, NR)
-    rows_p = _round_up(g, MR)
-    o1 = rows_p * hdp
-    o2 = o1 + rows_p * TILE_KEYS
-    o3 = o2 + rows_p * hdp
-    qs = tile[:o1].reshape((rows_p, hdp))  # [Rp, hdp]
-    scores = tile[o1:o2].reshape((rows_p, TILE_KEYS))  # [Rp, KB]
-    acc = tile[o2:o3].reshape((rows_p, hdp))  # [Rp, hdp]
-    # hd % NR != 0: each tile is converted into zero-padded float32 rows [KB, hdp], so that the
-    # dot products and the SIMD kernel run whole vectors (a scalar remainder of every key's
-    # dot product would cost more than the conversion)
-    padded = hdp > hd
-    kt = tile[o3 : o3 + (TILE_KEYS * hdp if padded else 0)].reshape((-1, hdp))  # [KB, hdp] or empty
-    vt = tile[o3 + kt.size : o3 + 2 * kt.size].reshape((-1, hdp))  # [KB, hdp] or empty
-    kt[:] = np.float32(0.0)
-    vt[:] = np.float32(0.0)
-    for r in range(rows_p):
-        for d in range(hdp):
-            inside = r < g and d < hd
-            qs[r, d] = q[b, h * g + r, d] * np.float32(scale) if inside else np.float32(0.0)
-            acc[r, d] = np.float32(0.0)
-    for gi in range(g):
-        m[gi] = _NO_MAX
-        l[gi] = np.float32(0.0)
-    for t0 in range(k0, k1, TILE_KEYS):
-        nk = min(TILE_KEYS, k1 - t0)
-        if padded:
-            _load_rows(k_head, t0, nk, kt)
-            _decode_scores(qs, kt, 0, nk, g, scores)
-        else:
-            _decode_scores(qs, k_head, t0, nk, g, scores)
-        for r in range(g):
-            s = scores[r, :nk]
-            mx = m[r]
-            for j in range(nk):
-                mx = max(mx, s[j])
-            alpha = exp_f32(m[r] - mx)
-            total = np.float32(0.0)
-            for j in range(nk):
-                e = exp_f32(s[j] - mx)
-                s[j] = e
-                total += e
-            m[r] = mx
-            l[r] = l[r] * alpha + total
-            a = acc[r]
-            for d in range(hd):
-                a[d] *= alpha
-        # values straight from storage (converted in registers) unless padded; the SIMD kernel
-        # for groups of 3 rows or more (dispatched here: behind one more call it runs slower)
-        if padded:
-            _load_rows(v_head, t0, nk, vt)
-            if g <= 2:
-                _values_rows(scores, vt[:nk], g, acc)
-            else:
-                gemm_tile(scores, False, vt, acc, rows_p, hdp, nk, True, False)
-        elif g <= 2:
-            _values_rows(scores, v_head[t0 : t0 + nk], g, acc)
-        else:
-            gemm_tile(scores, False, v_head[t0 : t0 + nk], acc, rows_p, hd, nk, True, False)
-    for gi in range(g):
-        for d in range(hd):
-            acc_out[gi, d] = acc[gi, d]
-
-
-@numba.njit(cache=True, nogil=True, fastmath=True, inline="always")
-def _row_splits(length, kvh, nsplit):
-    """Key splits of a decode row: decided by its own length alone, never by the rows beside it, so
-    that a session's numbers are the same whether it decodes alone, in a batch, or beside a prefill
-    riding its step (the splits' merge sums in another order than one pass over the keys)."""
-    return nsplit if length * kvh >= DECODE_PARALLEL_MIN else 1
+    hdv = hdp if padded else hd
+    o = 0
+    qs = tile[o : o + rows_p * hd].reshape((rows_p, hd))
+    o += rows_p * hd
+    st = tile[o : o + TILE_KEYS * rows_p].reshape((TILE_KEYS, rows_p))
+    o += TILE_KEYS * rows_p
+    acc = tile[o : o + rows_p * hdv].reshape((rows_p, hdv))
+    o += rows_p * hdv
+    vec = tile[o : o + 5 * rows_p].reshape((5, rows_p))
+    o += 5 * rows_p
+    vt = tile[o : o + (TILE_KEYS * hdp if padded else 0)].reshape((-1, hdp))
+    o += vt.size
+    panel = tile[o : o + (gemm.PANEL * hd if g > FEW_ROWS else 0)]
+    return qs, st, acc, vec[0], vec[1], vec[2], vec[3], vec[4], vt, panel
 
 
 @numba.njit(cache=True, nogil=True, fastmath=True)
-def _decode_part(q, k_layer, v_layer, slots, lengths, scale, partial_m, partial_l, partial_acc, tile, s, nsplit):
-    """Task s of nsplit: split s of every row long enough to split, and the whole of every other
-    row whose turn it is (rows taken in turns); partial_*[split, row]; tile[s]: its scratch."""
-    heads = q.shape[1]
+def _decode_task(q, k_head, v_head, b, h, length, seg, scale, m_out, l_out, acc_out, tile):
+    """Segment seg of batch row b's keys [0, length) for the g query heads of kv head h: its partial
+    softmax into m_out, l_out: [g] and acc_out: [g, hd], computed as prefill computes it."""
+    g, hd = acc_out.shape
+    qs, st, acc, m, l, m_new, alpha, total, vt, panel = _carve(tile, g, hd, hd % NR != 0)
+    qs[:] = np.float32(0.0)
+    st[:] = np.float32(0.0)
+    for r in range(g):
+        src = q[b, h * g + r]
+        for d in range(hd):
+            qs[r, d] = src[d] * np.float32(scale)
+    t_lo = seg * SEGMENT
+    t_hi = min(length, t_lo + SEGMENT)
+    _segment(qs, k_head, v_head, t_lo, t_hi, t_hi, g, g, st, m, l, acc, m_new, alpha, total, vt, panel, True)
+    for r in range(g):
+        m_out[r] = m[r]
+        l_out[r] = l[r]
+        for d in range(hd):
+            acc_out[r, d] = acc[r, d]
+
+
+@numba.njit(cache=True, nogil=True, fastmath=True)
+def _decode_tasks(q, k_layer, v_layer, slots, lengths, scale, partial_m, partial_l, partial_acc, tile, s, every):
+    """Tasks s, s + every, ... of the step: (row, segment, kv head) triples in that order."""
     kvh = k_layer.shape[1]
-    g = heads // kvh
+    g = q.shape[1] // kvh
+    task = 0
     for b in range(q.shape[0]):
-        length = lengths[b]
-        splits = _row_splits(length, kvh, nsplit)
-        if splits == 1 and b % nsplit != s:
-            continue
-        part = np.int64(s) if splits > 1 else np.int64(0)  # one type (a prange index may be unsigned)
-        per = (length + splits - 1) // splits
-        k0 = min(length, part * per)
-        k1 = min(length, k0 + per)
-        for h in range(kvh):
-            _decode_split(
-                q, k_layer[slots[b], h], v_layer[slots[b], h], b, h, k0, k1, scale,
-                partial_m[part, b, h * g : h * g + g], partial_l[part, b, h * g : h * g + g],
-                partial_acc[part, b, h * g : h * g + g], tile[s],
-            )
+        for seg in range(_segments(lengths[b])):
+            for h in range(kvh):
+                if task % every == s:
+                    _decode_task(q, k_layer[slots[b], h], v_layer[slots[b], h], b, h, lengths[b], seg, scale,
+                                 partial_m[seg, b, h * g : h * g + g], partial_l[seg, b, h * g : h * g + g],
+                                 partial_acc[seg, b, h * g : h * g + g], tile[s])
+                task += 1
 
 
 @numba.njit(cache=True, nogil=True, fastmath=True, parallel=True)
-def _decode_parallel(q, k_layer, v_layer, slots, lengths, scale, partial_m, partial_l, partial_acc, tile, nsplit):
-    for s in prange(nsplit):
-        _decode_part(q, k_layer, v_layer, slots, lengths, scale, partial_m, partial_l, partial_acc, tile, s, nsplit)
+def _decode_parallel(q, k_layer, v_layer, slots, lengths, scale, partial_m, partial_l, partial_acc, tile, threads):
+    for s in prange(threads):
+        _decode_tasks(q, k_layer, v_layer, slots, lengths, scale, partial_m, partial_l, partial_acc, tile, s, threads)
 
 
 @numba.njit(cache=True, nogil=True, fastmath=True)
-def _merge_splits(partial_m, partial_l, partial_acc, lengths, kvh, nsplit, out):
-    """out = the softmax-weighted merge of each row's partial results (_row_splits of them)."""
+def _merge_segments(partial_m, partial_l, partial_acc, lengths, out):
+    """out = each row's segments merged in order (as prefill merges them)."""
     batch, heads, hd = out.shape
     for b in range(batch):
-        splits = _row_splits(lengths[b], kvh, nsplit)
         for hq in range(heads):
-            mx = _NO_MAX
-            for s in range(splits):
-                mx = max(mx, partial_m[s, b, hq])
-            total = np.float32(0.0)
             o = out[b, hq]
-            for d in range(hd):
-                o[d] = np.float32(0.0)
-            for s in range(splits):
-                w = exp_f32(partial_m[s, b, hq] - mx)
-                total += w * partial_l[s, b, hq]
-                pa = partial_acc[s, b, hq]
-                for d in range(hd):
-                    o[d] += w * pa[d]
-            inv = np.float32(1.0) / total
-            for d in range(hd):
-                o[d] *= inv
+            o[:] = np.float32(0.0)
+            state_m, state_l = _NO_MAX, np.float32(0.0)
+            for seg in range(_segments(lengths[b])):
+                state_m, state_l = _fold_row(state_m, state_l, o, partial_m[seg, b, hq], partial_l[seg, b, hq],
+                                             partial_acc[seg, b, hq])
+            _normalize(o, state_l, o)
 
 
 @numba.njit(cache=True, nogil=True, fastmath=True)
-def decode_rows(q, k_layer, v_layer, slots, lengths, scale, partial_m, partial_l, partial_acc, tile, nsplit, out):
-    """attention_decode on kernel views, nsplit = the threads to share it (at most the scratch's
-    splits): on the calling thread when the step is short, else one task per thread."""
+def decode_rows(q, k_layer, v_layer, slots, lengths, scale, partial_m, partial_l, partial_acc, tile, threads, out):
+    """attention_decode on kernel views, shared by `threads` threads (at most the tile scratch's):
+    on the calling thread when the step is short, else tasks dealt to the threads in turns."""
     kvh = k_layer.shape[1]
-    if nsplit <= 1 or int(lengths.sum()) * kvh < DECODE_PARALLEL_MIN:
-        nsplit = 1  # every row is short: one split each, whichever thread runs it
-        _decode_part(q, k_layer, v_layer, slots, lengths, scale, partial_m, partial_l, partial_acc, tile, 0, 1)
+    if threads <= 1 or int(lengths.sum()) * kvh < DECODE_PARALLEL_MIN:
+        _decode_tasks(q, k_layer, v_layer, slots, lengths, scale, partial_m, partial_l, partial_acc, tile, 0, 1)
     else:
-        _decode_parallel(q, k_layer, v_layer, slots, lengths, scale, partial_m, partial_l, partial_acc, tile, nsplit)
-    _merge_splits(partial_m, partial_l, partial_acc, lengths, kvh, nsplit, out)
+        _decode_parallel(q, k_layer, v_layer, slots, lengths, scale, partial_m, partial_l, partial_acc, tile, threads)
+    _merge_segments(partial_m, partial_l, partial_acc, lengths, out)
 
 
 def attention_decode(q, k_layer, v_layer, fmt, slots, lengths, scale, out, partial_m, partial_l, partial_acc, tile):
@@ -789,15 +781,15 @@ def attention_decode(q, k_layer, v_layer, fmt, slots, lengths, scale, out, parti
 
     q: [B, H, hd] float32; k_layer, v_layer: [slots, kvh, S, hd] storage; slots, lengths: [B]
     int64 (lengths >= 1: the new token's k/v are stored first); out: [B, H, hd] float32.
-    Scratch, float32, shapes from decode_scratch_shapes: partial_m, partial_l: [max_splits,
-    >=B, H]; partial_acc: [max_splits, >=B, H, hd]; tile: [max_splits, tile_floats].
-    A long row is cut into one key split per thread, whatever the mix of lengths, and the splits'
-    partial softmaxes are then merged; short rows go whole to the threads in turns (_row_splits).
-    Short work runs on the calling thread. Allocates nothing.
+    Scratch, float32, shapes from decode_scratch_shapes: partial_m, partial_l: [segments, >=B, H];
+    partial_acc: [segments, >=B, H, hd]; tile: [threads, tile_floats].
+    Each row computes what prefill computes for its token (same segments, tiles and sums): the
+    (row, segment, kv head) tasks go to the threads in turns, then each row's segments are
+    merged in order. Short work runs on the calling thread. Allocates nothing.
     """
     k_layer, v_layer = kernel_view(k_layer, fmt), kernel_view(v_layer, fmt)
-    nsplit = min(partial_m.shape[0], numba.get_num_threads())
-    decode_rows(q, k_layer, v_layer, slots, lengths, scale, partial_m, partial_l, partial_acc, tile, nsplit, out)
+    threads = min(tile.shape[0], numba.get_num_threads())
+    decode_rows(q, k_layer, v_layer, slots, lengths, scale, partial_m, partial_l, partial_acc, tile, threads, out)
 
 
 def attention_decode_ref(q, k_layer, v_layer, fmt, slots, lengths, scale, out, partial_m, partial_l, partial_acc, tile):

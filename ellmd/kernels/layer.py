@@ -31,7 +31,7 @@ from ellmd.kernels.activations import PARALLEL_MIN, silu_mul
 from ellmd.kernels.attention import _store, decode_rows
 from ellmd.kernels.matmul import ROW_BLOCK, path_rows
 from ellmd.kernels.moe import _block_fused
-from ellmd.kernels.norm import _rmsnorm_rows, rmsnorm_heads
+from ellmd.kernels.norm import _rmsnorm_rows, qk_norm
 from ellmd.kernels.rope import _rope_rows
 
 
@@ -100,7 +100,7 @@ def _add(x, y):
 
 
 @numba.njit(cache=True, nogil=True, fastmath=True)
-def _attention(weights, ws, n, slots, positions, shape, eps, scale, nsplit, paths):
+def _attention(weights, ws, n, slots, positions, shape, eps, scale, threads, paths):
     """x += attention(rmsnorm(x)); then h = post-attention rmsnorm(x)."""
     index, ln1, qkv_w, bias, q_norm, k_norm, o_w, ln2 = weights
     x, h, qkv_buf, attn, lengths, cos, sin, kv_k, kv_v, pm, pl, pa, tile, acc = ws
@@ -113,18 +113,17 @@ def _attention(weights, ws, n, slots, positions, shape, eps, scale, nsplit, path
     for i in range(n if bias.shape[0] else 0):
         for c in range(bias.shape[0]):
             qkv[i, c] += bias[c]
+    if q_norm.shape[0]:
+        qk_norm(qkv, H, G, q_norm, k_norm, eps)
     heads = qkv.reshape((n, H + 2 * G, d))
     q, k, v = heads[:, :H], heads[:, H : H + G], heads[:, H + G :]
-    if q_norm.shape[0]:
-        rmsnorm_heads(q, q_norm, eps)
-        rmsnorm_heads(k, k_norm, eps)
     _rope_rows(q, positions, cos, sin, 0, n)
     _rope_rows(k, positions, cos, sin, 0, n)
     k_layer, v_layer = kv_k[index], kv_v[index]
     _store(k, v, k_layer, v_layer, slots, positions)
     for i in range(n):
         lengths[i] = positions[i] + 1
-    decode_rows(q, k_layer, v_layer, slots, lengths[:n], scale, pm, pl, pa, tile, nsplit, attn[:n].reshape((n, H, d)))
+    decode_rows(q, k_layer, v_layer, slots, lengths[:n], scale, pm, pl, pa, tile, threads, attn[:n].reshape((n, H, d)))
     _linear(attn[:n], o_w, h, acc, q8buf, integer, workers)
     _add(x, h)
     _rmsnorm_rows(x, ln2, eps, h, 0, n)
@@ -144,7 +143,7 @@ def _dense_mlp(weights, ws, n, paths):
 
 
 @numba.njit(cache=True, nogil=True, fastmath=True)
-def decode_dense(layers, ws, mlp_ws, n, slots, positions, shape, eps, scale, nsplit, paths):
+def decode_dense(layers, ws, mlp_ws, n, slots, positions, shape, eps, scale, threads, paths):
     """Decode n rows through a run of dense layers (Llama, Qwen3); x[:n] holds their embeddings.
 
     layers: a tuple of (attention weights, (gate_up parts, down parts)), every layer of the same
@@ -155,12 +154,12 @@ def decode_dense(layers, ws, mlp_ws, n, slots, positions, shape, eps, scale, nsp
     """
     for i in range(len(layers)):
         attention_weights, mlp_weights = layers[i]
-        _attention(attention_weights, ws, n, slots, positions, shape, eps, scale, nsplit, paths)
+        _attention(attention_weights, ws, n, slots, positions, shape, eps, scale, threads, paths)
         _dense_mlp(mlp_weights, mlp_ws, n, paths)
 
 
 @numba.njit(cache=True, nogil=True, fastmath=True)
-def decode_moe(layers, ws, moe_ws, n, slots, positions, shape, eps, scale, nsplit, paths, top_k, normalize):
+def decode_moe(layers, ws, moe_ws, n, slots, positions, shape, eps, scale, threads, paths, top_k, normalize):
     """decode_dense for a run of Qwen3-MoE layers: the routed experts' MLP (moe.moe_block's fused path).
 
     layers: a tuple of (attention weights, (router [E, h], gate, up, up0, down)) with the expert
@@ -171,7 +170,7 @@ def decode_moe(layers, ws, moe_ws, n, slots, positions, shape, eps, scale, nspli
     integer = paths[0]
     for i in range(len(layers)):
         attention_weights, (router, gate, up, up0, down) = layers[i]
-        _attention(attention_weights, ws, n, slots, positions, shape, eps, scale, nsplit, paths)
+        _attention(attention_weights, ws, n, slots, positions, shape, eps, scale, threads, paths)
         _block_fused(h[:n], router, top_k, normalize, (gate, up, up0, down), out[:n], logits[:n], weights[:n],
                      experts[:n], work, integer)
         _add(x[:n], out[:n])

@@ -11,14 +11,15 @@ converting bf16/f16 in registers, two rows x four inputs per pass so that the ve
 not starved by loads; inputs left over from the fours (all of them at n = 1) go four weight
 rows side by side, with software prefetches a few passes ahead. Both passes sum a row in one
 order, so an input row's result does not depend on the rows beside it (a session decodes the
-same alone or in a batch). Prefill (large n) is compute-bound: `linear_prefill` packs panels of
-PANEL weight rows to float32 (transposed) and runs the SIMD micro-kernel of tile.py over
-blocks of inputs; on the "bf16" path (cpu.py), where the CPU has AMX, bf16 weights go to the
-AMX GEMM of bf16.py instead (activations split into two bf16 halves), and so do weights in GGUF
-blocks on the CPU classes where cpu.BLOCK_PREFILL says so (decoded per group of rows, their
-values split as well). Elsewhere blocks on an integer path (cpu.py) take the integer kernel in
-prefill as in decode, a GEMM over tiles of rows: a token's numbers are the same to the bit
-whatever the chunk it comes in, or alone in a decode step. `matmul` picks one by n.
+same alone or in a batch). Prefill (large n) is compute-bound: float weights go to the GEMM of
+gemm.py, which sums every output in exactly decode's order; weights in GGUF blocks on an integer
+path (cpu.py) take the integer kernel in prefill as in decode, a GEMM over tiles of rows. Either
+way a token's numbers are the same to the bit whatever the chunk it comes in, or alone in a
+decode step. On the "bf16" path (cpu.py), where the CPU has AMX, bf16 weights go to the AMX GEMM
+of bf16.py instead (activations split into two bf16 halves), and so do GGUF blocks on the CPU
+classes where cpu.BLOCK_PREFILL says so (decoded per group of rows, their values split as well);
+without an integer path, blocks are packed in panels of PANEL rows decoded to float32
+(transposed) for the SIMD micro-kernel of tile.py. `matmul` picks one by n.
 
 Why not numpy's BLAS for prefill: OpenBLAS keeps its own thread pool, whose threads spin after
 each call while numba's workers poll for the next parallel region; on a machine with as many
@@ -33,7 +34,7 @@ from numba import prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
-from ellmd.kernels import bf16, cpu, quant
+from ellmd.kernels import bf16, cpu, gemm, quant
 from ellmd.kernels.activations import PARALLEL_MIN
 from ellmd.kernels.formats import BF16, kernel_view, to_f32
 from ellmd.kernels.quant import decode_row
@@ -305,7 +306,7 @@ def linear_ref(x, w, fmt, out):
 
 
 def _worker_floats(k):
-    return max(k * PANEL + INPUT_BLOCK * PANEL + INPUT_BLOCK * k, bf16.worker_floats(k))
+    return max(k * PANEL + INPUT_BLOCK * PANEL + INPUT_BLOCK * k, gemm.PANEL * k, bf16.worker_floats(k))
 
 
 def prefill_scratch_size(m, k):
@@ -376,13 +377,14 @@ def _prefill_product(x, w, out, work):
 
 
 def linear_prefill(x, w, fmt, out, scratch):
-    """out = x @ w.T for large n (prefill): packed weight panels on the SIMD micro-kernel.
+    """out = x @ w.T for large n (prefill): packed weight panels on a SIMD micro-kernel.
 
     x: [n, k] float32; w: as in linear; out: [n, m] float32; scratch: 1-D float32 of
     prefill_scratch_size(m, k) elements (room for fewer threads only lowers the parallelism).
-    Each weight row is converted once; compute-bound, ~75 GFLOP/s per core in f32. On the
+    Each weight row is converted once. Float weights: gemm.product, decode's sums. On the
     "bf16" path, bf16 weights and GGUF blocks go to bf16.gemm where it is usable (AMX; several
-    times faster); blocks on an integer path take the integer kernel instead (_integer_prefill).
+    times faster, but not decode's sums); blocks on an integer path take the integer kernel instead
+    (_integer_prefill).
     """
     per = _worker_floats(x.shape[1])
     workers = max(1, min(numba.get_num_threads(), scratch.size // per))
@@ -392,8 +394,10 @@ def linear_prefill(x, w, fmt, out, scratch):
             _linear_integer(x, part, cols)
         elif _on_bf16_path(x, part, fmt):
             bf16.gemm(x, part, cols, work)
-        else:
-            _prefill_product(x, kernel_view(part, fmt), cols, work)
+        elif quant.is_blocks(part):
+            _prefill_product(x, part, cols, work)
+        else:  # float weights: decode's order of sums, so a token's numbers do not depend on its chunk
+            gemm.product(x, kernel_view(part, fmt), cols, work)
 
 
 def _integer_prefill(x, w, fmt):

@@ -59,6 +59,19 @@ def rmsnorm_heads(x, weight, eps):
                 x[i, h, j] = weight[j] * (x[i, h, j] * inv)
 
 
+@numba.njit(cache=True, nogil=True, fastmath=True)
+def qk_norm(qkv, heads, kv_heads, q_norm, k_norm, eps):
+    """Qwen3's q and k norms on fused qkv rows [n, (H + 2G) * d] (q heads, k heads, v heads), in place.
+
+    Prefill and the decode step both norm through here, so the heads reach rmsnorm_heads as the
+    same array type whatever n: a one-row view is C-contiguous to numpy, and the loop compiled for
+    that layout summed the squares in another order than the strided one (another last bit)."""
+    d = q_norm.shape[0]
+    x = qkv.reshape((qkv.shape[0], heads + 2 * kv_heads, d))
+    rmsnorm_heads(x[:, :heads], q_norm, eps)
+    rmsnorm_heads(x[:, heads : heads + kv_heads], k_norm, eps)
+
+
 def rmsnorm_heads_ref(x, weight, eps):
     """numpy reference of rmsnorm_heads."""
     var = np.mean(np.square(x, dtype=np.float64), axis=-1, keepdims=True)

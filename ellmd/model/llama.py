@@ -166,7 +166,7 @@ class Llama:
         q = qkv[:, : H * d].reshape(n, H, d)
         k = qkv[:, H * d : (H + G) * d].reshape(n, G, d)
         v = qkv[:, (H + G) * d :].reshape(n, G, d)
-        self.qk_norm(layer, q, k)
+        self.qk_norm(layer, qkv)
         kernels.rope(q, positions[:n], ws.cos, ws.sin)
         kernels.rope(k, positions[:n], ws.cos, ws.sin)
         kernels.store_kv(k, v, kv.k[index], kv.v[index], kv.fmt, slots[:n], positions[:n])
@@ -181,7 +181,7 @@ class Llama:
             kernels.attention_prefill(q, kv.k[index, slot], kv.v[index, slot], kv.fmt, int(positions[0]), self.scale, out)
         kernels.matmul(ws.attn[:n], layer["o_proj"], self.fmt, ws.h[:n], ws.matmul_scratch)
 
-    def qk_norm(self, layer, q, k) -> None:
+    def qk_norm(self, layer, qkv) -> None:
         """Llama has no per-head norm; Qwen3 overrides this."""
 
     def mlp(self, layer, ws, n) -> None:

@@ -5,8 +5,8 @@ Shapes: as llama.py; q_norm, k_norm [d] f32.
 
 from __future__ import annotations
 
-from ellmd import kernels
 from ellmd.kernels import formats
+from ellmd.kernels.norm import qk_norm
 from ellmd.model import llama
 from ellmd.model.llama import Llama
 from ellmd.model.registry import Family, register
@@ -20,10 +20,10 @@ class Qwen3(Llama):
         layer["k_norm"] = get(f"{prefix}.self_attn.k_norm.weight", formats.F32)
         return layer
 
-    def qk_norm(self, layer, q, k) -> None:
-        eps = self.spec.rms_norm_eps
-        kernels.rmsnorm_heads(q, layer["q_norm"], eps)  # q [n, H, d] in place
-        kernels.rmsnorm_heads(k, layer["k_norm"], eps)  # k [n, G, d] in place
+    def qk_norm(self, layer, qkv) -> None:
+        spec = self.spec
+        qk_norm(qkv, spec.num_attention_heads, spec.num_key_value_heads, layer["q_norm"], layer["k_norm"],
+                spec.rms_norm_eps)  # qkv [n, (H+2G)*d]: q and k heads in place
 
 
 def layer_shapes(spec, index: int) -> dict[str, tuple[int, ...]]:
