@@ -101,7 +101,7 @@ def main() -> None:
     from ellmd.engine import Engine
     from ellmd.runtime.runtime import Runtime
     from ellmd.runtime.scheduler import Policy
-    from ellmd.runtime.store import Store
+    from ellmd.runtime.store.lmdb import Store
 
     engine = Engine(args.model_path, sequence_length=2 * args.prefill, batch_size=2, threads=args.threads)
     chunked = Policy(engine.chunk_size).gap_ratio if args.gap_ratio is None else args.gap_ratio

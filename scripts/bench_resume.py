@@ -40,7 +40,7 @@ def main() -> None:
 
     from ellmd.engine import Engine
     from ellmd.runtime.runtime import Runtime
-    from ellmd.runtime.store import Store
+    from ellmd.runtime.store.lmdb import Store
 
     engine = Engine(args.model_path, kv_dtype=args.kv_dtype, sequence_length=args.tokens + 64, batch_size=1,
                     threads=args.threads)

@@ -47,7 +47,7 @@ def main() -> None:
     from ellmd.engine import Engine
     from ellmd.runtime.residency import Residency
     from ellmd.runtime.runtime import Runtime
-    from ellmd.runtime.store import Store
+    from ellmd.runtime.store.lmdb import Store
 
     engine = Engine(args.model_path, sequence_length=args.tokens + 64, batch_size=2, threads=args.threads)
     per_token = engine.kv.bytes_per_token

@@ -104,7 +104,7 @@ def main() -> None:
     from ellmd.engine import Engine
     from ellmd.runtime import drafts
     from ellmd.runtime.runtime import Runtime
-    from ellmd.runtime.store import Store
+    from ellmd.runtime.store.lmdb import Store
 
     if args.ngram:
         drafts.NGRAM_MIN, drafts.NGRAM_MAX = args.ngram

@@ -129,7 +129,7 @@ def main() -> None:
     from ellmd.engine import Engine
     from ellmd.engine.engine import builtin_model_path
     from ellmd.runtime.runtime import Runtime
-    from ellmd.runtime.store import Store
+    from ellmd.runtime.store.lmdb import Store
 
     engine = Engine(args.model_path or builtin_model_path(), sequence_length=2048, batch_size=1, threads=args.threads)
     report = {"model": engine.model_path.name, "threads": engine.threads, "max_tokens": args.max_tokens}

@@ -50,7 +50,7 @@ def main() -> None:
     from ellmd.runtime.residency import Residency
     from ellmd.runtime.scheduler import Policy
     from ellmd.runtime.session import Session
-    from ellmd.runtime.store import Store
+    from ellmd.runtime.store.lmdb import Store
 
     engine = Engine(args.model_path, kv_dtype=args.kv_dtype, sequence_length=max(sizes) + 64, batch_size=1, threads=1)
     per_token = engine.kv.bytes_per_token

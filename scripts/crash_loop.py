@@ -45,7 +45,7 @@ from ellm import Client  # noqa: E402
 VOCAB = 49152
 MAX_SESSIONS = 6
 TARGETS = ("snapshot", "fork", "rewind", "import", "append", "open")  # the ops aimed kills land in, in turn
-TXN_LINE = re.compile(rb"test: (inside|leaving) the (\w+) transaction")  # logged by store._test_sleep
+TXN_LINE = re.compile(rb"test: (inside|leaving) the (\w+) transaction")  # logged by store.crash_points
 
 
 @dataclass

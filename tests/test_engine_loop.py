@@ -19,7 +19,7 @@ from ellmd.engine.sampling import Sampler, SamplingParams
 from ellmd.errors import EllmError
 from ellmd.runtime.ops import Op
 from ellmd.runtime.runtime import Request, Runtime, RuntimeError_
-from ellmd.runtime.store import Store, StoreError
+from ellmd.runtime.store.lmdb import Store, StoreError
 
 
 @pytest.fixture(scope="module")

@@ -253,8 +253,8 @@ def test_response_metadata_is_bounded(daemon, metadata, problem):
 
 
 def test_a_stored_responses_note_is_written_once_apart_from_its_session(tmp_path):
-    from ellmd.runtime.store import Store
-    from ellmd.runtime.store_base import pack
+    from ellmd.runtime.store.lmdb import Store
+    from ellmd.runtime.store.base import pack
 
     metadata = {f"key{i}": f"{i:x}" * 512 for i in range(16)}  # the most metadata may hold
     daemon = start(tmp_path)

@@ -17,7 +17,7 @@ import pytest
 from ellm.errors import Cancelled
 from ellm_bm25 import BM25Retriever, tokenize
 from ellmd.errors import EllmError
-from ellmd.runtime.retrieval import (
+from ellmd.runtime.context.retrieval import (
     MANIFEST,
     Chunk,
     RagLibrary,

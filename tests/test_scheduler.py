@@ -15,7 +15,7 @@ from ellmd.model.spec import ModelSpec
 from ellmd.runtime.ops import Op
 from ellmd.runtime.runtime import Request, Runtime, RuntimeError_
 from ellmd.runtime.scheduler import Policy
-from ellmd.runtime.store import Store
+from ellmd.runtime.store.lmdb import Store
 
 VOCAB, CHUNK = 16, 32
 

@@ -20,8 +20,8 @@ import msgpack
 import pytest
 
 from ellm.errors import BadRequest
-from ellmd.runtime.retrieval import RagLibrary, RetrievalError
-from ellmd.runtime.skills import SkillLibrary
+from ellmd.runtime.context.retrieval import RagLibrary, RetrievalError
+from ellmd.runtime.context.skills import SkillLibrary
 from ellmd.server.unix import UnixServer, peer_uid
 from ellmd.text.chat_template import ChatTemplate, TemplateError
 

@@ -17,7 +17,7 @@ from ellmd.engine import Engine
 from ellmd.engine.engine import builtin_model_path
 from ellmd.errors import EllmError
 from ellmd.runtime.runtime import Runtime, RuntimeError_
-from ellmd.runtime.store import CHUNK_TOKENS, Store, StoreError
+from ellmd.runtime.store.lmdb import CHUNK_TOKENS, Store, StoreError
 
 GREEDY = {"max_tokens": 8, "temperature": 0, "ignore_eos": True}
 NEXT = {"max_tokens": 1, "temperature": 0, "logprobs": 5}

@@ -18,7 +18,7 @@ from ellmd.engine.sampling import Sampler, verify_draft
 from ellmd.errors import CapacityError
 from ellmd.runtime.drafts import MAX_PAUSE, PromptLookup
 from ellmd.runtime.runtime import Runtime
-from ellmd.runtime.store import Store
+from ellmd.runtime.store.lmdb import Store
 
 from daemon import Daemon
 from test_scheduler import held

@@ -13,7 +13,7 @@ import pytest
 from ellmd.errors import BadRequest, CapacityError, EllmError
 from ellmd.runtime.errors import RuntimeError_
 from ellmd.runtime.residency import check_fingerprint
-from ellmd.runtime.store import CHECKSUM_BYTES, CHUNK_TOKENS, Store, StoreError, _checksum, _chunk_key, first_changed
+from ellmd.runtime.store.lmdb import CHECKSUM_BYTES, CHUNK_TOKENS, Store, StoreError, checksum, chunk_key, first_changed
 from ellmd.server.config import load_settings
 
 BYTES_PER_TOKEN = 12
@@ -51,7 +51,7 @@ def test_snapshot_writes_only_changed_chunks_and_loads_back(tmp_path):
     assert third["chunks_written"] == 1
     assert load(store, "s1")[1] == tokens
     with store.env.begin() as txn:
-        assert txn.get(_chunk_key("s1", 1), db=store.kv) is None
+        assert txn.get(chunk_key("s1", 1), db=store.kv) is None
 
 
 def test_a_damaged_chunk_is_reported_and_the_rest_kept(tmp_path):
@@ -60,9 +60,9 @@ def test_a_damaged_chunk_is_reported_and_the_rest_kept(tmp_path):
     store.snapshot(meta(), tokens, fake_kv(tokens), stored_tokens=0)
     store.snapshot(meta("s2"), tokens, fake_kv(tokens), stored_tokens=0)
     with store.env.begin(write=True) as txn:
-        value = bytearray(txn.get(_chunk_key("s1", 1), db=store.kv))
+        value = bytearray(txn.get(chunk_key("s1", 1), db=store.kv))
         value[-1] ^= 0xFF
-        txn.put(_chunk_key("s1", 1), bytes(value), db=store.kv)
+        txn.put(chunk_key("s1", 1), bytes(value), db=store.kv)
     with pytest.raises(StoreError, match="chunk 1 fails its checksum"):
         load(store, "s1")
     assert load(store, "s2")[1] == tokens
@@ -74,12 +74,12 @@ def test_chunks_written_with_the_older_blake2b_checksum_still_load_and_still_cat
     store.snapshot(meta(), tokens, fake_kv(tokens), stored_tokens=0)
     data = fake_kv(tokens)(CHUNK_TOKENS, len(tokens))
     with store.env.begin(write=True) as txn:
-        txn.put(_chunk_key("s1", 1), hashlib.blake2b(data, digest_size=CHECKSUM_BYTES).digest() + data, db=store.kv)
+        txn.put(chunk_key("s1", 1), hashlib.blake2b(data, digest_size=CHECKSUM_BYTES).digest() + data, db=store.kv)
     assert load(store, "s1")[2] == fake_kv(tokens)(0, len(tokens))
     with store.env.begin(write=True) as txn:
         damaged = bytearray(data)
         damaged[5] ^= 0x01
-        txn.put(_chunk_key("s1", 1), hashlib.blake2b(data, digest_size=CHECKSUM_BYTES).digest() + damaged,
+        txn.put(chunk_key("s1", 1), hashlib.blake2b(data, digest_size=CHECKSUM_BYTES).digest() + damaged,
                 db=store.kv)
     with pytest.raises(StoreError, match="chunk 1 fails its checksum"):
         load(store, "s1")
@@ -206,7 +206,7 @@ def test_load_checks_kv_length_and_writes_nothing_of_a_damaged_session(tmp_path)
     tokens = list(range(CHUNK_TOKENS + 71))
     store.snapshot(meta(), tokens, fake_kv(tokens), 0, BYTES_PER_TOKEN)
     with store.env.begin(write=True) as txn:  # what the evicted-session bug committed: an empty chunk
-        txn.put(_chunk_key("s1", 1), _checksum(b"") + b"", db=store.kv)
+        txn.put(chunk_key("s1", 1), checksum(b"") + b"", db=store.kv)
     written = []
     with pytest.raises(StoreError, match="session s1 is damaged: KV chunk 1 holds 0 tokens, not 71"):
         store.load("s1", lambda start, data: written.append(start), bytes_per_token=BYTES_PER_TOKEN)
@@ -264,7 +264,7 @@ def test_import_validates_metadata_tokens_and_chunks(tmp_path):
         other.import_blob(store.export_blob("s1"), vocab_size=100, bytes_per_token=BYTES_PER_TOKEN)
     short = document["chunks"][1][CHECKSUM_BYTES:-BYTES_PER_TOKEN]
     with pytest.raises(BadRequest, match="does not hold 44 tokens"):
-        other.import_blob(broken(chunks=[document["chunks"][0], _checksum(short) + short]),
+        other.import_blob(broken(chunks=[document["chunks"][0], checksum(short) + short]),
                           vocab_size=1000, bytes_per_token=BYTES_PER_TOKEN)
     assert other.list_meta() == []
     assert other.import_blob(store.export_blob("s1"), vocab_size=1000, bytes_per_token=BYTES_PER_TOKEN,

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 from ellmd.errors import BadRequest, EllmError
-from ellmd.runtime.leases import Holder, Lease, Leases, may_take, pid_alive
+from ellmd.runtime.store.leases import Holder, Lease, Leases, may_take, pid_alive
 from ellmd.runtime.store import open_store
-from ellmd.runtime.store_base import CHUNK_TOKENS, StoreError
+from ellmd.runtime.store.base import CHUNK_TOKENS, StoreError
 from ellmd.server.config import load_settings
 
 BYTES_PER_TOKEN = 12

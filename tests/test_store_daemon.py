@@ -7,7 +7,7 @@ import stat
 import msgpack
 import pytest
 
-from ellmd.runtime.store import CHECKSUM_BYTES
+from ellmd.runtime.store.lmdb import CHECKSUM_BYTES
 
 from daemon import Daemon
 

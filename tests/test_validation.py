@@ -12,6 +12,7 @@ from ellm.errors import BadRequest as ClientBadRequest
 from ellm.errors import NotFound
 from ellmd.errors import BadRequest
 from ellmd.runtime import schemas
+from ellmd.runtime.store.meta import check_meta
 from ellmd.runtime.ops import OPS as HANDLERS
 
 from daemon import Daemon
@@ -107,17 +108,17 @@ def test_good_arguments_come_back_typed():
 def test_stored_metadata_is_checked():
     meta = {"session_id": "s1", "fingerprint": {"model": "m"}, "tokens": 3, "chunks": 1,
             "turns": [{"index": 0, "kind": "tokens", "start": 0, "end": 3, "messages": 0, "time": 1.0}]}
-    assert schemas.check_meta(meta, [1, 2, 3], VOCAB)["tokens"] == 3
+    assert check_meta(meta, [1, 2, 3], VOCAB)["tokens"] == 3
     for broken, words in [({"tokens": "3"}, "tokens"), ({"fingerprint": None}, "fingerprint"),
                           ({"session_id": "a/b"}, "session_id"), ({"colour": 1}, "colour"),
                           ({"turns": [{**meta["turns"][0], "end": 9}]}, "outside"),
                           ({"tools": [{1: "x"}]}, "a key"), ({"messages": [{"a": [{2: 1}]}]}, "keys must be strings")]:
         with pytest.raises(BadRequest, match=words):
-            schemas.check_meta({**meta, **broken})
+            check_meta({**meta, **broken})
     with pytest.raises(BadRequest, match="missing required field `chunks`"):
-        schemas.check_meta({k: v for k, v in meta.items() if k != "chunks"})
+        check_meta({k: v for k, v in meta.items() if k != "chunks"})
     with pytest.raises(BadRequest, match="outside the vocabulary"):
-        schemas.check_meta(meta, [1, 2, VOCAB], VOCAB)
+        check_meta(meta, [1, 2, VOCAB], VOCAB)
 
 
 # ---- against the real daemon ---------------------------------------------------------------------

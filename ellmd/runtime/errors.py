@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from ellmd.errors import BadRequest, CapacityError, EllmError, ModelError
-from ellmd.runtime.retrieval import RetrievalError
-from ellmd.runtime.skills import SkillError
-from ellmd.runtime.store import StoreError
+from ellmd.runtime.context.retrieval import RetrievalError
+from ellmd.runtime.context.skills import SkillError
+from ellmd.runtime.store.lmdb import StoreError
 from ellmd.text import TemplateError
 
 

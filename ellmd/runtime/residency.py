@@ -26,11 +26,11 @@ import time
 
 from ellmd.errors import CapacityError, EllmError
 from ellmd.runtime.errors import RuntimeError_, SlotsBusy, not_found
-from ellmd.runtime.leases import Leases
+from ellmd.runtime.store.leases import Leases
 from ellmd.runtime.schemas import UNSTORABLE, unstorable
 from ellmd.runtime.session import SCOPE, Session, common_prefix, scoped_id
-from ellmd.runtime.store_base import CHUNK_TOKENS, SessionStore, StoreError
-from ellmd.runtime.writer import StoreWrite, StoreWriter
+from ellmd.runtime.store.base import CHUNK_TOKENS, SessionStore, StoreError
+from ellmd.runtime.store.writer import StoreWrite, StoreWriter
 
 log = logging.getLogger("ellmd.runtime")
 

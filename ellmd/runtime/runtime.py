@@ -8,7 +8,8 @@ touch arrays: they submit a request and wait on its future. The parts:
 
   ops.py          the op -> handler table (and which ops run aside of the loop), shared guards
   residency.py    sessions in slots, eviction, snapshots: the only code that talks to the store
-  writer.py       the store's writer thread: snapshots are written beside the engine thread
+  store/          the session store and its writer thread (snapshots are written beside this one)
+  context/        what sessions load: skill libraries, retrieval indexes
   turns.py        appends (fragments, prefill jobs) and putting a session back after a failure
   generations.py  the generation state machine, turn closing, tool calls
   scheduler.py    the policy: chunk budget, which prefill runs next, which idle session to evict
@@ -20,7 +21,7 @@ found it; a generation that fails ends alone; the loop itself failing snapshots 
 first (`run`).
 
 Snapshots: a turn's snapshot is copied out of the KV on this thread and written by the writer
-(writer.py), so no decode step waits on LMDB. When the writer is done, it puts the StoreWrite
+(store/writer.py), so no decode step waits on LMDB. When the writer is done, it puts the StoreWrite
 on the queue and the loop settles it. `snapshot_ack` is when a turn is acknowledged: "written"
 (the default) replies once its snapshot is on disk, the handler waiting as for a prefill (the
 loop goes on with the others; a failed write is the request's error, `store`, and the turn is
@@ -42,13 +43,13 @@ from ellmd.errors import BadRequest, EllmError
 from ellmd.runtime import schemas
 from ellmd.runtime.errors import RuntimeError_, SlotsBusy, cancelled, protocol_error
 from ellmd.runtime.generations import Generations, brief
-from ellmd.runtime.leases import Leases
+from ellmd.runtime.store.leases import Leases
 from ellmd.runtime.ops import OPS
 from ellmd.runtime.residency import Residency
 from ellmd.runtime.scheduler import Policy
-from ellmd.runtime.store_base import SessionStore, StoreError
+from ellmd.runtime.store.base import SessionStore, StoreError
 from ellmd.runtime.turns import Prefill, Turns
-from ellmd.runtime.writer import StoreWrite
+from ellmd.runtime.store.writer import StoreWrite
 from ellmd.text.constraints import GrammarError, Grammars
 
 SNAPSHOT_ACKS = ("written", "queued")

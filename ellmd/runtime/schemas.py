@@ -7,8 +7,8 @@ fields. What passes comes back as keyword arguments for the op's handler, with a
 arguments left out, so nothing past this layer sees a wrong type. A failure is one `bad_request`
 line naming the field and the rule.
 
-The stored metadata of a session (`StoredMeta`) is declared here too: the store validates what it
-writes and what it imports against it.
+The stored metadata of a session (`StoredMeta`) is declared beside the store (store/meta.py), from
+the same field types.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ import math
 from typing import Annotated, Any, Union
 
 import msgspec
-import numpy as np
 
 from ellmd.errors import BadRequest
 
@@ -349,60 +348,3 @@ def describe(error: msgspec.ValidationError) -> str:
     if rule.startswith("Expected `str` matching regex '"):  # say the pattern plainly
         return f"{where} must match {rule.split(chr(39))[1].strip('^$')}"
     return f"{where}: {rule}"
-
-
-# ---- what the store holds ----------------------------------------------------------------------
-
-class Turn(msgspec.Struct, forbid_unknown_fields=True):
-    index: Count
-    kind: Annotated[str, msgspec.Meta(pattern=r"^(message|text|tokens|generation|skill|rag)$")]
-    start: Count
-    end: Count
-    messages: Count
-    time: float
-    role: str | None = None
-    name: str | None = None
-    note: JsonMap | None = None  # session.point's note, as stores before notes were kept apart hold it
-
-
-class StoredMeta(msgspec.Struct, forbid_unknown_fields=True):
-    """A session's metadata as the store keeps it (Session.STORED_FIELDS plus counts)."""
-
-    session_id: SessionId
-    fingerprint: dict[str, str]
-    tokens: Count
-    chunks: Count
-    title: str = ""
-    tags: list[str] = []
-    created: float = 0.0
-    updated: float = 0.0
-    pending: list[Token] = []
-    turns: list[Turn] = []
-    messages: list[JsonMap] = []
-    tools: list[JsonMap] | None = None
-    skills: list[str] = []
-    owner: Owner | None = None
-
-
-def check_meta(meta, token_ids=None, vocab_size: int | None = None) -> dict:
-    """Validate stored metadata (and, when given, its token ids against the vocabulary); returns it
-    as a plain map. Raises BadRequest naming the session and the field."""
-    name = meta.get("session_id", "?") if isinstance(meta, dict) else "?"
-    try:
-        parsed = msgspec.convert(meta, StoredMeta)
-    except msgspec.ValidationError as e:
-        raise BadRequest(f"session {name!r} has bad metadata: {describe(e)}") from None
-    for field_name in ("messages", "tools"):
-        if getattr(parsed, field_name) is not None:
-            json_safe(getattr(parsed, field_name), f"session {name!r}: {field_name}")
-    total = parsed.tokens + len(parsed.pending)
-    for turn in parsed.turns:
-        if not turn.start <= turn.end <= total or turn.messages > len(parsed.messages):
-            raise BadRequest(f"session {name!r} has bad metadata: turn {turn.index} spans [{turn.start}, "
-                               f"{turn.end}) outside its {total} tokens")
-    if vocab_size is not None:
-        for label, ids in (("tokens", token_ids), ("pending", parsed.pending)):
-            ids = np.asarray([] if ids is None else ids)
-            if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
-                raise BadRequest(f"session {name!r} has {label} outside the vocabulary [0, {vocab_size})")
-    return msgspec.to_builtins(parsed)

@@ -21,11 +21,11 @@ log = logging.getLogger("ellmd")
 def run(settings: Settings, progress=None) -> int:
     """Load the model, open the store, serve until stopped; returns the exit code."""
     from ellmd.engine import Engine
-    from ellmd.runtime.retrieval import RagLibrary
+    from ellmd.runtime.context.retrieval import RagLibrary
     from ellmd.runtime.runtime import SNAPSHOT_ACKS, Runtime
     from ellmd.runtime.scheduler import Policy
-    from ellmd.runtime.skills import SkillLibrary
-    from ellmd.runtime.leases import Leases
+    from ellmd.runtime.context.skills import SkillLibrary
+    from ellmd.runtime.store.leases import Leases
     from ellmd.runtime.store import open_store
     from ellmd.server.limits import Limits
     from ellmd.server.unix import prepare_socket_dir, socket_in_use

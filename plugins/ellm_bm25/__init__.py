@@ -16,7 +16,7 @@ import msgpack
 import numpy as np
 
 from ellm_bm25.tokens import tokenize
-from ellmd.runtime.retrieval import Chunk, RetrievalError, Retriever, write_atomic
+from ellmd.runtime.context.retrieval import Chunk, RetrievalError, Retriever, write_atomic
 
 __all__ = ["BM25Retriever", "tokenize"]
 

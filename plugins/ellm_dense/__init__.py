@@ -17,7 +17,7 @@ import numpy as np
 import wordllama
 from wordllama import WordLlama
 
-from ellmd.runtime.retrieval import Chunk, RetrievalError, Retriever, write_atomic
+from ellmd.runtime.context.retrieval import Chunk, RetrievalError, Retriever, write_atomic
 
 __all__ = ["DenseRetriever"]
 

@@ -1,11 +1,11 @@
 """The session store's interface (SessionStore) and what every backend shares.
 
-A backend keeps, per session: its metadata (a msgpack map checked against schemas.StoredMeta),
+A backend keeps, per session: its metadata (a msgpack map checked against meta.StoredMeta),
 its token ids (int32, little-endian) and its KV in chunks of CHUNK_TOKENS tokens (the last may be
 shorter), each stored as an 8-byte checksum followed by the KV bytes as KVCache.export lays them
 out. The checksum is XXH3-64 (~10 GB/s here: a resume runs at memory speed); chunks written
 before it carry blake2b-64, which is still accepted. Backends: store.Store (one LMDB environment,
-the default) and store_dir.DirectoryStore (a directory per session, for a shared filesystem);
+the default) and directory.DirectoryStore (a directory per session, for a shared filesystem);
 store.open_store picks one.
 
 The contract every backend keeps:
@@ -32,7 +32,6 @@ import hashlib
 import logging
 import os
 import shutil
-import signal
 import time
 from pathlib import Path
 from typing import Callable
@@ -42,18 +41,13 @@ import numpy as np
 import xxhash
 
 from ellmd.errors import BadRequest, EllmError
-from ellmd.runtime.leases import Holder, Lease, may_take
-from ellmd.runtime.schemas import check_meta
+from ellmd.runtime.store.leases import Holder, Lease, may_take
+from ellmd.runtime.store.meta import check_meta
 
 log = logging.getLogger("ellmd.store")
 
 CHUNK_TOKENS = 256
 CHECKSUM_BYTES = 8
-# Crash tests only (tests/test_crash.py, see _test_sleep): seconds slept inside each write
-# transaction before it commits, so that a SIGKILL lands inside one; and a file whose presence
-# makes the next write transaction SIGKILL the process before it commits. Unset in normal use.
-TXN_SLEEP = float(os.environ.get("ELLMD_TEST_TXN_SLEEP", "0") or 0)
-TXN_KILL = os.environ.get("ELLMD_TEST_TXN_KILL")
 SLACK_BYTES = 1 << 20  # what a write needs beside its data (B-tree, metadata and free-list pages)
 KEEP, DROP = "keep", "drop"  # what a lease decision does to the record, besides writing a new Lease
 
@@ -153,7 +147,7 @@ class SessionStore(abc.ABC):
     def import_blob(self, blob: bytes, check=None, vocab_size: int | None = None,
                     bytes_per_token: int | None = None, owner: str | None = None) -> dict:
         """Store a session exported by export_blob and return its metadata, after checking it whole:
-        its form, its metadata (schemas.StoredMeta; token ids within vocab_size), every chunk's
+        its form, its metadata (meta.StoredMeta; token ids within vocab_size), every chunk's
         checksum and length, and check(meta), which may raise. A blob that fails is BadRequest.
         `owner`, when given, becomes the session's owner."""
         meta, tokens, chunks = parse_blob(blob, vocab_size, bytes_per_token)
@@ -219,16 +213,16 @@ def note_key(name: str) -> str:
     return hashlib.blake2b(name.encode("utf-8", "surrogatepass"), digest_size=16).hexdigest()
 
 
-def _checksum(data) -> bytes:
+def checksum(data) -> bytes:
     return xxhash.xxh3_64_digest(data)
 
 
-def _checksum_ok(value) -> bool:
+def checksum_ok(value) -> bool:
     """Does a stored chunk (checksum + data, any buffer) match its checksum?"""
-    checksum, data = value[:CHECKSUM_BYTES], value[CHECKSUM_BYTES:]
-    if _checksum(data) == checksum:
+    stored, data = value[:CHECKSUM_BYTES], value[CHECKSUM_BYTES:]
+    if checksum(data) == stored:
         return True
-    return hashlib.blake2b(data, digest_size=CHECKSUM_BYTES).digest() == checksum  # written by an older ellmd
+    return hashlib.blake2b(data, digest_size=CHECKSUM_BYTES).digest() == stored  # written by an older ellmd
 
 
 def chunk_count(tokens: int) -> int:
@@ -279,7 +273,7 @@ def snapshot_bytes(count: int, first: int, bytes_per_token: int | None) -> int:
 
 
 def checked_record(record: dict) -> dict:
-    """Metadata about to be written, checked against schemas.StoredMeta (StoreError if not)."""
+    """Metadata about to be written, checked against meta.StoredMeta (StoreError if not)."""
     try:
         return check_meta(record)
     except BadRequest as e:
@@ -331,7 +325,7 @@ def deliver_chunks(session_id: str, chunks: list, write_chunk, hasher: concurren
     """Hand checked chunk values (checksum + data buffers) to write_chunk(start, data), in order;
     StoreError at the first that fails its checksum. Checksums run one thread ahead of the copies
     (both outside the GIL), so a resume costs about one pass over the bytes, not two."""
-    checked = [hasher.submit(_checksum_ok, value) for value in chunks]
+    checked = [hasher.submit(checksum_ok, value) for value in chunks]
     try:
         for index, value in enumerate(chunks):
             if not checked[index].result():
@@ -361,7 +355,7 @@ def parse_blob(blob: bytes, vocab_size, bytes_per_token) -> tuple[dict, bytes, l
         raise BadRequest(f"the exported session is damaged: {len(token_ids)} token ids, {len(chunks)} chunks, "
                          f"metadata says {meta['tokens']} in {meta['chunks']}")
     for index, value in enumerate(chunks):
-        if not _checksum_ok(value):
+        if not checksum_ok(value):
             raise BadRequest(f"the exported session is damaged: KV chunk {index} fails its checksum")
         expected = chunk_tokens(len(token_ids), index)
         if bytes_per_token is not None and len(value) - CHECKSUM_BYTES != expected * bytes_per_token:
@@ -392,16 +386,3 @@ def private_dir(path: Path) -> None:
     """Create a store directory (and its parents) readable by the user alone."""
     path.mkdir(parents=True, exist_ok=True, mode=0o700)
     os.chmod(path, 0o700)
-
-
-def _test_sleep(transaction: str) -> None:
-    """With ELLMD_TEST_TXN_SLEEP: sleep inside a write transaction, just before it commits, between
-    two log lines that tell a crash test where its SIGKILL landed (scripts/crash_loop.py); and
-    when the ELLMD_TEST_TXN_KILL file exists, die there by SIGKILL."""
-    if TXN_SLEEP:
-        log.info("test: inside the %s transaction", transaction)
-        time.sleep(TXN_SLEEP)
-    if TXN_KILL and os.path.exists(TXN_KILL):
-        os.kill(os.getpid(), signal.SIGKILL)
-    if TXN_SLEEP:
-        log.info("test: leaving the %s transaction", transaction)

@@ -1,6 +1,6 @@
 """Session leases: in a fleet, each session is owned by one replica at a time.
 
-A lease is a record in the store beside the session (store_base.SessionStore keeps it): which
+A lease is a record in the store beside the session (base.SessionStore keeps it): which
 replica holds the session (name, host, pid) and until when (wall-clock seconds: replicas on
 several nodes compare them, so their clocks must agree to well within the TTL). A replica takes
 the lease before it reads a stored session or creates one under a client-chosen id, renews it

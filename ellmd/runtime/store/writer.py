@@ -5,7 +5,7 @@ chunks changed since the last one) into a buffer, hands the writer a StoreWrite 
 its decode steps. Writes run one at a time, in the order they were queued, so a session's writes
 (snapshots, a fork's copy, a delete) land in its order. Until a write is done its session is
 marked pending (`pending`); whoever must see the store as that session left it (a resume, an
-eviction, a fork) waits for those writes only. Each write is all or nothing (store_base): a failed one
+eviction, a fork) waits for those writes only. Each write is all or nothing (base.py): a failed one
 leaves the previous snapshot whole, and its error is kept on the write for the engine thread to
 report (Residency.settle), never dropped.
 """
@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from ellmd.runtime.store_base import SessionStore, StoreError
+from ellmd.runtime.store.base import SessionStore, StoreError
 
 log = logging.getLogger("ellmd.store")
 

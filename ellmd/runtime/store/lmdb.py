@@ -1,4 +1,4 @@
-"""The LMDB backend of the session store (the default; the interface is store_base.SessionStore).
+"""The LMDB backend of the session store (the default; the interface is base.SessionStore).
 
 One LMDB environment, databases:
   meta    session id -> msgpack map (title, tags, times, turns, fingerprint, token count, ...)
@@ -30,33 +30,19 @@ from pathlib import Path
 import lmdb
 import numpy as np
 
-from ellmd.errors import EllmError
-from ellmd.runtime.leases import Holder, Lease
-from ellmd.runtime.store_base import (CHECKSUM_BYTES, CHUNK_TOKENS, DROP, KEEP, SessionStore, StoreError, _checksum,
-                                      _test_sleep, check_chunk, checked_record, chunk_count, chunk_tokens,
+from ellmd.runtime.store import crash_points
+from ellmd.runtime.store.leases import Holder, Lease
+from ellmd.runtime.store.base import (CHECKSUM_BYTES, CHUNK_TOKENS, DROP, KEEP, SessionStore, StoreError, checksum,
+ check_chunk, checked_record, chunk_count, chunk_tokens,
                                       deliver_chunks, disk_full, exported_chunk, first_changed, full, loaded_tokens,
                                       lock, note_key, pack, parse_meta, private_dir, snapshot_bytes, unpack)
 
 log = logging.getLogger("ellmd.store")
 
-BACKENDS = ("lmdb", "directory")
 LEASES_MAP_SIZE = 1 << 30
 
 
-def open_store(backend: str, path: Path, map_size: int = 1 << 40, replica: str | None = None) -> SessionStore:
-    """The store of that backend at path. replica: this process is that fleet replica (the store is
-    shared: its lock is shared; sessions are leased, leases.py); None: the store is this process' alone."""
-    holder = Holder.this_process(replica) if replica is not None else None
-    if backend == "lmdb":
-        return Store(path, map_size, holder)
-    if backend == "directory":
-        from ellmd.runtime.store_dir import DirectoryStore
-
-        return DirectoryStore(path, holder)
-    raise EllmError(f"store_backend must be one of {', '.join(BACKENDS)}, not {backend!r}")
-
-
-def _chunk_key(session_id: str, index: int) -> bytes:
+def chunk_key(session_id: str, index: int) -> bytes:
     return session_id.encode() + b"/" + struct.pack(">I", index)
 
 
@@ -116,13 +102,13 @@ class Store(SessionStore):
                 for index in range(first, last):
                     start = index * CHUNK_TOKENS
                     data = exported_chunk(session_id, export, start, start + chunk_tokens(count, index), bytes_per_token)
-                    txn.put(_chunk_key(session_id, index), self._value(data), db=self.kv)
+                    txn.put(chunk_key(session_id, index), self._value(data), db=self.kv)
                     written += len(data)
                 for index in range(last, old["chunks"]):  # the session was rewound: drop stale chunks
-                    txn.delete(_chunk_key(session_id, index), db=self.kv)
+                    txn.delete(chunk_key(session_id, index), db=self.kv)
                 txn.put(session_id.encode(), np.asarray(tokens, "<i4").tobytes(), db=self.tokens)
                 txn.put(session_id.encode(), pack(record), db=self.meta)
-                _test_sleep("snapshot")
+                crash_points.before_commit("snapshot")
         except lmdb.Error as e:
             raise self._failed(f"snapshot of session {session_id}", e, max(needed, written)) from None
         return {"chunks_written": last - first, "bytes_written": written, "stored_tokens": count}
@@ -136,7 +122,7 @@ class Store(SessionStore):
             self._scratch = bytearray(size)
         value = memoryview(self._scratch)[:size]
         np.frombuffer(value, np.uint8)[CHECKSUM_BYTES:] = np.frombuffer(data, np.uint8)
-        value[:CHECKSUM_BYTES] = _checksum(data)
+        value[:CHECKSUM_BYTES] = checksum(data)
         return value
 
     def _failed(self, action: str, error: lmdb.Error, needed: int) -> StoreError:
@@ -160,12 +146,12 @@ class Store(SessionStore):
                 source = unpack(raw)
                 record = checked_record({**target_meta, "tokens": source["tokens"], "chunks": source["chunks"]})
                 for index in range(source["chunks"]):
-                    value = txn.get(_chunk_key(source_id, index), db=self.kv)
+                    value = txn.get(chunk_key(source_id, index), db=self.kv)
                     needed += len(value)
-                    txn.put(_chunk_key(target_id, index), value, db=self.kv)
+                    txn.put(chunk_key(target_id, index), value, db=self.kv)
                 txn.put(target_id.encode(), txn.get(source_id.encode(), db=self.tokens), db=self.tokens)
                 txn.put(target_id.encode(), pack(record), db=self.meta)
-                _test_sleep("copy")
+                crash_points.before_commit("copy")
         except lmdb.Error as e:
             raise self._failed(f"fork of session {source_id} into {target_id}", e, needed) from None
 
@@ -177,13 +163,13 @@ class Store(SessionStore):
                 if raw is None:
                     return False
                 for index in range(unpack(raw)["chunks"]):
-                    txn.delete(_chunk_key(session_id, index), db=self.kv)
+                    txn.delete(chunk_key(session_id, index), db=self.kv)
                 txn.delete(session_id.encode(), db=self.tokens)
                 txn.delete(session_id.encode(), db=self.meta)
                 prefix, cursor = session_id.encode() + b"/", txn.cursor(db=self.notes)
                 while cursor.set_range(prefix) and cursor.key().startswith(prefix):
                     cursor.delete()
-                _test_sleep("delete")
+                crash_points.before_commit("delete")
         except lmdb.Error as e:
             raise self._failed(f"delete of session {session_id}", e, 0) from None
         return True
@@ -214,10 +200,10 @@ class Store(SessionStore):
                 session_id = meta["session_id"]
                 self.fence(session_id)
                 for index, value in enumerate(chunks):
-                    txn.put(_chunk_key(session_id, index), value, db=self.kv)
+                    txn.put(chunk_key(session_id, index), value, db=self.kv)
                 txn.put(session_id.encode(), tokens, db=self.tokens)
                 txn.put(session_id.encode(), pack(meta), db=self.meta)
-                _test_sleep("import")
+                crash_points.before_commit("import")
         except lmdb.Error as e:
             raise self._failed(f"import of session {meta['session_id']}", e, sum(map(len, chunks))) from None
         return meta
@@ -254,7 +240,7 @@ class Store(SessionStore):
             tokens = loaded_tokens(session_id, meta, txn.get(session_id.encode(), db=self.tokens))
             chunks = []
             for index in range(chunk_count(len(tokens) if stop is None else min(stop, len(tokens)))):
-                value = txn.get(_chunk_key(session_id, index), db=self.kv)
+                value = txn.get(chunk_key(session_id, index), db=self.kv)
                 check_chunk(session_id, index, value, len(tokens), bytes_per_token)
                 chunks.append(value)
             deliver_chunks(session_id, chunks, write_chunk, self._hasher)
@@ -266,7 +252,7 @@ class Store(SessionStore):
             if raw is None:
                 raise StoreError(f"session {session_id} is not in the store")
             meta = unpack(raw)
-            chunks = [txn.get(_chunk_key(session_id, i), db=self.kv) for i in range(meta["chunks"])]
+            chunks = [txn.get(chunk_key(session_id, i), db=self.kv) for i in range(meta["chunks"])]
             return meta, txn.get(session_id.encode(), db=self.tokens), chunks
 
     def stats(self) -> dict:

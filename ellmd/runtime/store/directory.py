@@ -32,9 +32,9 @@ from pathlib import Path
 
 import numpy as np
 
-from ellmd.runtime.leases import Holder, Lease, pid_alive
-from ellmd.runtime.store_base import (CHUNK_TOKENS, DROP, KEEP, SessionStore, StoreError, _checksum, _test_sleep,
-                                      check_chunk, checked_record, chunk_count, chunk_tokens, deliver_chunks,
+from ellmd.runtime.store import crash_points
+from ellmd.runtime.store.leases import Holder, Lease, pid_alive
+from ellmd.runtime.store.base import (CHUNK_TOKENS, DROP, KEEP, SessionStore, StoreError, checksum, check_chunk, checked_record, chunk_count, chunk_tokens, deliver_chunks,
                                       disk_full, exported_chunk, first_changed, loaded_tokens, lock, log, note_key, pack,
                                       parse_meta, private_dir, snapshot_bytes, unpack)
 
@@ -84,7 +84,7 @@ class DirectoryStore(SessionStore):
                 start = index * CHUNK_TOKENS
                 data = exported_chunk(session_id, export, start, start + chunk_tokens(count, index), bytes_per_token)
                 written += len(data)
-                yield index, (_checksum(data), data)
+                yield index, (checksum(data), data)
 
         self._commit(session_id, old, record, np.asarray(tokens, "<i4").tobytes(), chunks(), "snapshot",
                      snapshot_bytes(count, first, bytes_per_token))
@@ -110,7 +110,7 @@ class DirectoryStore(SessionStore):
         self.fence(session_id)
         if not (folder / "meta").exists():
             return False
-        _test_sleep("delete")
+        crash_points.before_commit("delete")
         try:
             os.unlink(folder / "meta")  # the commit: the session is gone
             _fsync_dir(folder)
@@ -170,7 +170,7 @@ class DirectoryStore(SessionStore):
             _write_file(folder / f"tokens.{generation}", (tokens,))
             _fsync_dir(folder)
             self.fence(session_id)
-            _test_sleep(kind)
+            crash_points.before_commit(kind)
             envelope = {"generation": generation, "meta": pack(record), "tokens": generation, "chunks": files}
             _write_file(folder / "meta", (pack(envelope),))
             _fsync_dir(folder)

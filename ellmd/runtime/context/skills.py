@@ -22,7 +22,7 @@ from pathlib import Path
 import yaml
 
 from ellmd.errors import EllmError
-from ellmd.runtime.retrieval import MAX_FILE_BYTES, read_regular
+from ellmd.runtime.context.retrieval import MAX_FILE_BYTES, read_regular
 
 log = logging.getLogger("ellmd.skills")
 
