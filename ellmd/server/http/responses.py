@@ -37,9 +37,11 @@ import uuid
 
 from aiohttp import web
 
-from ellmd.server.http import (ARRAY, BOOL, INT, OBJECT, SAMPLING_FIELDS, STRING, TOOL_CALL_MARKER, ApiError,
-                               NamedEventStream, Holdback, chat_tools, content_text, field, format_args, read_json,
-                               reply_parts, sampling_args)
+from ellmd.server.http.errors import ApiError
+from ellmd.server.http.fields import (ARRAY, BOOL, INT, OBJECT, SAMPLING_FIELDS, STRING, content_text, field,
+                                      format_args, read_json, sampling_args)
+from ellmd.server.http.sse import NamedEventStream
+from ellmd.server.http.tools import TOOL_CALL_MARKER, Holdback, chat_tools, reply_parts
 
 log = logging.getLogger("ellmd.http")
 
@@ -49,12 +51,6 @@ TURN_NAME = 16  # hex digits of a response's turn name
 METADATA_PAIRS, METADATA_KEY, METADATA_VALUE = 16, 64, 512  # OpenAI's bounds on `metadata`
 ECHOED_CHARS = 512  # the longest `user` or `model` a response gives back (and keeps)
 STORED_TAG = "responses"  # of the sessions holding stored responses (never cut back, unlike anonymous ones)
-
-
-def routes(server) -> list:
-    api = ResponsesApi(server)
-    return [web.post("/v1/responses", api.create), web.get("/v1/responses/{response_id}", api.retrieve),
-            web.delete("/v1/responses/{response_id}", api.delete)]
 
 
 def point_of(response_id: str) -> tuple[str, str] | None:
@@ -115,7 +111,7 @@ def check_echoed(body: dict) -> None:
 
 
 def chat_tool_args(body: dict) -> dict:
-    """`tools` and `tool_choice` in the chat completions' shape (for http.chat_tools)."""
+    """`tools` and `tool_choice` in the chat completions' shape (for tools.chat_tools)."""
     tools = []
     for i, tool in enumerate(field(body, "tools", ARRAY) or ()):
         if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(tool.get("name"), str):
@@ -141,20 +137,20 @@ def usage(usage: dict) -> dict:
 
 
 class ResponsesApi:
-    """The handler of /v1/responses, over an HttpServer."""
+    """The handler of /v1/responses, over a Bridge."""
 
-    def __init__(self, server):
-        self.server = server
+    def __init__(self, bridge):
+        self.bridge = bridge
 
     async def create(self, request: web.Request) -> web.StreamResponse:
-        server = self.server
-        body = await read_json(request, server.limits.http_read_timeout_s)
-        if server.template is None:
+        bridge = self.bridge
+        body = await read_json(request, bridge.limits.http_read_timeout_s)
+        if bridge.template is None:
             raise ApiError(400, "this model has no chat template")
         check_echoed(body)
         constraint = format_args((field(body, "text", OBJECT) or {}).get("format") or {}, "text.format")
         messages = input_messages(body)
-        tools, forced, _ = chat_tools(chat_tool_args(body), server.runtime.tool_format)
+        tools, forced, _ = chat_tools(chat_tool_args(body), bridge.runtime.tool_format)
         turn = uuid.uuid4().hex[:TURN_NAME]
         store = field(body, "store", BOOL, True)
         previous = field(body, "previous_response_id", STRING)
@@ -169,17 +165,17 @@ class ResponsesApi:
                 raise ApiError(404, f"previous response {previous!r} not found (a response stored with store: true "
                                     "names its conversation)", param="previous_response_id")
             op, args = "session.continue", {"session_id": point[0], "after": point[1], "messages": messages,
-                                            "tools": tools, "forced": forced, **sampling_args(sampling, server.context),
+                                            "tools": tools, "forced": forced, **sampling_args(sampling, bridge.context),
                                             **constraint}
         else:
             if isinstance(body.get("instructions"), str):
                 messages.insert(0, {"role": "system", "content": body["instructions"]})
-            tokens = await server.in_thread(server.render_chat, messages, tools, forced, {})
+            tokens = await bridge.in_thread(bridge.render_chat, messages, tools, forced, {})
             op, args = "completion", {"tokens": tokens, "messages": messages, "tools": tools,
-                                      **sampling_args(sampling, server.context - len(tokens)), **constraint}
+                                      **sampling_args(sampling, bridge.context - len(tokens)), **constraint}
             if store:
                 args["tag"] = STORED_TAG
-        reply = Reply(server, body, turn if store else None, tools, forced, owner)
+        reply = Reply(bridge, body, turn if store else None, tools, forced, owner)
         try:
             if field(body, "stream", BOOL):
                 return await reply.stream(request, op, {**args, "name": turn, **owner})
@@ -219,7 +215,7 @@ class ResponsesApi:
             raise self.missing(response_id)
         owner = {"owner": request["owner"]} if "owner" in request else {}
         try:
-            kept = await self.server.call("session.point", {"session_id": point[0], "name": point[1], **owner,
+            kept = await self.bridge.call("session.point", {"session_id": point[0], "name": point[1], **owner,
                                                             **({"forget": True} if forget else {})})
         except ApiError as e:
             if e.status == 404:
@@ -231,8 +227,8 @@ class ResponsesApi:
 class Reply:
     """One response, whole or as the Responses events."""
 
-    def __init__(self, server, body: dict, turn: str | None, tools: list | None, forced: str, owner: dict):
-        self.server, self.body, self.turn, self.tools, self.forced = server, body, turn, tools, forced
+    def __init__(self, bridge, body: dict, turn: str | None, tools: list | None, forced: str, owner: dict):
+        self.bridge, self.body, self.turn, self.tools, self.forced = bridge, body, turn, tools, forced
         self.owner = owner
         self.created = int(time.time())
         self.message_id = f"msg_{uuid.uuid4().hex[:24]}"
@@ -249,7 +245,7 @@ class Reply:
             "id": response_id, "object": "response", "created_at": self.created, "status": status, "error": None,
             "incomplete_details": {"reason": incomplete} if incomplete else None,
             "instructions": body.get("instructions"), "max_output_tokens": body.get("max_output_tokens"),
-            "model": body["model"] if isinstance(body.get("model"), str) else self.server.model,
+            "model": body["model"] if isinstance(body.get("model"), str) else self.bridge.model,
             "output": output, "parallel_tool_calls": body.get("parallel_tool_calls", True),
             "previous_response_id": body.get("previous_response_id"), "reasoning": {"effort": None, "summary": None},
             "store": bool(self.turn), "temperature": body.get("temperature", 1.0), "text": {"format": {"type": "text"}},
@@ -260,7 +256,7 @@ class Reply:
 
     def output(self, result: dict) -> list[dict]:
         """The output items of a finished generation: its text as a message, its tool calls."""
-        content, calls = reply_parts(result["text"], self.tools, self.forced, self.server.runtime.tool_format)
+        content, calls = reply_parts(result["text"], self.tools, self.forced, self.bridge.runtime.tool_format)
         items = [self.message(content, "completed")] if content or not calls else []
         return items + [self.call(call, "completed") for call in calls]
 
@@ -289,13 +285,13 @@ class Reply:
             return
         note = {k: v for k, v in final.items() if k != "id" and not (k in ("instructions", "tools") and v)}
         try:
-            await self.server.call("session.point", {"session_id": session_id, "name": self.turn, "note": note,
+            await self.bridge.call("session.point", {"session_id": session_id, "name": self.turn, "note": note,
                                                     **self.owner})
         except ApiError as e:  # the response stands; only GET will not find it
             log.warning("response %s could not be kept: %s", final["id"], e)
 
     async def whole(self, op: str, args: dict) -> web.Response:
-        result = await self.server.generate(args, op=op)
+        result = await self.bridge.generate(args, op=op)
         final = self.finished(result)
         await self.keep(final, result["session_id"])
         return web.json_response(final, headers={"X-Session-Id": result["session_id"]})
@@ -307,7 +303,7 @@ class Reply:
         async def on_text(text: str) -> None:
             await stream.content(holdback.push(text))
 
-        result = await self.server.stream(stream, args, on_text, op)
+        result = await self.bridge.stream(stream, args, on_text, op)
         if result is None:
             return stream.response
         final = self.finished(result)

@@ -10,7 +10,7 @@ A streamed reply is Anthropic's events: message_start, then per content block co
 content_block_delta (text_delta, or input_json_delta for a tool_use block) and content_block_stop,
 then message_delta (stop_reason, usage) and message_stop. Tool calls are parsed from the model's
 own format; the markup never reaches a text block. Errors take Anthropic's shape
-(`{"type": "error", "error": {"type", "message"}}`, see http.openai_errors), also mid-stream (an
+(`{"type": "error", "error": {"type", "message"}}`, see site.openai_errors), also mid-stream (an
 `error` event). A final assistant message is a prefill: the reply continues it.
 
 Not supported, with a clear 400: image and document blocks, server tools (web search, code
@@ -24,18 +24,15 @@ import uuid
 
 from aiohttp import web
 
-from ellmd.server.http import (ARRAY, BOOL, OBJECT, TOOL_CALL_MARKER, ApiError, Holdback, NamedEventStream,
-                               chat_tools, content_text, field, format_args, read_json, reply_parts, sampling_args,
-                               session_arg)
+from ellmd.server.http.bridge import session_arg
+from ellmd.server.http.errors import ApiError
+from ellmd.server.http.fields import ARRAY, BOOL, OBJECT, content_text, field, format_args, read_json, sampling_args
+from ellmd.server.http.sse import NamedEventStream
+from ellmd.server.http.tools import TOOL_CALL_MARKER, Holdback, chat_tools, reply_parts
 
 # tool_choice type -> the chat completions' tool_choice
 TOOL_CHOICES = {"auto": "auto", "any": "required", "none": "none"}
 STOP_REASONS = {"length": "max_tokens"}  # else end_turn (or tool_use, stop_sequence: see stop_reason)
-
-
-def routes(server) -> list:
-    api = MessagesApi(server)
-    return [web.post("/v1/messages", api.messages), web.post("/v1/messages/count_tokens", api.count_tokens)]
 
 
 def assistant_message(content, where: str) -> dict:
@@ -97,7 +94,7 @@ def chat_messages(body: dict) -> list[dict]:
 
 
 def chat_tool_args(body: dict) -> dict:
-    """`tools` and `tool_choice` in the chat completions' shape (for http.chat_tools)."""
+    """`tools` and `tool_choice` in the chat completions' shape (for tools.chat_tools)."""
     tools = []
     for i, tool in enumerate(field(body, "tools", ARRAY) or ()):
         if not isinstance(tool, dict) or not isinstance(tool.get("name"), str) or \
@@ -125,32 +122,32 @@ def usage(usage: dict) -> dict:
 
 
 class MessagesApi:
-    """The handlers of /v1/messages, over an HttpServer."""
+    """The handlers of /v1/messages, over a Bridge."""
 
-    def __init__(self, server):
-        self.server = server
+    def __init__(self, bridge):
+        self.bridge = bridge
 
     async def prompt(self, body: dict) -> tuple[list[int], list[dict], list | None, str]:
         """The prompt's tokens, the conversation the session keeps, the tools and the forced opening."""
-        server = self.server
-        if server.template is None:
+        bridge = self.bridge
+        if bridge.template is None:
             raise ApiError(400, "this model has no chat template")
         messages = chat_messages(body)
         prefill = ""
         if messages[-1]["role"] == "assistant" and not messages[-1].get("tool_calls"):
             prefill = messages.pop()["content"]  # the reply continues it
-        tools, forced, _ = chat_tools(chat_tool_args(body), server.runtime.tool_format)
-        tokens = await server.in_thread(server.render_chat, messages, tools, prefill + forced, {})
+        tools, forced, _ = chat_tools(chat_tool_args(body), bridge.runtime.tool_format)
+        tokens = await bridge.in_thread(bridge.render_chat, messages, tools, prefill + forced, {})
         return tokens, messages, tools, forced
 
     async def count_tokens(self, request: web.Request) -> web.Response:
-        body = await read_json(request, self.server.limits.http_read_timeout_s)
+        body = await read_json(request, self.bridge.limits.http_read_timeout_s)
         tokens, *_ = await self.prompt(body)
         return web.json_response({"input_tokens": len(tokens)})
 
     async def messages(self, request: web.Request) -> web.StreamResponse:
-        server = self.server
-        body = await read_json(request, server.limits.http_read_timeout_s)
+        bridge = self.bridge
+        body = await read_json(request, bridge.limits.http_read_timeout_s)
         if body.get("max_tokens") is None:
             raise ApiError(400, "max_tokens: Field required")
         constraint = format_args((field(body, "output_config", OBJECT) or {}).get("format") or {},
@@ -161,10 +158,10 @@ class MessagesApi:
         tokens, messages, tools, forced = await self.prompt(body)
         sampling = {name: body.get(name) for name in ("temperature", "top_p", "top_k", "max_tokens")}
         args = {"tokens": tokens, "messages": messages, "tools": tools,
-                **sampling_args({**sampling, "stop": stops}, server.context - len(tokens)),
+                **sampling_args({**sampling, "stop": stops}, bridge.context - len(tokens)),
                 **session_arg(request, body), **constraint}
-        model = body["model"] if isinstance(body.get("model"), str) else server.model
-        reply = Reply(server, model, tools, forced, stops or [])
+        model = body["model"] if isinstance(body.get("model"), str) else bridge.model
+        reply = Reply(bridge, model, tools, forced, stops or [])
         if field(body, "stream", BOOL):
             return await reply.stream(request, args, len(tokens))
         return await reply.whole(args)
@@ -173,13 +170,13 @@ class MessagesApi:
 class Reply:
     """One message's reply, whole or as Anthropic's events."""
 
-    def __init__(self, server, model: str, tools: list | None, forced: str, stops: list[str]):
-        self.server, self.model, self.tools, self.forced, self.stops = server, model, tools, forced, stops
+    def __init__(self, bridge, model: str, tools: list | None, forced: str, stops: list[str]):
+        self.bridge, self.model, self.tools, self.forced, self.stops = bridge, model, tools, forced, stops
         self.id = f"msg_{uuid.uuid4().hex[:24]}"
 
     def parse(self, result: dict) -> tuple[list[dict], str, str | None]:
         """The content blocks, stop_reason and stop_sequence of a finished generation."""
-        content, calls = reply_parts(result["text"], self.tools, self.forced, self.server.runtime.tool_format)
+        content, calls = reply_parts(result["text"], self.tools, self.forced, self.bridge.runtime.tool_format)
         blocks = [{"type": "text", "text": content}] if content or not calls else []
         blocks += [{"type": "tool_use", "id": "toolu_" + call["id"].removeprefix("call_"),
                     "name": call["function"]["name"], "input": json.loads(call["function"]["arguments"])}
@@ -191,7 +188,7 @@ class Reply:
         """end_turn, max_tokens or stop_sequence (with the sequence that matched)."""
         if result["finish_reason"] != "stop" or not self.stops:
             return STOP_REASONS.get(result["finish_reason"], "end_turn"), None
-        tokenizer = self.server.tokenizer
+        tokenizer = self.bridge.tokenizer
         after = tokenizer.decode(result["token_ids"], skip_special_tokens=True)[len(result["text"]):]
         sequence = next((s for s in self.stops if after.startswith(s)), None)
         return ("stop_sequence", sequence) if sequence is not None else ("end_turn", None)
@@ -201,7 +198,7 @@ class Reply:
                 "stop_reason": reason, "stop_sequence": sequence, "usage": usage_}
 
     async def whole(self, args: dict) -> web.Response:
-        result = await self.server.generate(args)
+        result = await self.bridge.generate(args)
         blocks, reason, sequence = self.parse(result)
         return web.json_response(self.message(blocks, reason, sequence, usage(result["usage"])),
                                  headers={"X-Session-Id": result["session_id"]})
@@ -216,7 +213,7 @@ class Reply:
         async def on_text(text: str) -> None:
             await stream.content(holdback.push(text))
 
-        result = await self.server.stream(stream, args, on_text)
+        result = await self.bridge.stream(stream, args, on_text)
         if result is None:
             return stream.response
         blocks, reason, sequence = self.parse(result)
