@@ -14,6 +14,11 @@ from ellmd.server.limits import Limits
 REFUSAL_LINGER_S = 2.0  # a refused connection is answered once its request head is in, closed by then at the latest
 
 
+def too_many_connections(message: str) -> ApiError:
+    return ApiError(503, message, "server_error", code="too_many_connections",
+                    headers={"Retry-After": str(RETRY_AFTER_S)})
+
+
 class CountedSite(web.BaseSite):
     """A TCP site that bounds its connections (a connection beyond a bound is refused: 503, see Refusal).
 
@@ -68,9 +73,8 @@ class CountedSite(web.BaseSite):
         if gate is None or gate.key == key:
             return
         if self.open.get(key, 0) >= self.limit:
-            raise ApiError(503, f"this API key already holds {self.open[key]} HTTP connections "
-                                "(http_max_connections); close one or retry later", "server_error",
-                           code="too_many_connections", headers={"Retry-After": str(RETRY_AFTER_S)})
+            raise too_many_connections(f"this API key already holds {self.open[key]} HTTP connections "
+                                       "(http_max_connections); close one or retry later")
         self.uncount(gate)
         self.count(gate, key)
 
@@ -128,7 +132,7 @@ class Refusal(asyncio.Protocol):
     arrived (a reply before it could be lost to the reset of closing with unread input), then closed."""
 
     def __init__(self, message: str):
-        body = json.dumps(ApiError(503, message, "server_error", code="too_many_connections").body()).encode()
+        body = json.dumps(too_many_connections(message).body()).encode()
         self.reply = (f"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
                       f"Content-Length: {len(body)}\r\nRetry-After: {RETRY_AFTER_S}\r\nConnection: close\r\n\r\n"
                       ).encode() + body

@@ -1,5 +1,5 @@
-"""Error replies: ApiError (OpenAI's shape, or Anthropic's under /v1/messages) and the HTTP status of
-each runtime error code."""
+"""Error replies: ApiError, in OpenAI's shape unless an API gives its own (anthropic.error_body), and
+the HTTP status of each runtime error code."""
 
 from __future__ import annotations
 
@@ -22,12 +22,6 @@ RUNTIME_ERRORS = {
     "cancelled": (503, "server_error", "cancelled"),
 }
 
-# HTTP status -> Anthropic error type (the Messages API's error bodies); others are "api_error"
-ANTHROPIC_ERRORS = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-                    404: "not_found_error", 408: "timeout_error", 413: "request_too_large",
-                    415: "invalid_request_error", 429: "rate_limit_error", 503: "overloaded_error"}
-
-
 class ApiError(Exception):
     """An error reply in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
 
@@ -45,13 +39,9 @@ class ApiError(Exception):
     def body(self) -> dict:
         return {"error": {"message": str(self), "type": self.type, "param": self.param, "code": self.code}}
 
-    def anthropic_body(self) -> dict:
-        """The error in Anthropic's shape: {"type": "error", "error": {"type", "message"}}."""
-        kind = ANTHROPIC_ERRORS.get(self.status, "invalid_request_error" if self.status < 500 else "api_error")
-        return {"type": "error", "error": {"type": kind, "message": str(self)}}
-
-    def response(self, anthropic: bool = False) -> web.Response:
-        body = self.anthropic_body() if anthropic else self.body()
+    def response(self, shape=None) -> web.Response:
+        """The reply, its body in OpenAI's shape or in `shape(error)`."""
+        body = self.body() if shape is None else shape(self)
         return web.json_response(body, status=self.status, headers=self.headers)
 
 

@@ -68,6 +68,14 @@ def require_one(body: dict, *names: str) -> None:
             raise ApiError(400, f"{name} must be 1: ellm generates one choice per request", param=name)
 
 
+def token_count(body: dict, name: str) -> int | None:
+    """A field counting tokens to generate: at least 1 when given (as OpenAI: no completion of no tokens)."""
+    count = field(body, name, INT)
+    if count is not None and count < 1:
+        raise ApiError(400, f"{name} must be >= 1, not {count}", param=name)
+    return count
+
+
 def sampling_args(body: dict, room: int) -> dict:
     """The runtime's sampling arguments from an OpenAI request; `room`: tokens left in the context."""
     args = {"temperature": 1.0}  # OpenAI's default, where the runtime's is greedy
@@ -78,9 +86,7 @@ def sampling_args(body: dict, room: int) -> dict:
         if (value := field(body, name, kind)) is not None:
             args[arg] = value
     name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    max_tokens = field(body, name, INT)
-    if max_tokens is not None and max_tokens < 1:  # as OpenAI: no completion of no tokens
-        raise ApiError(400, f"{name} must be >= 1, not {max_tokens}", param=name)
+    max_tokens = token_count(body, name)
     args["max_tokens"] = max(room, 1) if max_tokens is None else max_tokens  # no room: a capacity error
     stop = body.get("stop")
     if stop is not None:

@@ -28,12 +28,11 @@ import uuid
 
 from aiohttp import web
 
-from ellmd.server.http.bridge import Bridge, session_arg
+from ellmd.server.http.bridge import Bridge, session_arg, session_reply
 from ellmd.server.http.errors import ApiError
-from ellmd.server.http.fields import (ARRAY, BOOL, INT, OBJECT, STRING, content_text, field, read_json, require_one,
-                                      sampling_args)
+from ellmd.server.http.fields import ARRAY, BOOL, INT, OBJECT, STRING, content_text, field, require_one, sampling_args
 from ellmd.server.http.sse import EventStream
-from ellmd.server.http.tools import TOOL_CALL_MARKER, Holdback, chat_tools, reply_parts
+from ellmd.server.http.tools import ToolUse, chat_tools
 from ellmd.text.tool_grammar import is_strict, tool_call_grammar
 
 GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_grammar", "guided_choice")  # vLLM's, for constraints
@@ -100,17 +99,31 @@ def guided_args(body: dict) -> dict:
     return found
 
 
-def constraint_args(body: dict, tools: list | None, choice: str, fmt: str | None, added: dict) -> dict:
+def constraint_args(body: dict, use: ToolUse, added: dict) -> dict:
     """A chat's constraint: response_format, a guided_* field, or the grammar of strict tools."""
     schema = response_format_schema(body)
     found = [args for args in (guided_args(body), {} if schema is None else {"json_schema": schema}) if args]
-    if tools and any(is_strict(tool) for tool in tools):
-        if fmt is None:
+    if use.tools and any(is_strict(tool) for tool in use.tools):
+        if use.fmt is None:
             raise ApiError(400, "strict tools: this model's chat template has no tool-call format", param="tools")
-        found.append({"grammar": tool_call_grammar(fmt, tools, choice, added)})
+        found.append({"grammar": tool_call_grammar(use.fmt, use.tools, use.choice, added)})
     if len(found) > 1:
         raise ApiError(400, "take one constraint: response_format, a guided_* field or strict tools")
     return found[0] if found else {}
+
+
+def template_kwargs(body: dict) -> dict:
+    """`chat_template_kwargs`: extra variables for the template, which cannot replace the conversation."""
+    extra = field(body, "chat_template_kwargs", OBJECT, {})
+    if extra.keys() & {"messages", "tools", "add_generation_prompt"}:
+        raise ApiError(400, "chat_template_kwargs cannot set messages, tools or add_generation_prompt",
+                       param="chat_template_kwargs")
+    return extra
+
+
+def logprobs_arg(top: int | None) -> dict:
+    """The runtime reports the chosen token among its top n: at least 1."""
+    return {} if top is None else {"logprobs": max(top, 1)}
 
 
 def openai_usage(usage: dict) -> dict:
@@ -119,60 +132,28 @@ def openai_usage(usage: dict) -> dict:
             "prompt_tokens_details": {"cached_tokens": usage["reused_tokens"]}}
 
 
-class Chat:
-    """One chat completion's reply, whole or streamed: tool calls parsed, markup held back."""
+def include_usage(body: dict) -> bool:
+    return bool((field(body, "stream_options", OBJECT) or {}).get("include_usage"))
 
-    def __init__(self, api: OpenAiApi, head: dict, tools: list | None, forced: str, top: int | None):
-        self.api, self.head, self.tools, self.forced, self.top = api, head, tools, forced, top
 
-    def parse(self, text: str) -> tuple[str, list]:
-        return reply_parts(text, self.tools, self.forced, self.api.bridge.runtime.tool_format)
+def usage_chunk(head: dict, result: dict) -> dict:
+    """The last chunk of a stream that asked to include usage."""
+    return {**head, "choices": [], "usage": openai_usage(result["usage"]), "session_id": result["session_id"]}
 
-    def logprobs(self, result: dict) -> dict | None:
-        return self.api.chat_logprobs(result["logprobs"], self.top) if self.top is not None else None
 
-    async def reply(self, args: dict) -> web.Response:
-        result = await self.api.bridge.generate(args)
-        content, calls = self.parse(result["text"])
-        message = {"role": "assistant", "content": (content or None) if calls else content}
-        if calls:
-            message["tool_calls"] = calls
-        choice = {"index": 0, "message": message, "logprobs": self.logprobs(result),
-                  "finish_reason": "tool_calls" if calls else result["finish_reason"]}
-        return web.json_response(
-            {**self.head, "choices": [choice], "usage": openai_usage(result["usage"]),
-             "session_id": result["session_id"]},
-            headers={"X-Session-Id": result["session_id"]})
+def chat_logprobs(tokenizer, entries: list[dict], top: int) -> dict:
+    def item(token: int, logprob: float) -> dict:
+        return {"token": tokenizer.decode([token]), "logprob": logprob, "bytes": list(tokenizer.token_bytes(token))}
 
-    def chunk(self, delta: dict, finish=None, logprobs=None) -> dict:
-        return {**self.head, "object": "chat.completion.chunk",
-                "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
+    return {"content": [{**item(e["token"], e["logprob"]), "top_logprobs": [item(*t) for t in e["top"][:top]]}
+                        for e in entries]}
 
-    async def stream(self, request: web.Request, args: dict, include_usage: bool) -> web.StreamResponse:
-        stream = EventStream(request, self.chunk({"role": "assistant", "content": ""}))
-        holdback = Holdback(TOOL_CALL_MARKER if self.tools else None, self.forced)
 
-        async def on_text(text: str) -> None:
-            content = holdback.push(text)
-            if content:
-                await stream.send(self.chunk({"content": content}))
-            else:
-                await stream.open()  # the role chunk, even while a tool call is held back
-
-        result = await self.api.bridge.stream(stream, args, on_text)
-        if result is None:
-            return stream.response
-        content, calls = self.parse(result["text"])
-        if rest := holdback.rest(content):
-            await stream.send(self.chunk({"content": rest}))
-        if calls:
-            await stream.send(self.chunk({"tool_calls": [{"index": i, **call} for i, call in enumerate(calls)]}))
-        finish = "tool_calls" if calls else result["finish_reason"]
-        await stream.send({**self.chunk({}, finish, self.logprobs(result)), "session_id": result["session_id"]})
-        if include_usage:
-            await stream.send({**self.chunk({}), "choices": [], "usage": openai_usage(result["usage"]),
-                               "session_id": result["session_id"]})
-        return await stream.finish()
+def completion_logprobs(tokenizer, entries: list[dict], top: int) -> dict:
+    tokens = [tokenizer.decode([e["token"]]) for e in entries]
+    return {"tokens": tokens, "token_logprobs": [e["logprob"] for e in entries],
+            "top_logprobs": [{tokenizer.decode([t]): lp for t, lp in e["top"][:top]} for e in entries],
+            "text_offset": list(itertools.accumulate((len(t) for t in tokens), initial=0))[:-1]}
 
 
 class OpenAiApi:
@@ -183,12 +164,8 @@ class OpenAiApi:
 
     def head(self, body: dict, kind: str, prefix: str) -> dict:
         """The fields every response object (or chunk) of a request starts with."""
-        model = body.get("model") if isinstance(body.get("model"), str) else self.bridge.model
         return {"id": f"{prefix}-{uuid.uuid4().hex[:24]}", "object": kind, "created": int(time.time()),
-                "model": model, "system_fingerprint": self.bridge.fingerprint}
-
-    def token_text(self, token: int) -> str:
-        return self.bridge.tokenizer.decode([token])
+                "model": self.bridge.model_of(body), "system_fingerprint": self.bridge.fingerprint}
 
     async def models(self, request: web.Request) -> web.Response:
         bridge = self.bridge
@@ -198,32 +175,25 @@ class OpenAiApi:
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         bridge = self.bridge
-        body = await read_json(request, bridge.limits.http_read_timeout_s)
-        if bridge.template is None:
-            raise ApiError(400, "this model has no chat template: use /v1/completions")
+        body = await bridge.body(request)
+        bridge.check_template(": use /v1/completions")
         require_one(body, "n")
         messages = chat_messages(body)
-        tools, forced, choice = chat_tools(body, bridge.runtime.tool_format)
-        constraint = constraint_args(body, tools, choice, bridge.runtime.tool_format, bridge.added_tokens)
-        extra = field(body, "chat_template_kwargs", OBJECT, {})
-        if extra.keys() & {"messages", "tools", "add_generation_prompt"}:
-            raise ApiError(400, "chat_template_kwargs cannot set messages, tools or add_generation_prompt",
-                           param="chat_template_kwargs")
-        tokens = await bridge.in_thread(bridge.render_chat, messages, tools, forced, extra)
-        args = {"tokens": tokens, "messages": messages, "tools": tools, **constraint,
+        use = chat_tools(body, bridge.tool_format)
+        constraint = constraint_args(body, use, bridge.added_tokens)
+        tokens = await bridge.render_chat(messages, use.tools, use.forced, template_kwargs(body))
+        args = {"tokens": tokens, "messages": messages, "tools": use.tools, **constraint,
                 **sampling_args(body, bridge.context - len(tokens)), **session_arg(request, body)}
         top = field(body, "top_logprobs", INT, 0) if field(body, "logprobs", BOOL) else None
-        if top is not None:
-            args["logprobs"] = max(top, 1)  # the runtime reports the chosen token among its top n
-        chat = Chat(self, self.head(body, "chat.completion", "chatcmpl"), tools, forced, top)
+        args.update(logprobs_arg(top))
+        chat = Chat(bridge, self.head(body, "chat.completion", "chatcmpl"), use, top)
         if field(body, "stream", BOOL):
-            include_usage = (field(body, "stream_options", OBJECT) or {}).get("include_usage")
-            return await chat.stream(request, args, include_usage)
+            return await chat.stream(request, args, include_usage(body))
         return await chat.reply(args)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         bridge = self.bridge
-        body = await read_json(request, bridge.limits.http_read_timeout_s)
+        body = await bridge.body(request)
         require_one(body, "n", "best_of")
         for name in ("echo", "suffix"):
             if body.get(name):
@@ -232,43 +202,18 @@ class OpenAiApi:
         args = {"tokens": tokens, **guided_args(body), **sampling_args(body, bridge.context - len(tokens)),
                 **session_arg(request, body)}
         top = field(body, "logprobs", INT)
-        if top is not None:
-            args["logprobs"] = max(top, 1)
-        head = self.head(body, "text_completion", "cmpl")
-
-        def choice(text: str, finish=None, result=None) -> dict:
-            logprobs = self.completion_logprobs(result["logprobs"], top) if result and top is not None else None
-            return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
-
-        if not field(body, "stream", BOOL):
-            result = await bridge.generate(args)
-            return web.json_response(
-                {**head, "choices": [choice(result["text"], result["finish_reason"], result)],
-                 "usage": openai_usage(result["usage"]), "session_id": result["session_id"]},
-                headers={"X-Session-Id": result["session_id"]})
-
-        stream = EventStream(request)
-
-        async def on_text(text: str) -> None:
-            await stream.send({**head, "choices": [choice(text)]})
-
-        result = await bridge.stream(stream, args, on_text)
-        if result is None:
-            return stream.response
-        await stream.send({**head, "choices": [choice("", result["finish_reason"], result)],
-                           "session_id": result["session_id"]})
-        if (field(body, "stream_options", OBJECT) or {}).get("include_usage"):
-            await stream.send({**head, "choices": [], "usage": openai_usage(result["usage"]),
-                               "session_id": result["session_id"]})
-        return await stream.finish()
+        args.update(logprobs_arg(top))
+        completion = Completion(bridge, self.head(body, "text_completion", "cmpl"), top)
+        if field(body, "stream", BOOL):
+            return await completion.stream(request, args, include_usage(body))
+        return await completion.reply(args)
 
     async def prompt_tokens(self, prompt) -> list[int]:
         """A completion prompt: a string, token ids, or an array holding one of them (no batches)."""
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]
         if isinstance(prompt, str):
-            tokenizer = self.bridge.tokenizer
-            tokens = await self.bridge.in_thread(lambda: tokenizer.encode(prompt, add_special_tokens=True))
+            tokens = await self.bridge.encode(prompt)
         elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             tokens = prompt
         else:
@@ -278,16 +223,73 @@ class OpenAiApi:
             raise ApiError(400, "prompt is empty", param="prompt")
         return tokens
 
-    def chat_logprobs(self, entries: list[dict], top: int) -> dict:
-        def item(token: int, logprob: float) -> dict:
-            return {"token": self.token_text(token), "logprob": logprob,
-                    "bytes": list(self.bridge.tokenizer.token_bytes(token))}
 
-        return {"content": [{**item(e["token"], e["logprob"]), "top_logprobs": [item(*t) for t in e["top"][:top]]}
-                            for e in entries]}
+class Chat:
+    """One chat completion's reply, whole or streamed: tool calls parsed, markup held back."""
 
-    def completion_logprobs(self, entries: list[dict], top: int) -> dict:
-        tokens = [self.token_text(e["token"]) for e in entries]
-        return {"tokens": tokens, "token_logprobs": [e["logprob"] for e in entries],
-                "top_logprobs": [{self.token_text(t): lp for t, lp in e["top"][:top]} for e in entries],
-                "text_offset": list(itertools.accumulate((len(t) for t in tokens), initial=0))[:-1]}
+    def __init__(self, bridge: Bridge, head: dict, use: ToolUse, top: int | None):
+        self.bridge, self.head, self.use, self.top = bridge, head, use, top
+
+    def logprobs(self, result: dict) -> dict | None:
+        return chat_logprobs(self.bridge.tokenizer, result["logprobs"], self.top) if self.top is not None else None
+
+    async def reply(self, args: dict) -> web.Response:
+        result = await self.bridge.generate(args)
+        content, calls = self.use.parse(result["text"])
+        message = {"role": "assistant", "content": (content or None) if calls else content}
+        if calls:
+            message["tool_calls"] = calls
+        choice = {"index": 0, "message": message, "logprobs": self.logprobs(result),
+                  "finish_reason": "tool_calls" if calls else result["finish_reason"]}
+        return session_reply({**self.head, "choices": [choice], "usage": openai_usage(result["usage"]),
+                              "session_id": result["session_id"]}, result["session_id"])
+
+    def chunk(self, delta: dict, finish=None, logprobs=None) -> dict:
+        return {**self.head, "object": "chat.completion.chunk",
+                "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
+
+    async def stream(self, request: web.Request, args: dict, with_usage: bool) -> web.StreamResponse:
+        stream = EventStream(request, self.chunk({"role": "assistant", "content": ""}),
+                             chunk=lambda text: self.chunk({"content": text}), holdback=self.use.holdback())
+        result = await self.bridge.stream(stream, args)
+        if result is None:
+            return stream.response
+        content, calls = self.use.parse(result["text"])
+        await stream.rest(content)
+        if calls:
+            await stream.send(self.chunk({"tool_calls": [{"index": i, **call} for i, call in enumerate(calls)]}))
+        finish = "tool_calls" if calls else result["finish_reason"]
+        await stream.send({**self.chunk({}, finish, self.logprobs(result)), "session_id": result["session_id"]})
+        if with_usage:
+            await stream.send(usage_chunk({**self.head, "object": "chat.completion.chunk"}, result))
+        return await stream.finish()
+
+
+class Completion:
+    """One completion's reply, whole or streamed."""
+
+    def __init__(self, bridge: Bridge, head: dict, top: int | None):
+        self.bridge, self.head, self.top = bridge, head, top
+
+    def choice(self, text: str, finish=None, result=None) -> dict:
+        logprobs = None
+        if result and self.top is not None:
+            logprobs = completion_logprobs(self.bridge.tokenizer, result["logprobs"], self.top)
+        return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
+
+    async def reply(self, args: dict) -> web.Response:
+        result = await self.bridge.generate(args)
+        return session_reply({**self.head, "choices": [self.choice(result["text"], result["finish_reason"], result)],
+                              "usage": openai_usage(result["usage"]), "session_id": result["session_id"]},
+                             result["session_id"])
+
+    async def stream(self, request: web.Request, args: dict, with_usage: bool) -> web.StreamResponse:
+        stream = EventStream(request, chunk=lambda text: {**self.head, "choices": [self.choice(text)]})
+        result = await self.bridge.stream(stream, args)
+        if result is None:
+            return stream.response
+        await stream.send({**self.head, "choices": [self.choice("", result["finish_reason"], result)],
+                           "session_id": result["session_id"]})
+        if with_usage:
+            await stream.send(usage_chunk(self.head, result))
+        return await stream.finish()

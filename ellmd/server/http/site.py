@@ -25,27 +25,29 @@ from ellmd.text import TemplateError
 
 log = logging.getLogger("ellmd.http")
 
-ANTHROPIC_PATHS = "/v1/messages"  # the routes whose errors take Anthropic's shape
+# path prefix -> the shape of its error bodies; elsewhere OpenAI's (ApiError.body)
+ERROR_SHAPES = (("/v1/messages", anthropic.error_body),)
 
 
 @web.middleware
-async def openai_errors(request: web.Request, handler):
-    """Every failure as an OpenAI error body (Anthropic's under /v1/messages); user errors never log a traceback."""
-    anthropic = request.path.startswith(ANTHROPIC_PATHS)
+async def api_errors(request: web.Request, handler):
+    """Every failure as an error body in its API's shape; user errors never log a traceback."""
     try:
         return await handler(request)
     except ApiError as e:
-        return e.response(anthropic)
+        error = e
     except TemplateError as e:  # the template refused the conversation (say, roles out of order)
-        return ApiError(400, str(e)).response(anthropic)
+        error = ApiError(400, str(e))
     except web.HTTPException as e:  # no such route, wrong method, body too large
         if e.status < 400:
             raise
         kind = "not_found_error" if e.status == 404 else "invalid_request_error"
-        return ApiError(e.status, f"{request.method} {request.path}: {e.reason}", kind).response(anthropic)
+        error = ApiError(e.status, f"{request.method} {request.path}: {e.reason}", kind)
     except Exception as e:
         log.exception("%s %s failed", request.method, request.path)
-        return ApiError(500, f"internal error: {type(e).__name__}: {e}", "server_error").response(anthropic)
+        error = ApiError(500, f"internal error: {type(e).__name__}: {e}", "server_error")
+    shape = next((shape for prefix, shape in ERROR_SHAPES if request.path.startswith(prefix)), None)
+    return error.response(shape)
 
 
 class HttpServer:
@@ -59,7 +61,7 @@ class HttpServer:
         self.site: CountedSite | None = None
         self.keyed = bool(api_keys)
         guard = Guard(host, list(api_keys), on_key=self.authenticated)
-        app = web.Application(middlewares=[openai_errors, guard.check], client_max_size=limits.http_max_body)
+        app = web.Application(middlewares=[api_errors, guard.check], client_max_size=limits.http_max_body)
         app.add_routes(self.routes())
         # A client that disconnects cancels its handler, which cancels its generation.
         # keepalive_timeout also closes a connection that never completes its request headers.

@@ -15,8 +15,10 @@ class EventStream:
 
     done: str | None = "[DONE]"  # the data of the last event (None: the stream just ends)
 
-    def __init__(self, request: web.Request, first: dict | None = None):
+    def __init__(self, request: web.Request, first: dict | None = None, chunk=None, holdback=None):
         self.request, self.first = request, first
+        self.chunk = chunk  # chunk(text): the data of the event carrying a piece of text
+        self.holdback = holdback  # a tools.Holdback: tool-call markup never goes out as text
         self.headers: dict = {}
         self.response: web.StreamResponse | None = None
 
@@ -38,6 +40,24 @@ class EventStream:
         named = f"event: {event}\n" if event else ""
         await self.response.write(f"{named}data: {payload}\n\n".encode())
 
+    async def content(self, text: str) -> None:
+        """A piece of generated text: what the holdback lets through goes out (none yet: the stream opens)."""
+        if self.holdback is not None:
+            text = self.holdback.push(text)
+        if text:
+            await self.text(text)
+        else:
+            await self.open()
+
+    async def rest(self, content: str) -> None:
+        """Once generated: what the final content adds to the text sent (after the calls, or a call that did
+        not parse)."""
+        if self.holdback is not None and (rest := self.holdback.rest(content)):
+            await self.text(rest)
+
+    async def text(self, text: str) -> None:
+        await self.send(self.chunk(text))
+
     async def fail(self, error: ApiError) -> None:
         """An error once the stream is open: one last event."""
         await self.send(error.body())
@@ -57,8 +77,8 @@ class NamedEventStream(EventStream):
 
     done = None
 
-    def __init__(self, request: web.Request):
-        super().__init__(request)
+    def __init__(self, request: web.Request, holdback=None):
+        super().__init__(request, holdback=holdback)
         self.index = 0  # of the next block
         self.text_open = False
 
@@ -77,13 +97,6 @@ class NamedEventStream(EventStream):
     async def event(self, kind: str, data: dict) -> None:
         await self.open()  # the start events come first
         await self.send(self.payload(kind, data), kind)
-
-    async def content(self, text: str) -> None:
-        """Text that may go out as content (empty: none yet, but the stream opens)."""
-        if text:
-            await self.text(text)
-        else:
-            await self.open()
 
     async def text(self, text: str) -> None:
         """A piece of the text block (opened by its first piece)."""

@@ -9,6 +9,7 @@ marker on (Holdback), so markup never reaches the content.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 
 from ellmd.server.http.errors import ApiError
 from ellmd.server.http.fields import ARRAY, field
@@ -22,9 +23,27 @@ NAMED_CALL_OPENINGS = {
 }
 
 
-def chat_tools(body: dict, fmt: str | None) -> tuple[list | None, str, str]:
-    """The tools to render and parse (None: no tool calls), the text forcing a call, and the choice
-    ("auto", "required" or the forced function's name)."""
+@dataclass(frozen=True)
+class ToolUse:
+    """A request's tools as the prompt renders them and the reply is parsed."""
+
+    tools: list | None = None  # in the chat completions' shape; None: no tool calls
+    forced: str = ""  # the opening of a call the prompt ends with ("required" or a named function)
+    choice: str = "auto"  # "auto", "required" or the forced function's name
+    fmt: str | None = None  # the model's tool-call format
+
+    def parse(self, text: str) -> tuple[str, list]:
+        """(content, tool_calls) of generated text, after the opening the prompt forced."""
+        if not self.tools:
+            return text, []
+        return parse_tool_calls(self.forced + text, self.fmt, self.tools)
+
+    def holdback(self) -> Holdback:
+        return Holdback(TOOL_CALL_MARKER if self.tools else None, self.forced)
+
+
+def chat_tools(body: dict, fmt: str | None) -> ToolUse:
+    """The tools of a body in the chat completions' shape (the other APIs convert theirs to it)."""
     tools = field(body, "tools", ARRAY)
     for i, tool in enumerate(tools or ()):
         function = tool.get("function") if isinstance(tool, dict) else None
@@ -33,11 +52,16 @@ def chat_tools(body: dict, fmt: str | None) -> tuple[list | None, str, str]:
                            param=f"tools[{i}]")
     choice = body.get("tool_choice") or "auto"
     if choice == "none" or (choice == "auto" and not tools):
-        return None, "", "auto"
+        return ToolUse(fmt=fmt)
     if not tools:
         raise ApiError(400, "tool_choice needs tools", param="tool_choice")
     if choice == "auto":
-        return tools, "", "auto"
+        return ToolUse(tools, fmt=fmt)
+    return forced_call(tools, choice, fmt)
+
+
+def forced_call(tools: list, choice, fmt: str | None) -> ToolUse:
+    """A tool_choice of "required" or a named function: the prompt ends with the opening of a call."""
     function = choice.get("function") if isinstance(choice, dict) else None
     name = function.get("name") if isinstance(function, dict) else None
     if choice != "required" and not isinstance(name, str):
@@ -47,17 +71,10 @@ def chat_tools(body: dict, fmt: str | None) -> tuple[list | None, str, str]:
         raise ApiError(400, "tool_choice: this model's chat template has no tool-call format to force",
                        param="tool_choice")
     if choice == "required":
-        return tools, TOOL_CALL_MARKER + "\n", "required"
+        return ToolUse(tools, TOOL_CALL_MARKER + "\n", "required", fmt)
     if name not in {tool["function"]["name"] for tool in tools}:
         raise ApiError(400, f"tool_choice names {name!r}, which is not among the tools", param="tool_choice")
-    return tools, NAMED_CALL_OPENINGS[fmt](name), name
-
-
-def reply_parts(text: str, tools: list | None, forced: str, fmt: str | None) -> tuple[str, list]:
-    """(content, tool_calls) of generated text, after the opening the prompt forced (see chat_tools)."""
-    if not tools:
-        return text, []
-    return parse_tool_calls(forced + text, fmt, tools)
+    return ToolUse(tools, NAMED_CALL_OPENINGS[fmt](name), name, fmt)
 
 
 def partial_marker(text: str, marker: str) -> int:
