@@ -465,7 +465,7 @@ def fleet_start(
     if importlib.util.find_spec("ray") is None:
         fail("the fleet needs Ray Serve: pip install 'ellm[ray]'")
     from ellmd.fleet.app import FleetSettings, run
-    from ellmd.server.http import listen_address
+    from ellmd.server.http.guard import listen_address
 
     settings = FleetSettings(replicas=replicas, threads=threads, batch_size=batch_size, sequence_length=sequence_length,
                              model_path=model_path, store=store, store_backend=store_backend,

@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 
-from ellmd.server.responses import point_of
+from ellmd.server.http.responses import point_of
 
 PREFIX_KEY = "prefix-"  # keys of conversations without a session id
 LEADING_CHARS = 2048  # of a plain completion prompt

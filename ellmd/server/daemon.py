@@ -35,7 +35,7 @@ def run(settings: Settings, progress=None) -> int:
         raise EllmError(f"snapshot_ack must be one of {', '.join(SNAPSHOT_ACKS)}, not {settings.snapshot_ack!r}")
     http_address, api_keys = None, settings.api_keys()
     if settings.http:
-        from ellmd.server.http import check_exposure, listen_address
+        from ellmd.server.http.guard import check_exposure, listen_address
 
         http_address = listen_address(settings.http)
         check_exposure(http_address[0], api_keys)
@@ -138,7 +138,7 @@ class Servers:
                  f", replica {settings.replica}" if settings.replica is not None else "")
         http = None
         if self.http_address:
-            from ellmd.server.http import HttpServer
+            from ellmd.server.http.site import HttpServer
 
             http = HttpServer(runtime, *self.http_address, limits=self.limits, admission=admission,
                               api_keys=self.api_keys)

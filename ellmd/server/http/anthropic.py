@@ -10,7 +10,7 @@ A streamed reply is Anthropic's events: message_start, then per content block co
 content_block_delta (text_delta, or input_json_delta for a tool_use block) and content_block_stop,
 then message_delta (stop_reason, usage) and message_stop. Tool calls are parsed from the model's
 own format; the markup never reaches a text block. Errors take Anthropic's shape
-(`{"type": "error", "error": {"type", "message"}}`, see http.openai_errors), also mid-stream (an
+(`{"type": "error", "error": {"type", "message"}}`, see error_body), also mid-stream (an
 `error` event). A final assistant message is a prefill: the reply continues it.
 
 Not supported, with a clear 400: image and document blocks, server tools (web search, code
@@ -24,18 +24,25 @@ import uuid
 
 from aiohttp import web
 
-from ellmd.server.http import (ARRAY, BOOL, OBJECT, TOOL_CALL_MARKER, ApiError, Holdback, NamedEventStream,
-                               chat_tools, content_text, field, format_args, read_json, reply_parts, sampling_args,
-                               session_arg)
+from ellmd.server.http.bridge import Bridge, session_arg, session_reply
+from ellmd.server.http.errors import ApiError
+from ellmd.server.http.fields import ARRAY, BOOL, OBJECT, content_text, field, format_args, sampling_args
+from ellmd.server.http.sse import NamedEventStream
+from ellmd.server.http.tools import ToolUse, chat_tools
 
 # tool_choice type -> the chat completions' tool_choice
 TOOL_CHOICES = {"auto": "auto", "any": "required", "none": "none"}
 STOP_REASONS = {"length": "max_tokens"}  # else end_turn (or tool_use, stop_sequence: see stop_reason)
+# HTTP status -> Anthropic error type; others are invalid_request_error below 500, else api_error
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+               404: "not_found_error", 408: "timeout_error", 413: "request_too_large", 415: "invalid_request_error",
+               429: "rate_limit_error", 503: "overloaded_error"}
 
 
-def routes(server) -> list:
-    api = MessagesApi(server)
-    return [web.post("/v1/messages", api.messages), web.post("/v1/messages/count_tokens", api.count_tokens)]
+def error_body(error: ApiError) -> dict:
+    """An error in Anthropic's shape: {"type": "error", "error": {"type", "message"}}."""
+    kind = ERROR_TYPES.get(error.status, "invalid_request_error" if error.status < 500 else "api_error")
+    return {"type": "error", "error": {"type": kind, "message": str(error)}}
 
 
 def assistant_message(content, where: str) -> dict:
@@ -97,7 +104,7 @@ def chat_messages(body: dict) -> list[dict]:
 
 
 def chat_tool_args(body: dict) -> dict:
-    """`tools` and `tool_choice` in the chat completions' shape (for http.chat_tools)."""
+    """`tools` and `tool_choice` in the chat completions' shape (for tools.chat_tools)."""
     tools = []
     for i, tool in enumerate(field(body, "tools", ARRAY) or ()):
         if not isinstance(tool, dict) or not isinstance(tool.get("name"), str) or \
@@ -125,32 +132,30 @@ def usage(usage: dict) -> dict:
 
 
 class MessagesApi:
-    """The handlers of /v1/messages, over an HttpServer."""
+    """The handlers of /v1/messages, over a Bridge."""
 
-    def __init__(self, server):
-        self.server = server
+    def __init__(self, bridge: Bridge):
+        self.bridge = bridge
 
-    async def prompt(self, body: dict) -> tuple[list[int], list[dict], list | None, str]:
-        """The prompt's tokens, the conversation the session keeps, the tools and the forced opening."""
-        server = self.server
-        if server.template is None:
-            raise ApiError(400, "this model has no chat template")
+    async def prompt(self, body: dict) -> tuple[list[int], list[dict], ToolUse]:
+        """The prompt's tokens, the conversation the session keeps, and its tools."""
+        bridge = self.bridge
+        bridge.check_template()
         messages = chat_messages(body)
         prefill = ""
         if messages[-1]["role"] == "assistant" and not messages[-1].get("tool_calls"):
             prefill = messages.pop()["content"]  # the reply continues it
-        tools, forced, _ = chat_tools(chat_tool_args(body), server.runtime.tool_format)
-        tokens = await server.in_thread(server.render_chat, messages, tools, prefill + forced, {})
-        return tokens, messages, tools, forced
+        use = chat_tools(chat_tool_args(body), bridge.tool_format)
+        return await bridge.render_chat(messages, use.tools, prefill + use.forced), messages, use
 
     async def count_tokens(self, request: web.Request) -> web.Response:
-        body = await read_json(request, self.server.limits.http_read_timeout_s)
+        body = await self.bridge.body(request)
         tokens, *_ = await self.prompt(body)
         return web.json_response({"input_tokens": len(tokens)})
 
     async def messages(self, request: web.Request) -> web.StreamResponse:
-        server = self.server
-        body = await read_json(request, server.limits.http_read_timeout_s)
+        bridge = self.bridge
+        body = await bridge.body(request)
         if body.get("max_tokens") is None:
             raise ApiError(400, "max_tokens: Field required")
         constraint = format_args((field(body, "output_config", OBJECT) or {}).get("format") or {},
@@ -158,13 +163,12 @@ class MessagesApi:
         stops = body.get("stop_sequences")
         if stops is not None and (not isinstance(stops, list) or not all(isinstance(s, str) for s in stops)):
             raise ApiError(400, "stop_sequences: must be an array of strings")
-        tokens, messages, tools, forced = await self.prompt(body)
+        tokens, messages, use = await self.prompt(body)
         sampling = {name: body.get(name) for name in ("temperature", "top_p", "top_k", "max_tokens")}
-        args = {"tokens": tokens, "messages": messages, "tools": tools,
-                **sampling_args({**sampling, "stop": stops}, server.context - len(tokens)),
+        args = {"tokens": tokens, "messages": messages, "tools": use.tools,
+                **sampling_args({**sampling, "stop": stops}, bridge.context - len(tokens)),
                 **session_arg(request, body), **constraint}
-        model = body["model"] if isinstance(body.get("model"), str) else server.model
-        reply = Reply(server, model, tools, forced, stops or [])
+        reply = Reply(bridge, bridge.model_of(body), use, stops or [])
         if field(body, "stream", BOOL):
             return await reply.stream(request, args, len(tokens))
         return await reply.whole(args)
@@ -173,13 +177,13 @@ class MessagesApi:
 class Reply:
     """One message's reply, whole or as Anthropic's events."""
 
-    def __init__(self, server, model: str, tools: list | None, forced: str, stops: list[str]):
-        self.server, self.model, self.tools, self.forced, self.stops = server, model, tools, forced, stops
+    def __init__(self, bridge: Bridge, model: str, use: ToolUse, stops: list[str]):
+        self.bridge, self.model, self.use, self.stops = bridge, model, use, stops
         self.id = f"msg_{uuid.uuid4().hex[:24]}"
 
     def parse(self, result: dict) -> tuple[list[dict], str, str | None]:
         """The content blocks, stop_reason and stop_sequence of a finished generation."""
-        content, calls = reply_parts(result["text"], self.tools, self.forced, self.server.runtime.tool_format)
+        content, calls = self.use.parse(result["text"])
         blocks = [{"type": "text", "text": content}] if content or not calls else []
         blocks += [{"type": "tool_use", "id": "toolu_" + call["id"].removeprefix("call_"),
                     "name": call["function"]["name"], "input": json.loads(call["function"]["arguments"])}
@@ -191,7 +195,7 @@ class Reply:
         """end_turn, max_tokens or stop_sequence (with the sequence that matched)."""
         if result["finish_reason"] != "stop" or not self.stops:
             return STOP_REASONS.get(result["finish_reason"], "end_turn"), None
-        tokenizer = self.server.tokenizer
+        tokenizer = self.bridge.tokenizer
         after = tokenizer.decode(result["token_ids"], skip_special_tokens=True)[len(result["text"]):]
         sequence = next((s for s in self.stops if after.startswith(s)), None)
         return ("stop_sequence", sequence) if sequence is not None else ("end_turn", None)
@@ -201,28 +205,21 @@ class Reply:
                 "stop_reason": reason, "stop_sequence": sequence, "usage": usage_}
 
     async def whole(self, args: dict) -> web.Response:
-        result = await self.server.generate(args)
+        result = await self.bridge.generate(args)
         blocks, reason, sequence = self.parse(result)
-        return web.json_response(self.message(blocks, reason, sequence, usage(result["usage"])),
-                                 headers={"X-Session-Id": result["session_id"]})
+        return session_reply(self.message(blocks, reason, sequence, usage(result["usage"])), result["session_id"])
 
     async def stream(self, request: web.Request, args: dict, prompt_tokens: int) -> web.StreamResponse:
         start = {"type": "message_start", "message": self.message([], None, None, {
             "input_tokens": prompt_tokens, "output_tokens": 0, "cache_creation_input_tokens": 0,
             "cache_read_input_tokens": 0})}
-        stream = MessageStream(request, start)
-        holdback = Holdback(TOOL_CALL_MARKER if self.tools else None, self.forced)
-
-        async def on_text(text: str) -> None:
-            await stream.content(holdback.push(text))
-
-        result = await self.server.stream(stream, args, on_text)
+        stream = MessageStream(request, start, self.use.holdback())
+        result = await self.bridge.stream(stream, args)
         if result is None:
             return stream.response
         blocks, reason, sequence = self.parse(result)
         text = blocks[0]["text"] if blocks and blocks[0]["type"] == "text" else ""
-        if rest := holdback.rest(text):
-            await stream.text(rest)
+        await stream.rest(text)
         await stream.close_block()
         for block in blocks:
             if block["type"] == "tool_use":
@@ -237,8 +234,8 @@ class Reply:
 class MessageStream(NamedEventStream):
     """Anthropic's server-sent events, opened by message_start."""
 
-    def __init__(self, request: web.Request, start: dict):
-        super().__init__(request)
+    def __init__(self, request: web.Request, start: dict, holdback):
+        super().__init__(request, holdback)
         self.start = start
 
     async def started(self) -> None:
@@ -261,4 +258,4 @@ class MessageStream(NamedEventStream):
                              ("content_block_stop", {"index": self.index}))
 
     def error_data(self, error: ApiError) -> dict:
-        return {"error": error.anthropic_body()["error"]}
+        return {"error": error_body(error)["error"]}

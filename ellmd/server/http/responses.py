@@ -37,9 +37,12 @@ import uuid
 
 from aiohttp import web
 
-from ellmd.server.http import (ARRAY, BOOL, INT, OBJECT, SAMPLING_FIELDS, STRING, TOOL_CALL_MARKER, ApiError,
-                               NamedEventStream, Holdback, chat_tools, content_text, field, format_args, read_json,
-                               reply_parts, sampling_args)
+from ellmd.server.http.bridge import Bridge, owner_arg, session_reply
+from ellmd.server.http.errors import ApiError
+from ellmd.server.http.fields import (ARRAY, BOOL, OBJECT, SAMPLING_FIELDS, STRING, content_text, field, format_args,
+                                      sampling_args, token_count)
+from ellmd.server.http.sse import NamedEventStream
+from ellmd.server.http.tools import ToolUse, chat_tools
 
 log = logging.getLogger("ellmd.http")
 
@@ -49,12 +52,6 @@ TURN_NAME = 16  # hex digits of a response's turn name
 METADATA_PAIRS, METADATA_KEY, METADATA_VALUE = 16, 64, 512  # OpenAI's bounds on `metadata`
 ECHOED_CHARS = 512  # the longest `user` or `model` a response gives back (and keeps)
 STORED_TAG = "responses"  # of the sessions holding stored responses (never cut back, unlike anonymous ones)
-
-
-def routes(server) -> list:
-    api = ResponsesApi(server)
-    return [web.post("/v1/responses", api.create), web.get("/v1/responses/{response_id}", api.retrieve),
-            web.delete("/v1/responses/{response_id}", api.delete)]
 
 
 def point_of(response_id: str) -> tuple[str, str] | None:
@@ -115,7 +112,7 @@ def check_echoed(body: dict) -> None:
 
 
 def chat_tool_args(body: dict) -> dict:
-    """`tools` and `tool_choice` in the chat completions' shape (for http.chat_tools)."""
+    """`tools` and `tool_choice` in the chat completions' shape (for tools.chat_tools)."""
     tools = []
     for i, tool in enumerate(field(body, "tools", ARRAY) or ()):
         if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(tool.get("name"), str):
@@ -140,55 +137,59 @@ def usage(usage: dict) -> dict:
             "total_tokens": prompt + output}
 
 
-class ResponsesApi:
-    """The handler of /v1/responses, over an HttpServer."""
+def continued(previous: str, messages: list[dict], use: ToolUse, sampling: dict, context: int) -> dict:
+    """The `session.continue` op's arguments: the new input after a stored response's point."""
+    point = point_of(previous)
+    if point is None:
+        raise ApiError(404, f"previous response {previous!r} not found (a response stored with store: true "
+                            "names its conversation)", param="previous_response_id")
+    return {"session_id": point[0], "after": point[1], "messages": messages, "tools": use.tools,
+            "forced": use.forced, **sampling_args(sampling, context)}
 
-    def __init__(self, server):
-        self.server = server
+
+class ResponsesApi:
+    """The handler of /v1/responses, over a Bridge."""
+
+    def __init__(self, bridge: Bridge):
+        self.bridge = bridge
 
     async def create(self, request: web.Request) -> web.StreamResponse:
-        server = self.server
-        body = await read_json(request, server.limits.http_read_timeout_s)
-        if server.template is None:
-            raise ApiError(400, "this model has no chat template")
+        bridge = self.bridge
+        body = await bridge.body(request)
+        bridge.check_template()
         check_echoed(body)
         constraint = format_args((field(body, "text", OBJECT) or {}).get("format") or {}, "text.format")
         messages = input_messages(body)
-        tools, forced, _ = chat_tools(chat_tool_args(body), server.runtime.tool_format)
+        use = chat_tools(chat_tool_args(body), bridge.tool_format)
         turn = uuid.uuid4().hex[:TURN_NAME]
         store = field(body, "store", BOOL, True)
         previous = field(body, "previous_response_id", STRING)
-        limit = field(body, "max_output_tokens", INT)
-        if limit is not None and limit < 1:
-            raise ApiError(400, f"max_output_tokens must be >= 1, not {limit}", param="max_output_tokens")
-        sampling = {**{k: body.get(k) for k in SAMPLING_FIELDS}, "max_tokens": limit}
-        owner = {"owner": request["owner"]} if "owner" in request else {}
+        sampling = {**{k: body.get(k) for k in SAMPLING_FIELDS}, "max_tokens": token_count(body, "max_output_tokens")}
+        owner = owner_arg(request)
         if previous is not None:
-            point = point_of(previous)
-            if point is None:
-                raise ApiError(404, f"previous response {previous!r} not found (a response stored with store: true "
-                                    "names its conversation)", param="previous_response_id")
-            op, args = "session.continue", {"session_id": point[0], "after": point[1], "messages": messages,
-                                            "tools": tools, "forced": forced, **sampling_args(sampling, server.context),
-                                            **constraint}
+            op, args = "session.continue", continued(previous, messages, use, sampling, bridge.context)
         else:
-            if isinstance(body.get("instructions"), str):
-                messages.insert(0, {"role": "system", "content": body["instructions"]})
-            tokens = await server.in_thread(server.render_chat, messages, tools, forced, {})
-            op, args = "completion", {"tokens": tokens, "messages": messages, "tools": tools,
-                                      **sampling_args(sampling, server.context - len(tokens)), **constraint}
-            if store:
-                args["tag"] = STORED_TAG
-        reply = Reply(server, body, turn if store else None, tools, forced, owner)
+            op, args = "completion", await self.started(body, messages, use, sampling, store)
+        args = {**args, **constraint, "name": turn, **owner}
+        reply = Reply(bridge, body, turn if store else None, use, owner)
         try:
             if field(body, "stream", BOOL):
-                return await reply.stream(request, op, {**args, "name": turn, **owner})
-            return await reply.whole(op, {**args, "name": turn, **owner})
+                return await reply.stream(request, op, args)
+            return await reply.whole(op, args)
         except ApiError as e:
             if previous is not None and e.status == 404:
                 raise ApiError(404, f"previous response {previous!r} not found: {e}",
                                param="previous_response_id") from None
             raise
+
+    async def started(self, body: dict, messages: list[dict], use: ToolUse, sampling: dict, store: bool) -> dict:
+        """The `completion` op's arguments of a conversation that continues no stored response."""
+        if isinstance(body.get("instructions"), str):
+            messages.insert(0, {"role": "system", "content": body["instructions"]})
+        tokens = await self.bridge.render_chat(messages, use.tools, use.forced)
+        args = {"tokens": tokens, "messages": messages, "tools": use.tools,
+                **sampling_args(sampling, self.bridge.context - len(tokens))}
+        return {**args, "tag": STORED_TAG} if store else args
 
     async def retrieve(self, request: web.Request) -> web.Response:
         """GET: a stored response as its POST gave it, kept with its turn (see Reply.keep)."""
@@ -198,7 +199,7 @@ class ResponsesApi:
             raise self.missing(response_id)
         tools = [{"type": "function", **tool["function"]} for tool in kept["tools"] or ()]
         response = {"id": response_id, "instructions": kept["system"], "tools": tools, **kept["turn"]["note"]}
-        return web.json_response(response, headers={"X-Session-Id": kept["session_id"]})
+        return session_reply(response, kept["session_id"])
 
     async def delete(self, request: web.Request) -> web.Response:
         """DELETE: forget a stored response (its point can no longer be retrieved or continued; the
@@ -217,9 +218,9 @@ class ResponsesApi:
         point = point_of(response_id)
         if point is None:
             raise self.missing(response_id)
-        owner = {"owner": request["owner"]} if "owner" in request else {}
         try:
-            kept = await self.server.call("session.point", {"session_id": point[0], "name": point[1], **owner,
+            kept = await self.bridge.call("session.point", {"session_id": point[0], "name": point[1],
+                                                            **owner_arg(request),
                                                             **({"forget": True} if forget else {})})
         except ApiError as e:
             if e.status == 404:
@@ -231,9 +232,8 @@ class ResponsesApi:
 class Reply:
     """One response, whole or as the Responses events."""
 
-    def __init__(self, server, body: dict, turn: str | None, tools: list | None, forced: str, owner: dict):
-        self.server, self.body, self.turn, self.tools, self.forced = server, body, turn, tools, forced
-        self.owner = owner
+    def __init__(self, bridge: Bridge, body: dict, turn: str | None, use: ToolUse, owner: dict):
+        self.bridge, self.body, self.turn, self.use, self.owner = bridge, body, turn, use, owner
         self.created = int(time.time())
         self.message_id = f"msg_{uuid.uuid4().hex[:24]}"
         self.unstored_id = f"resp_{uuid.uuid4().hex[:TURN_NAME]}"
@@ -249,7 +249,7 @@ class Reply:
             "id": response_id, "object": "response", "created_at": self.created, "status": status, "error": None,
             "incomplete_details": {"reason": incomplete} if incomplete else None,
             "instructions": body.get("instructions"), "max_output_tokens": body.get("max_output_tokens"),
-            "model": body["model"] if isinstance(body.get("model"), str) else self.server.model,
+            "model": self.bridge.model_of(body),
             "output": output, "parallel_tool_calls": body.get("parallel_tool_calls", True),
             "previous_response_id": body.get("previous_response_id"), "reasoning": {"effort": None, "summary": None},
             "store": bool(self.turn), "temperature": body.get("temperature", 1.0), "text": {"format": {"type": "text"}},
@@ -260,7 +260,7 @@ class Reply:
 
     def output(self, result: dict) -> list[dict]:
         """The output items of a finished generation: its text as a message, its tool calls."""
-        content, calls = reply_parts(result["text"], self.tools, self.forced, self.server.runtime.tool_format)
+        content, calls = self.use.parse(result["text"])
         items = [self.message(content, "completed")] if content or not calls else []
         return items + [self.call(call, "completed") for call in calls]
 
@@ -289,25 +289,20 @@ class Reply:
             return
         note = {k: v for k, v in final.items() if k != "id" and not (k in ("instructions", "tools") and v)}
         try:
-            await self.server.call("session.point", {"session_id": session_id, "name": self.turn, "note": note,
+            await self.bridge.call("session.point", {"session_id": session_id, "name": self.turn, "note": note,
                                                     **self.owner})
         except ApiError as e:  # the response stands; only GET will not find it
             log.warning("response %s could not be kept: %s", final["id"], e)
 
     async def whole(self, op: str, args: dict) -> web.Response:
-        result = await self.server.generate(args, op=op)
+        result = await self.bridge.generate(args, op=op)
         final = self.finished(result)
         await self.keep(final, result["session_id"])
-        return web.json_response(final, headers={"X-Session-Id": result["session_id"]})
+        return session_reply(final, result["session_id"])
 
     async def stream(self, request: web.Request, op: str, args: dict) -> web.StreamResponse:
         stream = ResponseStream(request, self)
-        holdback = Holdback(TOOL_CALL_MARKER if self.tools else None, self.forced)
-
-        async def on_text(text: str) -> None:
-            await stream.content(holdback.push(text))
-
-        result = await self.server.stream(stream, args, on_text, op)
+        result = await self.bridge.stream(stream, args, op)
         if result is None:
             return stream.response
         final = self.finished(result)
@@ -316,8 +311,7 @@ class Reply:
         if message is None and stream.text_open:  # text went out before the calls: it stays an item
             message = self.message(stream.streamed, "completed")
             items.insert(0, message)
-        if rest := holdback.rest(message["content"][0]["text"] if message else ""):
-            await stream.text(rest)
+        await stream.rest(message["content"][0]["text"] if message else "")
         await stream.end_message(message)
         for item in items:
             if item["type"] == "function_call":
@@ -333,7 +327,7 @@ class ResponseStream(NamedEventStream):
     response.in_progress."""
 
     def __init__(self, request: web.Request, reply: Reply):
-        super().__init__(request)
+        super().__init__(request, reply.use.holdback())
         self.reply = reply
         self.sequence = 0
         self.streamed = ""  # the message's text sent so far
