@@ -30,10 +30,11 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    rich_markup_mode=None,  # help strings are plain text: "[default: ...]" must not be read as markup
 )
-session_app = typer.Typer(help="List, show, resume, fork, rewind, delete, export and import sessions.", no_args_is_help=True)
-skill_app = typer.Typer(help="List skills and load them into sessions.", no_args_is_help=True)
-rag_app = typer.Typer(help="Index folders; inject documents or retrieved passages into sessions.", no_args_is_help=True)
+session_app = typer.Typer(help="List, show, resume, fork, rewind, delete, export and import sessions.", no_args_is_help=True, rich_markup_mode=None)
+skill_app = typer.Typer(help="List skills and load them into sessions.", no_args_is_help=True, rich_markup_mode=None)
+rag_app = typer.Typer(help="Index folders; inject documents or retrieved passages into sessions.", no_args_is_help=True, rich_markup_mode=None)
 app.add_typer(session_app, name="session")
 app.add_typer(skill_app, name="skill")
 app.add_typer(rag_app, name="rag")
