@@ -98,7 +98,7 @@ class Session:
         info = {
             "session_id": self.session_id, "title": self.title, "tags": self.tags, "created": self.created,
             "updated": self.updated, "tokens": self.length, "resident": resident, "skills": self.skills,
-            "fingerprint": self.fingerprint, "busy": self.busy,
+            "fingerprint": self.fingerprint, "busy": self.busy, "owner": self.owner, "turn_count": len(self.turns),
         }
         if with_turns:
             info["turns"] = [{k: t[k] for k in ("index", "kind", "role", "name", "start", "end", "time")}

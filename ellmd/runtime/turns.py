@@ -191,3 +191,15 @@ def usage(request, session: Session) -> dict:
     return {"prompt_tokens": session.length, "prefilled_tokens": request.prefilled,
             "reused_tokens": request.reused, "shared_tokens": request.shared,
             "prefill_ms": round((time.perf_counter() - request.received) * 1000, 2)}
+
+
+def with_text(result: dict, tokenizer) -> dict:
+    """session.turns' result as the servers send it: each turn with its token count, its token ids
+    and its text (special tokens kept: what the model saw), decoded off the engine thread."""
+    ids = result["token_ids"]
+    turns = []
+    for turn in result["turns"]:
+        span = ids[turn["start"]:turn["end"]]
+        turns.append({**turn, "tokens": len(span), "token_ids": span,
+                      "text": tokenizer.decode(span) if tokenizer is not None else None})
+    return {"session_id": result["session_id"], "turns": turns, "messages": result["messages"]}

@@ -716,6 +716,7 @@ class Guard:
         self.names = LOCAL_NAMES | {host}
         self.keys = [(key.secret.encode(), key) for key in api_keys]
         self.on_key = on_key  # on_key(request, key): the connection's request authenticated (CountedSite)
+        self.public = {"/health"}  # paths served without a key
 
     @web.middleware
     async def check(self, request: web.Request, handler):
@@ -725,7 +726,7 @@ class Guard:
             origin = request.headers.get("Origin")
             if origin is not None and urlsplit(origin).hostname not in self.names:
                 raise ApiError(403, f"requests from the web page at {origin} are refused")
-        if self.keys and request.path != "/health":
+        if self.keys and request.path not in self.public:
             key = self.key(request.headers.get("Authorization", ""), request.headers.get("x-api-key"))
             if self.on_key is not None:
                 self.on_key(request, key)
@@ -855,6 +856,10 @@ class HttpServer:
         from ellmd.server import anthropic, responses  # they build on this module's helpers
 
         app.add_routes([*responses.routes(self), *anthropic.routes(self)])
+        from ellmd.server import console  # the web console and its JSON endpoints (its page asks for the key)
+
+        app.add_routes(console.routes(self, api_keys))
+        guard.public |= console.PUBLIC_PATHS
         # A client that disconnects cancels its handler, which cancels its generation.
         # keepalive_timeout also closes a connection that never completes its request headers.
         self.runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=10,
