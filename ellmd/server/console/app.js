@@ -7,7 +7,7 @@
 const KEY = "ellm-api-key";
 const HISTORY = 300; // live samples kept for the charts (one a second: five minutes)
 const $ = (selector) => document.querySelector(selector);
-const state = { sort: "updated", up: false, filter: "", timer: null, live: [], chatBusy: false };
+const state = { sort: "updated", up: false, filter: "", timer: null, live: [], chatBusy: false, route: 0 };
 
 // ---- plumbing ---------------------------------------------------------------------------
 
@@ -32,6 +32,16 @@ async function api(path, options = {}) {
 }
 
 const getJson = async (path) => (await api(path)).json();
+const STALE = new Error("the page changed meanwhile");
+
+// The data of the page being shown; STALE if another page was asked for while it loaded, so that
+// a slow answer never paints over the newer page.
+async function pageJson(path) {
+  const route = state.route;
+  const data = await getJson(path);
+  if (route !== state.route) throw STALE;
+  return data;
+}
 const postJson = async (path, body, method = "POST") => (await api(path, {
   method, headers: { "Content-Type": "application/json" }, body: JSON.stringify(body) })).json();
 
@@ -42,7 +52,7 @@ function el(tag, attrs = {}, ...children) {
     else if (name.startsWith("on")) node.addEventListener(name.slice(2), value);
     else if (value !== null && value !== undefined && value !== false) node.setAttribute(name, value === true ? "" : value);
   }
-  for (const child of children.flat()) if (child !== null && child !== undefined) node.append(child);
+  for (const child of children.flat(Infinity)) if (child !== null && child !== undefined) node.append(child);
   return node;
 }
 
@@ -86,7 +96,7 @@ function view(...children) {
 }
 
 function failed(error) {
-  if (error.status !== 401) view(el("p", { class: "error", id: "error", text: error.message }));
+  if (error !== STALE && error.status !== 401) view(el("p", { class: "error", id: "error", text: error.message }));
 }
 
 // ---- the key ----------------------------------------------------------------------------
@@ -134,7 +144,7 @@ function sortedSessions(sessions) {
 }
 
 async function sessionsPage() {
-  const { sessions } = await getJson("/api/sessions");
+  const { sessions } = await pageJson("/api/sessions");
   const filter = el("input", { id: "filter", type: "search", placeholder: "Filter by id, title, owner, tag",
     value: state.filter, oninput: (e) => { state.filter = e.target.value; fillSessions(sessions); } });
   const head = el("tr", {}, COLUMNS.map(([name, heading, numeric]) => el("th", {
@@ -204,7 +214,7 @@ async function exportSession(id) {
 // ---- one session ------------------------------------------------------------------------
 
 async function sessionPage(id) {
-  const s = await getJson(sessionPath(id));
+  const s = await pageJson(sessionPath(id));
   const byKind = {};
   for (const turn of s.turns) byKind[turn.kind] = (byKind[turn.kind] || 0) + turn.tokens;
   const facts = [["Title", s.title], ["Owner", s.owner || "operator"], ["Tags", s.tags.join(", ")],
@@ -275,7 +285,9 @@ async function livePage() {
     el("h2", { text: "Slots" }), el("table", { id: "slots" }), el("h2", { text: "Over the last minutes" }),
     el("div", { class: "charts" }, CHARTS.map(([id, title]) => el("div", { class: "chart" },
       el("div", { class: "muted" }, title, " ", el("strong", { class: "now", "data-chart": id })), el("canvas", { id, width: 600, height: 180 })))));
+  const route = state.route;
   await refreshLive();
+  if (route !== state.route) return;
   state.timer = setInterval(() => refreshLive().catch((error) => { stopTimer(); failed(error); }), 1000);
 }
 
@@ -346,7 +358,7 @@ function drawLine(canvas, points) {
 // ---- chat -------------------------------------------------------------------------------
 
 async function chatPage(id) {
-  const session = id ? await getJson(sessionPath(id)) : null;
+  const session = id ? await pageJson(sessionPath(id)) : null;
   const raw = session && session.turns.some((turn) => ["text", "tokens"].includes(turn.kind));
   const chat = { id: id || `chat-${Math.random().toString(16).slice(2, 10)}`, messages: session ? session.messages : [] };
   view(el("h1", {}, "Chat with ", el("span", { class: "mono", id: "chat-session", text: chat.id }), id ? "" : el("span", { class: "muted", text: " (new)" })),
@@ -355,6 +367,7 @@ async function chatPage(id) {
         el("form", { id: "chat-form", onsubmit: (event) => { event.preventDefault(); send(chat); } },
           el("textarea", { id: "chat-input", placeholder: raw ? "" : "Write a message (Enter sends, Shift+Enter a new line)", disabled: raw,
             onkeydown: (event) => { if (event.key === "Enter" && !event.shiftKey) { event.preventDefault(); send(chat); } } }),
+          el("label", { class: "muted" }, "max tokens ", el("input", { id: "chat-max-tokens", type: "number", min: 1, value: 512, size: 5 })),
           el("button", { id: "chat-send", type: "submit", text: "Send", disabled: raw })),
         raw ? el("p", { class: "error", text: "This session holds raw text or token turns, not only chat messages: chat with it from its client." }) : ""),
       el("div", {}, el("h2", { text: "Turns" }), el("table", { id: "chat-turns" }))));
@@ -411,7 +424,8 @@ async function send(chat) {
 
 async function streamReply(chat, messages, target) {
   const reply = await api("/v1/chat/completions", { method: "POST", headers: { "Content-Type": "application/json" },
-    body: JSON.stringify({ model: "ellm", messages, stream: true, session_id: chat.id }) });
+    body: JSON.stringify({ model: "ellm", messages, stream: true, session_id: chat.id,
+      max_tokens: Number($("#chat-max-tokens").value) || undefined }) });
   const reader = reply.body.getReader();
   const decoder = new TextDecoder();
   let buffer = "", answer = "";
@@ -444,6 +458,7 @@ function stopTimer() {
 
 function route() {
   stopTimer();
+  state.route += 1;
   if (!$("#login").hidden) return;
   const [, page = "sessions", arg = ""] = location.hash.split("/");
   const id = decodeURIComponent(arg);
