@@ -193,7 +193,7 @@ class FakeDaemon:
         now = time.time()
         info = {
             "session_id": session_id or f"s{self._count}", "title": title, "tags": tags or [], "created": now,
-            "updated": now, "tokens": tokens, "resident": True, "busy": False, "owner": None, "turn_count": 0,
+            "updated": now, "tokens": tokens, "resident": True, "busy": False, "owner": None, "turn_count": 0, "usage": {},
             "turns": [], "skills": [],
             "fingerprint": {"model": "m1", "tokenizer": "t1", "template": "c1", "kv": "bf16"},
         }
@@ -206,6 +206,10 @@ class FakeDaemon:
                               "end": start + count, "time": time.time()})
         info["tokens"] += count
         info["turn_count"] = len(info["turns"])
+        counters = ("reused", "prefilled", "generated", "drafted", "accepted") if kind == "generation" else \
+            ("reused", "prefilled")  # the session's usage has the counters the real one would have counted
+        for counter in counters:
+            info["usage"][counter] = info["usage"].get(counter, 0) + (count if counter == "prefilled" else 0)
 
     @staticmethod
     def usage(info: dict, prefilled: int, generated: int | None = None) -> dict:

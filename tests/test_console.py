@@ -71,7 +71,8 @@ def made(daemon):
     assert status == 200, reply
     status, _ = call_json(daemon.port, "/v1/chat/completions", key=ALICE_KEY, body={**chat, "session_id": "alice-own"})
     assert status == 200
-    return {"socket": session.id, "http": "made-over-http", "reply": reply["choices"][0]["message"]["content"]}
+    return {"socket": session.id, "http": "made-over-http", "reply": reply["choices"][0]["message"]["content"],
+            "usage": reply["usage"]}
 
 
 # ---- the endpoints ------------------------------------------------------------------------------
@@ -115,6 +116,10 @@ def test_a_session_gives_its_turns_with_token_counts_text_and_ids_on_demand(daem
     for turn in turns:
         assert turn["tokens"] == turn["end"] - turn["start"] == len(turn["token_ids"])
     assert sum(t["tokens"] for t in turns) == body["tokens"]
+    usage = body["usage"]  # the session's own counters: what its one request did
+    assert usage["generated"] == made["usage"]["completion_tokens"]
+    assert usage["prefilled"] + usage["reused"] == made["usage"]["prompt_tokens"]
+    assert usage["reused"] == made["usage"]["prompt_tokens_details"]["cached_tokens"]
     assert made["reply"] in turns[-1]["text"] and "Name a fruit." in turns[-1]["text"]
     assert body["messages"] == [{"role": "user", "content": "Name a fruit."},
                                 {"role": "assistant", "content": made["reply"]}]

@@ -221,7 +221,8 @@ async function sessionPage(id) {
     ["Tokens", num(s.tokens)], ["Where", s.busy ? "busy" : s.resident ? "resident" : "stored"], ["KV bytes", bytes(s.kv_bytes)],
     ["Created", new Date(s.created * 1000).toLocaleString()], ["Last used", ago(s.updated)],
     ["Skills", s.skills.join(", ") || "none"], ["RAG documents", s.rag.join(", ") || "none"],
-    ["Tokens by kind", Object.entries(byKind).map(([kind, n]) => `${kind} ${num(n)}`).join(", ") || "none"]];
+    ["Tokens by kind", Object.entries(byKind).map(([kind, n]) => `${kind} ${num(n)}`).join(", ") || "none"],
+    ["Usage", Object.entries(s.usage || {}).map(([counter, n]) => `${counter} ${num(n)}`).join(", ") || "none"]];
   const back = () => { location.hash = "#/sessions"; };
   view(el("h1", {}, "Session ", el("span", { class: "mono", id: "session-id", text: s.session_id })),
     el("div", { class: "toolbar" }, el("a", { href: `#/chat/${encodeURIComponent(s.session_id)}`, id: "chat-link" }, el("button", { text: "Chat" })),
