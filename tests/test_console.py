@@ -194,6 +194,35 @@ def test_ellm_top_once_prints_a_line_per_slot(daemon, made):
     assert "KV " in result.output and "requests " in result.output and "tokens since start" in result.output
 
 
+def test_ellm_top_sorts_its_lines_by_the_key_chosen():
+    from rich.console import Console
+
+    from ellm import top
+
+    slots = [{"slot": 0, "state": "idle", "session_id": "a", "title": "", "tokens": 10},
+             {"slot": 1, "state": "generating", "session_id": "b", "title": "", "tokens": 30, "generated": 5, "tok_s": 9.5},
+             {"slot": 2, "state": "prefilling", "session_id": "c", "title": "", "tokens": 20, "done": 256, "total": 1024},
+             {"slot": 3, "state": "free", "session_id": None}]
+    counters = dict.fromkeys(("prefilled", "reused", "shared", "generated", "drafted", "accepted"), 0)
+    stats = {"model": "/m/model.gguf", "kv_bytes": 2**30, "kv_bytes_used": 2**20, "sessions_resident": 3,
+             "sessions_stored": 7, "store": {"bytes_used": 2**20, "map_size": 2**40}, "counters": counters}
+    now = {"live": {"slots": slots, "generating": 1, "prefilling": 1, "waiting": 2, "queued": 0}, "stats": stats, "at": 1.0}
+    before = {**now, "stats": {**stats, "counters": {**counters, "generated": -20}}, "at": 0.5}
+
+    def order(sort: str) -> list[str]:
+        console = Console(width=120, record=True)
+        console.print(top.frame(now, before, sort))
+        text = console.export_text()
+        assert "generated 40.0 tok/s" in text and "256 / 1,024 tokens (25%)" in text and "9.5 tok/s" in text
+        return [line.split("│")[2].strip() for line in text.splitlines() if line.startswith("│")]
+
+    assert order("slot") == ["idle", "generating", "prefilling", "free"]
+    assert order("state") == ["generating", "prefilling", "idle", "free"]
+    assert order("tokens") == ["generating", "prefilling", "idle", "free"]
+    assert order("tok/s")[0] == "generating"
+    assert list(top.SORTS) == ["slot", "state", "tokens", "tok/s"]  # the order `s` cycles through
+
+
 def test_ellm_session_show_has_the_turn_table_with_text(daemon, made):
     result = CliRunner().invoke(ellm_app, ["--socket", str(daemon.socket), "session", "show", made["socket"]],
                                 env={"COLUMNS": "160"})
@@ -373,6 +402,24 @@ def test_browser_chat_streams_and_the_turn_list_grows(daemon, made, browser):
                                      {"role": "assistant", "content": body["messages"][-1]["content"]}]
     assert body["messages"][-1]["content"] == reply
     screenshot(browser, "chat")
+
+
+def test_browser_chat_with_a_new_session(daemon, made, browser):
+    log_in(browser, daemon.port, OPS_KEY)
+    browser.get(f"http://127.0.0.1:{daemon.port}/console#/chat/")
+    session_id = shown(browser, "#chat-session").text
+    assert session_id.startswith("chat-")
+    limit = shown(browser, "#chat-max-tokens")
+    limit.clear()
+    limit.send_keys("8")
+    shown(browser, "#chat-input").send_keys("Hello there.")
+    shown(browser, "#chat-send").click()
+    wait(browser, lambda d: find(d, ".msg.assistant.done") or None, "the reply done")
+    rows = wait(browser, lambda d: find(d, "#chat-turns tr[data-index]") or None, "the new session's turns")
+    assert [row.find_element("css selector", "td.kind").text for row in rows] == ["generation"]
+    assert browser.current_url.endswith(f"#/chat/{session_id}")
+    status, body = call_json(daemon.port, f"/api/sessions/{session_id}")
+    assert status == 200 and body["messages"][0] == {"role": "user", "content": "Hello there."}
 
 
 def test_browser_forks_and_deletes_with_a_confirmation(daemon, made, browser):
