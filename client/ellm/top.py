@@ -2,7 +2,7 @@
 
 One line per KV slot (a resident session, and what it is doing: idle, prefilling with its
 progress, generating with its tok/s), above a summary of KV memory, the store, the requests and
-the token rates since the last frame. From the `live` and `stats` ops (PROTOCOL.md, "Live state").
+the token rates since the last frame. From the `live` op (PROTOCOL.md, "Live state").
 Keys, when stdin is a terminal: s cycles the sort, q quits; otherwise it refreshes until Ctrl-C.
 """
 
@@ -32,8 +32,9 @@ RATES = {"generated": "generated", "prefilled": "prefilled", "reused": "reused"}
 
 
 def sample(client) -> dict:
-    """One reading of the daemon: the live op's slots and requests, the stats op's memory and counters."""
-    return {"live": client.call("live"), "stats": client.call("stats"), "at": time.monotonic()}
+    """One reading of the daemon: the live op's slots and requests, and its stats (memory, counters)."""
+    live = client.call("live")
+    return {"live": live, "stats": live.pop("stats"), "at": time.monotonic()}
 
 
 def size(n: float) -> str:

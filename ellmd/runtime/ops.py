@@ -462,14 +462,16 @@ def stats(rt, request):
 
 
 def live(rt, request):
-    """What the engine is doing now: each slot's session and state, and the requests it holds."""
+    """What the engine is doing now: each slot's session and state, the requests it holds, and the
+    `stats` (one op, so that a live view costs the engine loop one request a refresh)."""
     prefills = {job.session.slot: job for job in rt.prefills}
     generations = {gen.session.slot: gen for gen in rt.generations.active}
     now = time.perf_counter()
     slots = [slot_state(i, session, prefills.get(i), generations.get(i), now)
              for i, session in enumerate(rt.residency.slots)]
     return {"slots": slots, "prefilling": len(rt.prefills), "generating": len(rt.generations.active),
-            "waiting": len(rt.waiting) + sum(map(len, rt.deferred.values())), "queued": rt.queue.qsize()}
+            "waiting": len(rt.waiting) + sum(map(len, rt.deferred.values())), "queued": rt.queue.qsize(),
+            "stats": stats(rt, request)}
 
 
 def slot_state(index: int, session: Session | None, prefill, gen, now: float) -> dict:

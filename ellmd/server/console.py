@@ -149,7 +149,7 @@ class ConsoleApi:
     async def live(self, request: web.Request) -> web.Response:
         self.admin(request)
         live = await self.server.call("live", {})
-        stats = await self.server.call("stats", {})
+        stats = live.pop("stats")
         admission = self.server.admission
         return web.json_response({
             **live, "in_flight": admission.outstanding, "max_queue": admission.max_queue,
