@@ -10,8 +10,13 @@ from __future__ import annotations
 
 import http.client
 import json
+import os
+import pty
+import select
 import shutil
-import threading
+import subprocess
+import sys
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -221,6 +226,32 @@ def test_ellm_top_sorts_its_lines_by_the_key_chosen():
     assert order("tokens") == ["generating", "prefilling", "idle", "free"]
     assert order("tok/s")[0] == "generating"
     assert list(top.SORTS) == ["slot", "state", "tokens", "tok/s"]  # the order `s` cycles through
+
+
+def read_until(fd: int, text: str, seen: bytearray) -> None:
+    """Read a terminal's output until `text` shows (or WAIT_S pass: a failure)."""
+    deadline = time.monotonic() + WAIT_S
+    while text.encode() not in seen:
+        assert time.monotonic() < deadline, f"{text!r} never showed: {seen[-2000:]!r}"
+        if select.select([fd], [], [], 1.0)[0]:
+            seen += os.read(fd, 65536)
+
+
+def test_ellm_top_in_a_terminal_sorts_on_s_and_quits_on_q(daemon, made):
+    master, terminal = pty.openpty()
+    top = subprocess.Popen([sys.executable, "-m", "ellm", "--socket", str(daemon.socket), "top", "--interval", "0.5"],
+                           stdin=terminal, stdout=terminal, stderr=terminal, env={**os.environ, "COLUMNS": "120"})
+    os.close(terminal)
+    seen = bytearray()
+    try:
+        read_until(master, "sorted by slot", seen)
+        os.write(master, b"s")
+        read_until(master, "sorted by state", seen)
+        os.write(master, b"q")
+        assert top.wait(timeout=WAIT_S) == 0
+    finally:
+        top.kill()
+        os.close(master)
 
 
 def test_ellm_session_show_has_the_turn_table_with_text(daemon, made):

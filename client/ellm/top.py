@@ -18,7 +18,7 @@ from contextlib import contextmanager
 
 from rich.console import Group
 from rich.live import Live
-from rich.table import Table
+from rich.table import Column, Table
 from rich.text import Text
 
 STATE_ORDER = {"generating": 0, "prefilling": 1, "idle": 2, "free": 3}
@@ -75,8 +75,11 @@ def frame(now: dict, before: dict | None, sort: str) -> Group:
         + f"   sessions {stats['sessions_resident']} resident, {stats['sessions_stored']} stored\n",
         f"requests {live['generating']} generating, {live['prefilling']} prefilling, {live['waiting']} waiting, "
         f"{live['queued']} queued   {rates(now, before)}")
-    table = Table("slot", "state", "session", "title", "tokens", "progress", title=f"sorted by {sort} (s: sort, q: quit)",
-                  title_justify="left")
+    ids = [slot.get("session_id") or "" for slot in live["slots"]]
+    table = Table(Column("slot", no_wrap=True), Column("state", no_wrap=True, min_width=10),
+                  Column("session", no_wrap=True, min_width=max(map(len, ids), default=7)),
+                  Column("title", overflow="ellipsis", no_wrap=True), Column("tokens", no_wrap=True), "progress",
+                  title=f"sorted by {sort} (s: sort, q: quit)", title_justify="left")  # ids whole, titles cut
     for slot in sorted(live["slots"], key=SORTS[sort]):
         table.add_row(str(slot["slot"]), slot["state"], Text(slot.get("session_id") or ""), Text(slot.get("title") or ""),
                       f"{slot['tokens']:,}" if slot.get("tokens") is not None else "", progress(slot))
