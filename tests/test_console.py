@@ -16,6 +16,7 @@ import select
 import shutil
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -476,10 +477,34 @@ def test_browser_forks_and_deletes_with_a_confirmation(daemon, made, browser):
         assert fork not in {s["session_id"] for s in client.call("session.list")["sessions"]}
 
 
+def generating(daemon, started: threading.Event, stop: threading.Event) -> None:
+    """A session generating (streamed) until `stop`; disconnecting then cancels the rest."""
+    with daemon.client() as client:
+        session = client.open_session(title="generating for the live page")
+        for _ in client.session(session.id).chat("Count to a thousand.", stream=True, max_tokens=1800,
+                                                 ignore_eos=True, temperature=0):
+            started.set()
+            if stop.is_set():
+                break
+
+
 def test_browser_live_page_shows_slots_memory_and_charts(daemon, made, browser):
     log_in(browser, daemon.port, OPS_KEY)
     browser.get(f"http://127.0.0.1:{daemon.port}/console#/live")
     wait(browser, lambda d: len(find(d, "#slots tr[data-slot]")) == 2, "a line per slot")
+    started, stop = threading.Event(), threading.Event()
+    writer = threading.Thread(target=generating, args=(daemon, started, stop))
+    writer.start()
+    try:
+        assert started.wait(WAIT_S)
+        row = wait(browser, lambda d: next((r for r in find(d, "#slots tr[data-slot]")
+                                             if "generating" in r.text and "tok/s" in r.text), None), "a slot generating")
+        assert "generating for the live page" in row.text
+        wait(browser, lambda d: "1 generating" in d.find_element("css selector", "#requests").text, "the request")
+        screenshot(browser, "live-generating")
+    finally:
+        stop.set()
+        writer.join()
     wait(browser, lambda d: d.execute_script("return state.live.length") >= 3, "three samples for the charts")
     assert "in flight" in shown(browser, "#requests").text
     assert " of " in shown(browser, "#kv-meter").text and "%" in shown(browser, "#kv-meter").text

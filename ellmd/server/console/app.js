@@ -348,8 +348,9 @@ function drawLine(canvas, points) {
   context.strokeStyle = "#2f6fdb";
   context.lineWidth = 2;
   context.beginPath();
+  const step = width / (points.length - 1); // the samples since the page opened, up to HISTORY
   points.forEach((point, i) => {
-    const x = width - (points.length - 1 - i) * (width / (HISTORY - 1));
+    const x = i * step;
     const y = height - 4 - (point / top) * (height - 8);
     if (i) context.lineTo(x, y); else context.moveTo(x, y);
   });
