@@ -17,6 +17,7 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    rich_markup_mode=None,  # help strings are plain text: "[default: ...]" and "ellm[ray]" must not be read as markup
 )
 
 ModelPath = typer.Option(None, "--model-path", "-m", help="HF checkpoint directory or .gguf file [default: built-in SmolLM2-135M-Instruct]")
@@ -436,7 +437,7 @@ def status(socket: Optional[str] = SocketPath, config: Optional[Path] = ConfigFi
 
 
 fleet_app = typer.Typer(help="A fleet of daemon replicas on Ray Serve (install the extra: pip install 'ellm[ray]').",
-                        no_args_is_help=True)
+                        no_args_is_help=True, rich_markup_mode=None)
 app.add_typer(fleet_app, name="fleet")
 
 

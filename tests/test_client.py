@@ -193,7 +193,8 @@ class FakeDaemon:
         now = time.time()
         info = {
             "session_id": session_id or f"s{self._count}", "title": title, "tags": tags or [], "created": now,
-            "updated": now, "tokens": tokens, "resident": True, "busy": False, "turns": [], "skills": [],
+            "updated": now, "tokens": tokens, "resident": True, "busy": False, "owner": None, "turn_count": 0, "usage": {},
+            "turns": [], "skills": [],
             "fingerprint": {"model": "m1", "tokenizer": "t1", "template": "c1", "kv": "bf16"},
         }
         self.sessions[info["session_id"]] = info
@@ -204,6 +205,11 @@ class FakeDaemon:
         info["turns"].append({"index": len(info["turns"]), "kind": kind, "role": role, "name": name, "start": start,
                               "end": start + count, "time": time.time()})
         info["tokens"] += count
+        info["turn_count"] = len(info["turns"])
+        counters = ("reused", "prefilled", "generated", "drafted", "accepted") if kind == "generation" else \
+            ("reused", "prefilled")  # the session's usage has the counters the real one would have counted
+        for counter in counters:
+            info["usage"][counter] = info["usage"].get(counter, 0) + (count if counter == "prefilled" else 0)
 
     @staticmethod
     def usage(info: dict, prefilled: int, generated: int | None = None) -> dict:
@@ -225,6 +231,12 @@ class FakeDaemon:
 
     async def op_session_info(self, conn, rid, args):
         return self.session(args)
+
+    async def op_session_turns(self, conn, rid, args):
+        info = self.session(args)
+        turns = [{**turn, "tokens": turn["end"] - turn["start"], "token_ids": list(range(turn["start"], turn["end"])),
+                  "text": f"the {turn['kind']} turn"} for turn in info["turns"]]
+        return {"session_id": info["session_id"], "turns": turns, "messages": []}
 
     async def op_session_list(self, conn, rid, args):
         return {"sessions": [{k: v for k, v in s.items() if k != "turns"} for s in self.sessions.values()]}
@@ -750,7 +762,8 @@ def test_cli_session_commands(daemon, tmp_path):
     assert json.loads(ellm_cli(daemon, "session", "list", "--json").stdout)["sessions"][0]["tokens"] == 12
 
     result = ellm_cli(daemon, "session", "show", "s1")
-    assert result.exit_code == 0 and "fingerprint.model" in result.stdout and "message" in result.stdout
+    assert result.exit_code == 0 and "fingerprint.model" in result.stdout and "message/user" in result.stdout
+    assert "the message turn" in result.stdout  # the start of its text
     assert json.loads(ellm_cli(daemon, "session", "show", "s1", "--json").stdout)["turns"][0]["end"] == 12
 
     assert "resumed s1: 12 tokens" in ellm_cli(daemon, "session", "resume", "s1").stdout

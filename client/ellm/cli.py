@@ -18,7 +18,7 @@ from typing import Optional
 
 import typer
 from rich.console import Console
-from rich.table import Table
+from rich.table import Column, Table
 from rich.text import Text
 
 from ellm.api import Generation, present
@@ -30,14 +30,16 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    rich_markup_mode=None,  # help strings are plain text: "[default: ...]" must not be read as markup
 )
-session_app = typer.Typer(help="List, show, resume, fork, rewind, delete, export and import sessions.", no_args_is_help=True)
-skill_app = typer.Typer(help="List skills and load them into sessions.", no_args_is_help=True)
-rag_app = typer.Typer(help="Index folders; inject documents or retrieved passages into sessions.", no_args_is_help=True)
+session_app = typer.Typer(help="List, show, resume, fork, rewind, delete, export and import sessions.", no_args_is_help=True, rich_markup_mode=None)
+skill_app = typer.Typer(help="List skills and load them into sessions.", no_args_is_help=True, rich_markup_mode=None)
+rag_app = typer.Typer(help="Index folders; inject documents or retrieved passages into sessions.", no_args_is_help=True, rich_markup_mode=None)
 app.add_typer(session_app, name="session")
 app.add_typer(skill_app, name="skill")
 app.add_typer(rag_app, name="rag")
 
+TURN_COLUMNS = 66  # characters the turn table of `session show` takes beside its text
 JsonOutput = typer.Option(False, "--json", help="Print JSON for scripts instead of text for people")
 
 
@@ -154,6 +156,7 @@ def session_show(ctx: typer.Context, session_id: str = typer.Argument(..., metav
     """Show a session: metadata, skills, fingerprint and turn log."""
     with connect(ctx) as client:
         info = client.session(session_id).info()
+        texts = [] if json_output else client.call("session.turns", session_id=session_id)["turns"]
     if json_output:
         print_json(info)
         return
@@ -162,13 +165,42 @@ def session_show(ctx: typer.Context, session_id: str = typer.Argument(..., metav
     rows.update(created=when(info.get("created")), updated=when(info.get("updated")))
     rows.update(flatten(info.get("fingerprint") or {}, "fingerprint."))
     console.print(fields_table(rows))
-    turns = Table("turn", "kind", "role", "tokens", "span", "time")
-    for turn in info.get("turns", []):
+    turns = Table(*(Column(name, no_wrap=True) for name in ("turn", "kind", "tokens", "span", "time")),
+                  Column("text", no_wrap=True))
+    width = max(16, console.width - TURN_COLUMNS)  # what the other columns leave of the terminal
+    for turn in texts:
         start, end = turn.get("start", 0), turn.get("end", 0)
-        turns.add_row(*map(cell, (turn.get("index"), turn.get("kind"), turn.get("role"), end - start,
-                                  f"[{start}, {end})", when(turn.get("time")))))
+        kind = "/".join(filter(None, (turn.get("kind"), turn.get("role"))))
+        clock = time.strftime("%H:%M:%S", time.localtime(turn["time"])) if turn.get("time") else ""
+        turns.add_row(*map(cell, (turn.get("index"), kind, end - start, f"[{start}, {end})", clock,
+                                  text_start(turn.get("text"), width))))
     if turns.row_count:
         console.print(turns)
+
+
+def text_start(text: str | None, width: int) -> str:
+    """The start of a turn's text on one line (newlines shown as ⏎)."""
+    line = (text or "").replace("\n", "⏎")
+    return line if len(line) <= width else line[:width - 1] + "…"
+
+
+@app.command()
+def top(
+    ctx: typer.Context,
+    once: bool = typer.Option(False, "--once", help="Print one frame and exit"),
+    interval: float = typer.Option(1.0, min=0.1, help="Seconds between refreshes"),
+):
+    """The daemon live: one line per KV slot (idle, prefilling, generating at tok/s), memory, requests (s: sort, q: quit)."""
+    from ellm import top as live_view
+
+    with connect(ctx) as client:
+        if once:
+            stdout().print(live_view.frame(live_view.sample(client), None, "slot"))
+            return
+        try:
+            live_view.run(client, stdout(), interval)
+        except KeyboardInterrupt:
+            pass
 
 
 @session_app.command("resume")

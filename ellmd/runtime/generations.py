@@ -19,7 +19,7 @@ from ellmd.engine.sampling import Sampler, SamplingParams, verify_draft
 from ellmd.errors import EllmError
 from ellmd.runtime.drafts import DRAFT_TOKENS, PromptLookup
 from ellmd.runtime.errors import RuntimeError_
-from ellmd.runtime.session import Session
+from ellmd.runtime.session import Session, tally
 from ellmd.text import IncrementalDetokenizer, StopMatcher, detect_format, parse_tool_calls
 from ellmd.text.constraints import Constraint
 
@@ -172,14 +172,14 @@ class Generations:
         session, drafted, kept = gen.session, len(tokens) - 1, 0
         gen.steps += 1  # counted first: the usage is taken when a row's token ends the generation
         gen.drafted += drafted
-        self.counters["drafted"] += drafted
+        tally(self.counters, session, drafted=drafted)
         for i, row in enumerate(logits):
             session.tokens.append(tokens[i])  # its KV is in the slot
             draft = tokens[i + 1] if i + 1 < len(tokens) else None
             token, agrees = verify_draft(gen.sampler, gen.masked(row), draft)  # row's logits -> sample -> the draft?
             kept += agrees
             gen.accepted += agrees
-            self.counters["accepted"] += agrees
+            tally(self.counters, session, accepted=agrees)
             self.accept(gen, token, row)
             if gen.finished or not agrees:
                 break
@@ -198,7 +198,7 @@ class Generations:
         gen.generated.append(token)
         if gen.drafter is not None:
             gen.drafter.push(token)
-        self.counters["generated"] += 1
+        tally(self.counters, gen.session, generated=1)
         self.emit(gen, gen.stopper.push(gen.detok.push(token)), [token])
         stops = set(gen.params.stop_token_ids)
         if not gen.params.ignore_eos:

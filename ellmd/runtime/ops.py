@@ -161,6 +161,16 @@ def session_list(rt, request):
     return {"sessions": rt.residency.list(request.owner)}
 
 
+def session_turns(rt, request, session_id):
+    """A session's turns, chat messages and token ids (pending ones included; a session that is not
+    resident has them read from the store, its KV left there). The servers add each turn's text
+    off the engine thread (turns.with_text)."""
+    session = rt.residency.session(session_id, request.owner)
+    tokens = session.tokens if session.tokens is not None else rt.residency.stored_tokens(session_id)
+    return {"session_id": session_id, "turns": session.info(resident=session.slot is not None)["turns"],
+            "messages": session.messages, "token_ids": [*tokens, *session.pending]}
+
+
 def session_export(rt, request, session_id):
     session = rt.residency.session(session_id, request.owner)
     if session.slot is not None:
@@ -451,18 +461,46 @@ def stats(rt, request):
     }
 
 
+def live(rt, request):
+    """What the engine is doing now: each slot's session and state, the requests it holds, and the
+    `stats` (one op, so that a live view costs the engine loop one request a refresh)."""
+    prefills = {job.session.slot: job for job in rt.prefills}
+    generations = {gen.session.slot: gen for gen in rt.generations.active}
+    now = time.perf_counter()
+    slots = [slot_state(i, session, prefills.get(i), generations.get(i), now)
+             for i, session in enumerate(rt.residency.slots)]
+    return {"slots": slots, "prefilling": len(rt.prefills), "generating": len(rt.generations.active),
+            "waiting": len(rt.waiting) + sum(map(len, rt.deferred.values())), "queued": rt.queue.qsize(),
+            "stats": stats(rt, request)}
+
+
+def slot_state(index: int, session: Session | None, prefill, gen, now: float) -> dict:
+    """One slot: free, idle (a session resident), prefilling (done of total tokens) or generating (tok/s)."""
+    if session is None:
+        return {"slot": index, "state": "free", "session_id": None}
+    state = {"slot": index, "session_id": session.session_id, "title": session.title, "tokens": session.length,
+             "state": "idle"}
+    if prefill is not None:
+        state.update(state="prefilling", done=prefill.done, total=len(prefill.tokens))
+    elif gen is not None:
+        count, began = len(gen.generated), gen.first_token_at
+        state.update(state="generating", generated=count,
+                     tok_s=round((count - 1) / (now - began), 2) if count > 1 and now > began else None)
+    return state
+
+
 OPS: dict[str, Op] = {
     "session.open": Op(session_open), "session.append": Op(session_append), "session.fork": Op(session_fork),
     "session.rewind": Op(session_rewind), "session.snapshot": Op(session_snapshot),
     "session.resume": Op(session_resume), "session.close": Op(session_close), "session.delete": Op(session_delete),
     "session.release": Op(session_release),
     "session.info": Op(session_info), "session.list": Op(session_list), "session.export": Op(session_export),
-    "session.import": Op(session_import),
+    "session.import": Op(session_import), "session.turns": Op(session_turns),
     "session.generate": Op(session_generate), "session.chat": Op(session_chat), "completion": Op(completion),
     "session.continue": Op(session_continue), "session.point": Op(session_point),
     "session.grant": Op(session_grant),
     "skill.list": Op(skill_list, aside="read"), "skill.load": Op(skill_load),
     "rag.index": Op(rag_index, aside="write"), "rag.list": Op(rag_list, aside="read"),
     "rag.remove": Op(rag_remove, aside="write"), "rag.inject": Op(rag_inject),
-    "stats": Op(stats),
+    "stats": Op(stats), "live": Op(live),
 }

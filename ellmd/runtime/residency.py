@@ -371,6 +371,11 @@ class Residency:
         self.wait_for_writes(session_id)
         return self.store.get_meta(session_id)
 
+    def stored_tokens(self, session_id: str) -> list[int]:
+        """A stored session's token ids, read without its KV."""
+        self.wait_for_writes(session_id)
+        return self.store.load(session_id, lambda start, data: None, stop=0)[1]
+
     def export(self, session_id: str) -> bytes:
         self.wait_for_writes(session_id)
         return self.store.export_blob(session_id)

@@ -237,6 +237,7 @@ OPS: dict[str, type[Args]] = {
     "session.list": Owned, "completion": Completion, "session.continue": SessionContinue,
     "session.point": SessionPoint, "session.grant": SessionGrant, "skill.list": NoArgs, "skill.load": SkillLoad,
     "rag.index": RagIndex, "rag.list": NoArgs, "rag.remove": RagRemove, "rag.inject": RagInject, "stats": NoArgs,
+    "session.turns": Named, "live": NoArgs,
 }
 
 # Fields holding maps or lists of maps whose nested values must be JSON (the store keeps them).

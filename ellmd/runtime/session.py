@@ -34,6 +34,7 @@ class Session:
     tools: list[dict] | None = None
     skills: list[str] = dataclasses.field(default_factory=list)
     owner: str | None = None  # the API key (its fingerprint) that may name it over HTTP; None: the operator's alone
+    usage: dict[str, int] = dataclasses.field(default_factory=dict)  # tokens of its life, by counter (tally)
     # runtime state, never stored
     slot: int | None = None
     stored_tokens: int = 0  # KV on disk is valid for tokens[:stored_tokens]
@@ -42,7 +43,7 @@ class Session:
     last_used: float = dataclasses.field(default_factory=time.monotonic)
 
     STORED_FIELDS = ("session_id", "fingerprint", "title", "tags", "created", "updated", "pending", "turns",
-                     "messages", "tools", "skills", "owner")
+                     "messages", "tools", "skills", "owner", "usage")
 
     @classmethod
     def new(cls, fingerprint: dict, title: str = "", tags=None, tools=None, owner=None) -> "Session":
@@ -98,12 +99,21 @@ class Session:
         info = {
             "session_id": self.session_id, "title": self.title, "tags": self.tags, "created": self.created,
             "updated": self.updated, "tokens": self.length, "resident": resident, "skills": self.skills,
-            "fingerprint": self.fingerprint, "busy": self.busy,
+            "fingerprint": self.fingerprint, "busy": self.busy, "owner": self.owner, "turn_count": len(self.turns),
+            "usage": self.usage,
         }
         if with_turns:
             info["turns"] = [{k: t[k] for k in ("index", "kind", "role", "name", "start", "end", "time")}
                              for t in self.turns]
         return info
+
+
+def tally(counters: dict, session: Session, **amounts: int) -> None:
+    """Count tokens (prefilled, reused, shared, generated, drafted, accepted) in the daemon's
+    counters and in the session's own usage."""
+    for name, amount in amounts.items():
+        counters[name] += amount
+        session.usage[name] = session.usage.get(name, 0) + amount
 
 
 SCOPE = "@"  # joins the id a key names a session by and the key's scope (see scoped_id)

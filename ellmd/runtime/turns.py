@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from ellmd.errors import CapacityError
 from ellmd.runtime.errors import RuntimeError_, SlotsBusy, busy
-from ellmd.runtime.session import Session
+from ellmd.runtime.session import Session, tally
 
 
 @dataclass
@@ -123,7 +123,7 @@ class Turns:
         slot = self.residency.resident(session)
         if request.reused is None:
             request.reused = len(session.tokens)
-            self.counters["reused"] += request.reused
+            tally(self.counters, session, reused=request.reused)
         tokens = session.pending + list(new_tokens)
         if not session.tokens and tokens:  # a new session: its first tokens may be another's prefix
             shared = self.residency.share_prefix(session, tokens, limit=len(tokens) - need_logits)
@@ -131,8 +131,7 @@ class Turns:
                 session.tokens, session.pending, tokens = tokens[:shared], [], tokens[shared:]
                 request.reused += shared
                 request.shared += shared
-                self.counters["reused"] += shared
-                self.counters["shared"] += shared
+                tally(self.counters, session, reused=shared, shared=shared)
                 if not tokens:
                     return None
         if not tokens:
@@ -148,7 +147,7 @@ class Turns:
         session.tokens.extend(tokens)
         session.pending = []
         request.prefilled += len(tokens)
-        self.counters["prefilled"] += len(tokens)
+        tally(self.counters, session, prefilled=len(tokens))
         return logits
 
     def prefill_prompt(self, request, session: Session, prompt):
@@ -191,3 +190,15 @@ def usage(request, session: Session) -> dict:
     return {"prompt_tokens": session.length, "prefilled_tokens": request.prefilled,
             "reused_tokens": request.reused, "shared_tokens": request.shared,
             "prefill_ms": round((time.perf_counter() - request.received) * 1000, 2)}
+
+
+def with_text(result: dict, tokenizer) -> dict:
+    """session.turns' result as the servers send it: each turn with its token count, its token ids
+    and its text (special tokens kept: what the model saw), decoded off the engine thread."""
+    ids = result["token_ids"]
+    turns = []
+    for turn in result["turns"]:
+        span = ids[turn["start"]:turn["end"]]
+        turns.append({**turn, "tokens": len(span), "token_ids": span,
+                      "text": tokenizer.decode(span) if tokenizer is not None else None})
+    return {"session_id": result["session_id"], "turns": turns, "messages": result["messages"]}

@@ -23,6 +23,7 @@ import msgpack
 from ellmd import __version__
 from ellmd.errors import EllmError
 from ellmd.runtime.errors import RuntimeError_
+from ellmd.runtime.turns import with_text
 from ellmd.server.limits import Admission, Limits, QueueFull
 
 log = logging.getLogger("ellmd.server")
@@ -378,6 +379,8 @@ class Connection:
             result = await asyncio.wrap_future(request.future)
             if op == "session.export":
                 result = await self.send_blob(request_id, result)
+            elif op == "session.turns":  # decoding the texts takes a while on a long session: not on the loop
+                result = await asyncio.to_thread(with_text, result, self.server.runtime.engine.tokenizer)
             self.send({"id": request_id, "ok": True, "result": result})
         except RuntimeError_ as e:
             self.send_error(request_id, e.code, str(e))

@@ -40,6 +40,7 @@ class StoredMeta(msgspec.Struct, forbid_unknown_fields=True):
     tools: list[JsonMap] | None = None
     skills: list[str] = []
     owner: Owner | None = None
+    usage: dict[str, Annotated[int, msgspec.Meta(ge=0)]] = {}
 
 
 def check_meta(meta, token_ids=None, vocab_size: int | None = None) -> dict:

@@ -75,6 +75,7 @@ class Guard:
         self.names = LOCAL_NAMES | {host}
         self.keys = [(key.secret.encode(), key) for key in api_keys]
         self.on_key = on_key  # on_key(request, key): the connection's request authenticated (CountedSite)
+        self.public = {"/health"}  # paths served without a key
 
     @web.middleware
     async def check(self, request: web.Request, handler):
@@ -84,7 +85,7 @@ class Guard:
             origin = request.headers.get("Origin")
             if origin is not None and urlsplit(origin).hostname not in self.names:
                 raise ApiError(403, f"requests from the web page at {origin} are refused")
-        if self.keys and request.path != "/health":
+        if self.keys and request.path not in self.public:
             key = self.key(request.headers.get("Authorization", ""), request.headers.get("x-api-key"))
             if self.on_key is not None:
                 self.on_key(request, key)

@@ -14,7 +14,7 @@ import logging
 from aiohttp import web
 
 from ellmd.errors import EllmError
-from ellmd.server.http import anthropic, openai, responses
+from ellmd.server.http import anthropic, console, openai, responses
 from ellmd.server.http.bridge import Bridge
 from ellmd.server.http.connections import CountedSite
 from ellmd.server.http.errors import ApiError
@@ -60,7 +60,9 @@ class HttpServer:
         self.metrics = Metrics(runtime)
         self.site: CountedSite | None = None
         self.keyed = bool(api_keys)
-        guard = Guard(host, list(api_keys), on_key=self.authenticated)
+        self.api_keys = list(api_keys)
+        guard = Guard(host, self.api_keys, on_key=self.authenticated)
+        guard.public |= console.PUBLIC_PATHS
         app = web.Application(middlewares=[api_errors, guard.check], client_max_size=limits.http_max_body)
         app.add_routes(self.routes())
         # A client that disconnects cancels its handler, which cancels its generation.
@@ -84,6 +86,7 @@ class HttpServer:
             web.delete("/v1/responses/{response_id}", replies.delete),
             web.post("/v1/messages", messages.messages),
             web.post("/v1/messages/count_tokens", messages.count_tokens),
+            *console.routes(self.bridge, self.api_keys),
         ]
 
     async def start(self) -> None:
