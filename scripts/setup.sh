@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Set up ellm in ./.venv on a fresh machine (Python 3.11). With --dev, also what the tests,
-# alignment checks and benchmarks need (torch CPU, transformers, openai).
+# alignment checks and benchmarks need (torch CPU, transformers, openai) and, as root on Debian,
+# the chromium the web console's browser tests drive (the Debian package: no browser download).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -m venv .venv
@@ -21,5 +22,12 @@ print("\n".join(deps))
 PY
 )
 echo "$deps" | tr '\n' '\0' | xargs -0 $pip install -q
+if [ -n "$extras" ] && ! { command -v chromium && command -v chromedriver; } >/dev/null; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+        apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium chromium-driver
+    else
+        echo "the browser tests will skip: install Debian's chromium and chromium-driver to run them"
+    fi
+fi
 $pip install -q --no-deps -e .
 echo "ellm is installed in .venv: try .venv/bin/ellmd --help"
