@@ -18,6 +18,7 @@ from ellmd.engine.engine import builtin_model_path
 from ellmd.engine.sampling import Sampler, SamplingParams
 from ellmd.errors import EllmError
 from ellmd.runtime.ops import Op
+from ellmd.runtime.schemas import NoArgs
 from ellmd.runtime.runtime import Request, Runtime, RuntimeError_
 from ellmd.runtime.store.lmdb import Store, StoreError
 
@@ -122,7 +123,7 @@ def test_the_loop_failing_snapshots_every_session_and_answers_everyone(engine, t
         return {}
 
     monkeypatch.setattr(rt, "_retry_waiting", retry)
-    monkeypatch.setitem(rt.ops, "stats", Op(stats))
+    monkeypatch.setitem(rt.ops, "stats", Op("stats", NoArgs, stats, "admin"))
     held = rt.submit("stats", {})  # holds the loop while two more requests queue behind it
     waiting = [rt.submit("session.info", {"session_id": sid}) for _ in range(2)]
     fail.set()

@@ -13,6 +13,7 @@ from ellmd.engine.kvcache import KVCache
 from ellmd.kernels import formats
 from ellmd.model.spec import ModelSpec
 from ellmd.runtime.ops import Op
+from ellmd.runtime.schemas import NoArgs
 from ellmd.runtime.runtime import Request, Runtime, RuntimeError_
 from ellmd.runtime.scheduler import Policy
 from ellmd.runtime.store.lmdb import Store
@@ -138,7 +139,7 @@ class held:
         def hold(rt, request):
             self.release.wait(30)
             return {}
-        self.rt.ops = {**self.rt.ops, "hold": Op(hold)}
+        self.rt.ops = {**self.rt.ops, "hold": Op("hold", NoArgs, hold, "admin")}
         self.request = Request("hold", {})
         self.rt.queue.put(self.request)
 

@@ -6,7 +6,7 @@ forward over every generating session), and again: a long prefill delays the oth
 one chunk at most, and a cancelled one stops at its next chunk. Handlers on other threads never
 touch arrays: they submit a request and wait on its future. The parts:
 
-  ops.py          the op -> handler table (and which ops run aside of the loop), shared guards
+  ops/            the ops, each declared once beside its handler (where it runs, its schema), by area
   residency.py    sessions in slots, eviction, snapshots: the only code that talks to the store
   store/          the session store and its writer thread (snapshots are written beside this one)
   context/        what sessions load: skill libraries, retrieval indexes
@@ -44,7 +44,7 @@ from ellmd.runtime import schemas
 from ellmd.runtime.errors import RuntimeError_, SlotsBusy, cancelled, protocol_error
 from ellmd.runtime.generations import Generations, brief
 from ellmd.runtime.store.leases import Leases
-from ellmd.runtime.ops import OPS
+from ellmd.runtime.ops import RUNTIME_OPS
 from ellmd.runtime.residency import Residency
 from ellmd.runtime.scheduler import Policy
 from ellmd.runtime.store.base import SessionStore, StoreError
@@ -114,7 +114,7 @@ class Runtime:
         # the matcher lets through the tokens that end a generation (Generations.accept)
         self.grammars = Grammars(engine.tokenizer, engine.spec.vocab_size, engine.spec.eos_token_id) \
             if engine.tokenizer is not None else None
-        self.ops = dict(OPS)
+        self.ops = dict(RUNTIME_OPS)
         self.fingerprint = self.residency.fingerprint
         self.tool_format = self.generations.tool_format
         self.observers = self.generations.observers  # callables given the final usage of every generation
@@ -159,7 +159,7 @@ class Runtime:
         try:
             if op not in self.ops:
                 raise RuntimeError_("unknown_op", f"unknown op {op!r}")
-            request.args = schemas.validate(op, args, self.engine.spec.vocab_size)
+            request.args = self.ops[op].arguments(args, self.engine.spec.vocab_size)
             request.owner = request.args.pop("owner", None)
             request.compiling = self._compile_constraint(op, request.args)
             if self._closed:

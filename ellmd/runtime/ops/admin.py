@@ -1,0 +1,68 @@
+"""Ops on the daemon and the connection: stats, and the socket server's hello, cancel, shutdown.
+
+`stats` runs on the engine thread as in ops/sessions.py. The others run on the socket server
+(runs="connection"): `handler(link, **args)`, where the link is the connection the request came
+on (Link: what a handler may use of it); the server only frames and dispatches them.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Protocol
+
+from ellmd.runtime import schemas as s
+from ellmd.runtime.errors import RuntimeError_
+from ellmd.runtime.ops.base import Op
+
+PROTOCOL_VERSION = 1
+
+
+class Link(Protocol):
+    """What a connection offers the ops it runs itself."""
+
+    greeted: bool  # hello succeeded: other ops may follow
+    in_flight: dict  # request id -> runtime.Request, this connection's requests not answered yet
+
+    def identity(self) -> dict:
+        """The daemon as hello presents it: server, max_frame, model..."""
+
+    def stop_daemon(self) -> None:
+        """Stop the daemon once the current reply is sent."""
+
+
+def stats(rt, request):
+    return {
+        "model": str(rt.engine.model_path), "model_type": rt.engine.spec.model_type,
+        **rt.residency.stats(), "generating": len(rt.generations.active),
+        "uptime_s": round(time.time() - rt.started, 1), "counters": dict(rt.counters),
+        "scheduler": rt.policy.stats(),
+    }
+
+
+def hello(link: Link, protocol, client=None):
+    """The handshake, the first request of a connection: the client's protocol version must be ours."""
+    if protocol != PROTOCOL_VERSION:
+        raise RuntimeError_("protocol_version", f"this daemon speaks protocol {PROTOCOL_VERSION}, the client {protocol!r}")
+    link.greeted = True
+    return {"protocol": PROTOCOL_VERSION, **link.identity()}
+
+
+def cancel(link: Link, request_id):
+    """Stop an earlier request of the same connection (see PROTOCOL.md, cancel)."""
+    request = link.in_flight.get(request_id)
+    if request is not None:
+        request.cancelled.set()
+    return {"cancelled": request is not None}
+
+
+def shutdown(link: Link):
+    link.stop_daemon()
+    return {}
+
+
+OPS = (
+    Op("stats", s.NoArgs, stats, "admin"),
+    Op("hello", s.Hello, hello, "admin", runs="connection"),
+    Op("cancel", s.Cancel, cancel, "admin", runs="connection"),
+    Op("shutdown", s.NoArgs, shutdown, "admin", runs="connection"),
+)

@@ -1,0 +1,65 @@
+"""The record that declares an op (Op), and the guards handlers share."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from ellmd.runtime import schemas
+from ellmd.runtime.errors import busy
+from ellmd.runtime.session import Session
+
+AREAS = ("sessions", "generation", "context", "admin")
+RUNS = ("engine", "read", "write", "connection")
+
+
+@dataclass(frozen=True)
+class Op:
+    """One op of PROTOCOL.md, declared once.
+
+    runs: where its handler runs. "engine": on the engine thread, `handler(rt, request, **args)`;
+    "read" or "write": aside, on that thread beside the engine thread (it never touches the engine
+    or the sessions), same signature; "connection": by the socket server, `handler(link, **args)`
+    with the connection it came on (ops/admin.py says what a link offers).
+    idle: its session must not be running another request (else `busy`; the handler checks it
+    with `idle`). upload: the argument that may come in pieces (collected by the socket server);
+    download: the result's field that goes back in pieces (`chunk` events).
+    """
+
+    name: str
+    schema: type[schemas.Args]
+    handler: Callable
+    area: str
+    runs: str = "engine"
+    idle: bool = False
+    upload: str | None = None
+    download: str | None = None
+
+    def __post_init__(self):
+        if self.area not in AREAS or self.runs not in RUNS:
+            raise ValueError(f"op {self.name}: area {self.area!r} or runs {self.runs!r} is not one of {AREAS}, {RUNS}")
+
+    @property
+    def aside(self) -> str | None:
+        """The thread beside the engine thread it runs on ("read", "write"), or None."""
+        return self.runs if self.runs in ("read", "write") else None
+
+    def arguments(self, args, vocab_size: int) -> dict:
+        """The handler's keyword arguments for a request's args, or BadRequest (schemas.validate)."""
+        return schemas.validate(self.name, self.schema, args, vocab_size)
+
+
+# ---- guards ---------------------------------------------------------------------------------
+# (token ids are checked against the vocabulary at validation, schemas.check_vocabulary)
+
+
+def idle(session: Session) -> Session:
+    """The session, unless a request is running on it (a generation, or a prefill in progress)."""
+    if session.busy:
+        raise busy(session.session_id)
+    return session
+
+
+def timed(began: float) -> float:
+    return round((time.perf_counter() - began) * 1000, 2)
