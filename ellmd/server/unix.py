@@ -28,6 +28,7 @@ from ellmd import __version__
 from ellmd.errors import EllmError
 from ellmd.runtime.errors import RuntimeError_, protocol_error
 from ellmd.runtime.ops import OPS, Op
+from ellmd.runtime.ops.base import UPLOAD_FIELDS
 from ellmd.server.limits import Admission, Limits, QueueFull
 
 log = logging.getLogger("ellmd.server")
@@ -302,7 +303,7 @@ class Connection:
             self.send_error(request_id, "bad_request", f"id {request_id} is already in flight")
         elif declared is not None and declared.runs == "connection":
             self.run_here(request_id, declared, args)
-        elif declared is not None and declared.upload and ("more" in args or "upload" in args):
+        elif declared is not None and declared.upload and any(field in args for field in UPLOAD_FIELDS):
             self.upload(request_id, declared, args)
         else:
             self.start(request_id, op, args)

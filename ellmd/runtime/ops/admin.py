@@ -15,6 +15,9 @@ from ellmd.runtime.errors import RuntimeError_
 from ellmd.runtime.ops.base import Op
 
 PROTOCOL_VERSION = 1
+STATS = ("model", "model_type", "slots", "sequence_length", "kv_bytes", "kv_bytes_per_token", "kv_bytes_used",
+         "kv_bytes_free", "sessions_resident", "sessions_stored", "store", "replica", "generating", "uptime_s",
+         "counters", "scheduler")
 
 
 class Link(Protocol):
@@ -42,7 +45,8 @@ def stats(rt, request):
 def hello(link: Link, protocol, client=None):
     """The handshake, the first request of a connection: the client's protocol version must be ours."""
     if protocol != PROTOCOL_VERSION:
-        raise RuntimeError_("protocol_version", f"this daemon speaks protocol {PROTOCOL_VERSION}, the client {protocol!r}")
+        raise RuntimeError_("protocol_version",
+                            f"this daemon speaks protocol {PROTOCOL_VERSION}, the client {protocol!r}")
     link.greeted = True
     return {"protocol": PROTOCOL_VERSION, **link.identity()}
 
@@ -61,8 +65,8 @@ def shutdown(link: Link):
 
 
 OPS = (
-    Op("stats", s.NoArgs, stats, "admin"),
-    Op("hello", s.Hello, hello, "admin", runs="connection"),
-    Op("cancel", s.Cancel, cancel, "admin", runs="connection"),
-    Op("shutdown", s.NoArgs, shutdown, "admin", runs="connection"),
+    Op("stats", s.NoArgs, stats, "admin", reply=STATS),
+    Op("hello", s.Hello, hello, "admin", runs="connection", reply=("protocol", "server", "max_frame", "model")),
+    Op("cancel", s.Cancel, cancel, "admin", runs="connection", reply=("cancelled",)),
+    Op("shutdown", s.NoArgs, shutdown, "admin", runs="connection", reply=()),
 )

@@ -12,6 +12,14 @@ from ellmd.runtime.session import Session
 
 AREAS = ("sessions", "generation", "context", "admin")
 RUNS = ("engine", "read", "write", "connection")
+UPLOAD_FIELDS = ("upload", "more")  # what a piece of an upload carries beside the argument (PROTOCOL.md)
+
+# Replies: their fields as PROTOCOL.md writes them ("name?": only in some replies)
+SESSION_INFO = ("session_id", "title", "tags", "created", "updated", "tokens", "resident", "busy", "turns",
+                "skills", "fingerprint")
+GENERATION = ("session_id", "text", "token_ids", "finish_reason", "tool_calls", "usage", "content?", "logprobs?")
+APPENDED = ("tokens_appended", "tokens", "usage")
+INDEX = ("name", "path", "retriever", "files", "chunks", "updated")
 
 
 @dataclass(frozen=True)
@@ -24,7 +32,8 @@ class Op:
     with the connection it came on (ops/admin.py says what a link offers).
     idle: its session must not be running another request (else `busy`; the handler checks it
     with `idle`). upload: the argument that may come in pieces (collected by the socket server);
-    download: the result's field that goes back in pieces (`chunk` events).
+    download: the result's field that goes back in pieces (`chunk` events, the reply holding its
+    length as `bytes` instead). reply: the reply's fields, as the client gets them.
     """
 
     name: str
@@ -33,6 +42,7 @@ class Op:
     area: str
     runs: str = "engine"
     idle: bool = False
+    reply: tuple[str, ...] = ()
     upload: str | None = None
     download: str | None = None
 

@@ -13,7 +13,7 @@ import time
 
 from ellmd.runtime import schemas as s
 from ellmd.runtime.errors import RuntimeError_
-from ellmd.runtime.ops.base import Op, idle, timed
+from ellmd.runtime.ops.base import APPENDED, SESSION_INFO, Op, idle, timed
 from ellmd.runtime.residency import visible
 from ellmd.runtime.session import Session
 
@@ -159,18 +159,20 @@ def session_import(rt, request, data):
 
 
 OPS = (
-    Op("session.open", s.SessionOpen, session_open, "sessions"),
-    Op("session.append", s.SessionAppend, session_append, "sessions", idle=True),
-    Op("session.fork", s.SessionFork, session_fork, "sessions", idle=True),
-    Op("session.rewind", s.SessionRewind, session_rewind, "sessions", idle=True),
-    Op("session.snapshot", s.Named, session_snapshot, "sessions"),
-    Op("session.resume", s.Named, session_resume, "sessions"),
-    Op("session.close", s.Named, session_close, "sessions", idle=True),
-    Op("session.release", s.Named, session_release, "sessions", idle=True),
-    Op("session.delete", s.Named, session_delete, "sessions", idle=True),
-    Op("session.grant", s.SessionGrant, session_grant, "sessions", idle=True),
-    Op("session.info", s.Named, session_info, "sessions"),
-    Op("session.list", s.Owned, session_list, "sessions"),
-    Op("session.export", s.Named, session_export, "sessions", download="blob"),
-    Op("session.import", s.SessionImport, session_import, "sessions", upload="data"),
+    Op("session.open", s.SessionOpen, session_open, "sessions", reply=SESSION_INFO),
+    Op("session.append", s.SessionAppend, session_append, "sessions", idle=True, reply=APPENDED),
+    Op("session.fork", s.SessionFork, session_fork, "sessions", idle=True, reply=SESSION_INFO),
+    Op("session.rewind", s.SessionRewind, session_rewind, "sessions", idle=True, reply=SESSION_INFO),
+    Op("session.snapshot", s.Named, session_snapshot, "sessions",
+       reply=("chunks_written", "bytes_written", "stored_tokens", "ms")),
+    Op("session.resume", s.Named, session_resume, "sessions", reply=("session_id", "tokens", "ms")),
+    Op("session.close", s.Named, session_close, "sessions", idle=True, reply=("session_id", "snapshotted")),
+    Op("session.release", s.Named, session_release, "sessions", idle=True, reply=("session_id", "tokens", "released")),
+    Op("session.delete", s.Named, session_delete, "sessions", idle=True, reply=("session_id",)),
+    Op("session.grant", s.SessionGrant, session_grant, "sessions", idle=True, reply=("session_id", "key")),
+    Op("session.info", s.Named, session_info, "sessions", reply=SESSION_INFO),
+    Op("session.list", s.Owned, session_list, "sessions", reply=("sessions",)),
+    Op("session.export", s.Named, session_export, "sessions", download="blob",
+       reply=("session_id", "tokens", "bytes")),
+    Op("session.import", s.SessionImport, session_import, "sessions", upload="data", reply=SESSION_INFO),
 )
