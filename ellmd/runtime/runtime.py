@@ -13,7 +13,7 @@ touch arrays: they submit a request and wait on its future. The parts:
   turns.py        appends (fragments, prefill jobs) and putting a session back after a failure
   generations.py  the generation state machine, turn closing, tool calls
   scheduler.py    the policy: chunk budget, which prefill runs next, which idle session to evict
-  errors.py       the one table from exceptions to PROTOCOL.md's error codes
+  errors.py       the error a request is answered with (codes: the one table, ellmd/errors.py CODES)
 
 Arguments are validated at `submit` (schemas.py) before a request is queued, so handlers see only
 well-typed values. A request that fails is answered with its error and leaves its session as it
@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 
 from ellmd.errors import BadRequest, EllmError
 from ellmd.runtime import schemas
-from ellmd.runtime.errors import RuntimeError_, SlotsBusy, cancelled, protocol_error
+from ellmd.runtime.errors import ProtocolError, SlotsBusy, cancelled, protocol_error
 from ellmd.runtime.generations import Generations, brief
 from ellmd.runtime.store.leases import Leases
 from ellmd.runtime.ops import RUNTIME_OPS
@@ -150,7 +150,7 @@ class Runtime:
         self._thread.start()
 
     def submit(self, op: str, args: dict, emit=None) -> Request:
-        """Queue a request; its future resolves to the result dict (or raises RuntimeError_).
+        """Queue a request; its future resolves to the result dict (or raises ProtocolError).
 
         The arguments are validated here, against the op's schema (schemas.py), before anything
         runs: a bad request is answered at once and changes nothing.
@@ -158,13 +158,13 @@ class Runtime:
         request = Request(op, {}, emit)
         try:
             if op not in self.ops:
-                raise RuntimeError_("unknown_op", f"unknown op {op!r}")
+                raise ProtocolError("unknown_op", f"unknown op {op!r}")
             request.args = self.ops[op].arguments(args, self.engine.spec.vocab_size)
             request.owner = request.args.pop("owner", None)
             request.compiling = self._compile_constraint(op, request.args)
             if self._closed:
                 raise cancelled("the daemon is shutting down")
-        except (RuntimeError_, BadRequest) as e:
+        except (ProtocolError, BadRequest) as e:
             reply(request, error=e)
             return request
         except Exception as e:  # a bug in validation: this request fails, nothing else

@@ -64,8 +64,8 @@ from urllib.parse import urlsplit
 
 from aiohttp import web
 
-from ellmd.errors import EllmError
-from ellmd.runtime.errors import RuntimeError_
+from ellmd.errors import CODES, EllmError
+from ellmd.runtime.errors import ProtocolError
 from ellmd.runtime.schemas import UNSTORABLE, unstorable
 from ellmd.runtime.session import unscoped_id
 from ellmd.server.limits import Admission, Limits, QueueFull
@@ -85,17 +85,6 @@ TOOL_CALL_MARKER = "<tool_call>"
 NAMED_CALL_OPENINGS = {
     "hermes": lambda name: f'{TOOL_CALL_MARKER}\n{{"name": {json.dumps(name)}, "arguments": ',
     "qwen3_coder": lambda name: f"{TOOL_CALL_MARKER}\n<function={name}>\n",
-}
-
-# runtime error code -> (HTTP status, OpenAI error type, OpenAI error code); others are server errors
-RUNTIME_ERRORS = {
-    "bad_request": (400, "invalid_request_error", None),
-    "capacity": (400, "invalid_request_error", "context_length_exceeded"),
-    "not_found": (404, "not_found_error", None),
-    "busy": (409, "conflict_error", "session_busy"),
-    "leased": (409, "conflict_error", "session_leased"),
-    "fingerprint": (409, "conflict_error", "fingerprint_mismatch"),
-    "cancelled": (503, "server_error", "cancelled"),
 }
 
 # HTTP status -> Anthropic error type (the Messages API's error bodies); others are "api_error"
@@ -132,9 +121,9 @@ class ApiError(Exception):
         self.headers = headers or {}
 
     @classmethod
-    def from_runtime(cls, error: RuntimeError_) -> ApiError:
-        status, kind, code = RUNTIME_ERRORS.get(error.code, (500, "server_error", error.code))
-        return cls(status, str(error), kind, code=code)
+    def from_runtime(cls, error: ProtocolError) -> ApiError:
+        answer = CODES[error.code]  # the one table of error codes, with their HTTP status
+        return cls(answer.status, str(error), answer.type, code=answer.api_code)
 
     def body(self) -> dict:
         return {"error": {"message": str(self), "type": self.type, "param": self.param, "code": self.code}}
@@ -912,7 +901,7 @@ class HttpServer:
                 job.cancelled.set()
         try:
             return known_as(job.future.result(), args.get("owner"))
-        except RuntimeError_ as e:
+        except ProtocolError as e:
             raise ApiError.from_runtime(e) from None
 
     async def stream(self, stream: EventStream, args: dict, on_text, op: str = "completion") -> dict | None:
@@ -935,7 +924,7 @@ class HttpServer:
             raise queue_full(e) from None
         try:  # shield: a client that disconnects must not cancel the engine thread's future under it
             return known_as(await asyncio.shield(asyncio.wrap_future(job.future)), args.get("owner"))
-        except RuntimeError_ as e:
+        except ProtocolError as e:
             raise ApiError.from_runtime(e) from None
 
     async def in_thread(self, function, *args):

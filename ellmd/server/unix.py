@@ -26,7 +26,7 @@ import msgpack
 
 from ellmd import __version__
 from ellmd.errors import EllmError
-from ellmd.runtime.errors import RuntimeError_, protocol_error
+from ellmd.runtime.errors import ProtocolError, protocol_error
 from ellmd.runtime.ops import OPS, Op
 from ellmd.runtime.ops.base import UPLOAD_FIELDS
 from ellmd.server.limits import Admission, Limits, QueueFull
@@ -384,7 +384,7 @@ class Connection:
             if download:
                 result = await self.send_blob(request_id, result, download)
             self.send({"id": request_id, "ok": True, "result": result})
-        except RuntimeError_ as e:
+        except ProtocolError as e:
             self.send_error(request_id, e.code, str(e))
         except asyncio.CancelledError:
             if not request.future.cancelled():

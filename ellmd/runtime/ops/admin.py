@@ -11,7 +11,7 @@ import time
 from typing import Protocol
 
 from ellmd.runtime import schemas as s
-from ellmd.runtime.errors import RuntimeError_
+from ellmd.runtime.errors import ProtocolError
 from ellmd.runtime.ops.base import Op
 
 PROTOCOL_VERSION = 1
@@ -45,7 +45,7 @@ def stats(rt, request):
 def hello(link: Link, protocol, client=None):
     """The handshake, the first request of a connection: the client's protocol version must be ours."""
     if protocol != PROTOCOL_VERSION:
-        raise RuntimeError_("protocol_version",
+        raise ProtocolError("protocol_version",
                             f"this daemon speaks protocol {PROTOCOL_VERSION}, the client {protocol!r}")
     link.greeted = True
     return {"protocol": PROTOCOL_VERSION, **link.identity()}

@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ellmd.runtime import schemas as s
-from ellmd.runtime.errors import RuntimeError_
+from ellmd.runtime.errors import ProtocolError
 from ellmd.runtime.ops.base import APPENDED, INDEX, Op
 from ellmd.runtime.turns import usage
 
@@ -23,7 +23,7 @@ def skill_list(rt, request):
 def skill_load(rt, request, session_id, name, force=False, role=None, file=None):
     session = rt.residency.session(session_id, request.owner)
     if rt.skills is None:
-        raise RuntimeError_("not_found", "no skill roots are configured (--skills-dir)")
+        raise ProtocolError("not_found", "no skill roots are configured (--skills-dir)")
     skill = rt.skills.get(name)
     key = skill.name if file is None else f"{skill.name}/{file}"
     if key in session.skills and not force:
@@ -37,7 +37,7 @@ def skill_load(rt, request, session_id, name, force=False, role=None, file=None)
 
 def rag_library(rt):
     if rt.rag is None:
-        raise RuntimeError_("not_found", "retrieval is not configured on this daemon")
+        raise ProtocolError("not_found", "retrieval is not configured on this daemon")
     return rt.rag
 
 

@@ -10,7 +10,7 @@ import copy
 
 from ellmd.errors import CapacityError
 from ellmd.runtime import schemas as s
-from ellmd.runtime.errors import RuntimeError_, SlotsBusy, not_found
+from ellmd.runtime.errors import ProtocolError, SlotsBusy, not_found
 from ellmd.runtime.ops.base import GENERATION, Op, idle
 from ellmd.runtime.session import Session, common_prefix
 from ellmd.runtime.turns import snapshot_of, usage
@@ -84,11 +84,11 @@ def session_continue(rt, request, session_id, after, messages, tools=None, force
     """
     template = rt.engine.chat_template
     if template is None:
-        raise RuntimeError_("bad_request", "this model has no chat template")
+        raise ProtocolError("bad_request", "this model has no chat template")
     source = idle(rt.residency.session(session_id, request.owner))
     at = next((t["end"] for t in source.turns if t["kind"] == "generation" and t["name"] == after), None)
     if at is None:
-        raise RuntimeError_("not_found", f"session {session_id} has no generation turn named {after!r} "
+        raise ProtocolError("not_found", f"session {session_id} has no generation turn named {after!r} "
                                          "(rewound or deleted since?)")
     rt.residency.resident(source)  # its tokens: what a branch starts from
     session = source if source.length == at else branch(rt, source, at)
@@ -115,7 +115,7 @@ def session_point(rt, request, session_id, name, note=None, forget=False):
     session = rt.residency.session(session_id, request.owner)
     turn = next((t for t in session.turns if t["kind"] == "generation" and t["name"] == name), None)
     if turn is None:
-        raise RuntimeError_("not_found", f"session {session_id} has no generation turn named {name!r}")
+        raise ProtocolError("not_found", f"session {session_id} has no generation turn named {name!r}")
     found = dict(turn)
     if found.get("note") is None:  # kept apart (a note of an older store is in its turn)
         found.pop("note", None)

@@ -12,7 +12,7 @@ import copy
 import time
 
 from ellmd.runtime import schemas as s
-from ellmd.runtime.errors import RuntimeError_
+from ellmd.runtime.errors import ProtocolError
 from ellmd.runtime.ops.base import APPENDED, SESSION_INFO, Op, idle, timed
 from ellmd.runtime.residency import visible
 from ellmd.runtime.session import Session
@@ -60,11 +60,11 @@ def session_rewind(rt, request, session_id, turn=None, tokens=None):
     session = idle(rt.residency.session(session_id, request.owner))
     if turn is not None:
         if not turn < len(session.turns):
-            raise RuntimeError_("not_found", f"session {session_id} has no turn {turn!r}")
+            raise ProtocolError("not_found", f"session {session_id} has no turn {turn!r}")
         length = session.turns[turn]["start"]
     else:
         if not tokens <= session.length:
-            raise RuntimeError_("bad_request", f"tokens must be in [0, {session.length}]")
+            raise ProtocolError("bad_request", f"tokens must be in [0, {session.length}]")
         length = tokens
     slot = rt.residency.resident(session)
     session.truncate(length)
@@ -125,7 +125,7 @@ def session_grant(rt, request, session_id, key=None):
     back to the operator alone). The operator's: sessions made over the socket, or before keys
     were set, are no key's until granted."""
     if key is not None and key not in rt.key_owners:
-        raise RuntimeError_("not_found", f"no API key is named {key!r} (the names in api_key_file: "
+        raise ProtocolError("not_found", f"no API key is named {key!r} (the names in api_key_file: "
                                          f"{', '.join(sorted(rt.key_owners)) or 'none'})")
     session = idle(rt.residency.session(session_id, request.owner))
     rt.residency.resident(session)  # the change is stored with a snapshot, which takes a resident session
