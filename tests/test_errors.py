@@ -14,7 +14,9 @@ import pytest
 from ellmd.engine import Engine
 from ellmd.engine.engine import builtin_model_path
 from ellmd.errors import CODES, EllmError, InvariantError
+from ellmd.runtime.context.skills import SkillLibrary
 from ellmd.runtime.errors import ProtocolError
+from ellmd.runtime.ops import OPS
 from ellmd.runtime.runtime import Runtime
 from ellmd.runtime.store.lmdb import Store
 from ellmd.server.http import ApiError
@@ -89,7 +91,9 @@ def engine():
 def runtime(engine, tmp_path):
     for slot in range(engine.kv.slots):
         engine.rewind(slot, 0)
-    rt = Runtime(engine, Store(tmp_path / "store"))
+    (tmp_path / "skills" / "git").mkdir(parents=True)
+    (tmp_path / "skills" / "git" / "SKILL.md").write_text("---\nname: git\ndescription: Use git.\n---\nCommit.\n")
+    rt = Runtime(engine, Store(tmp_path / "store"), skills=SkillLibrary([tmp_path / "skills"], plugins=False))
     thread = threading.Thread(target=rt.run, name="engine-test", daemon=True)
     thread.start()
     yield rt
@@ -118,3 +122,31 @@ def test_a_broken_invariant_is_internal_logged_and_the_runtime_goes_on(runtime, 
     assert (after["tokens"], after["turns"]) == (before["tokens"], before["turns"])  # as the op found it
     assert call(runtime, "session.append", session_id=sid, text="Hello there.")["tokens_appended"] > 0
     assert call(runtime, "session.chat", session_id=sid, content="Hi.", max_tokens=2)["token_ids"]
+
+
+ON_A_SESSION = {  # op -> arguments besides session_id, for every op that names a session
+    "session.append": {"text": "Hi."}, "session.fork": {}, "session.rewind": {"tokens": 0}, "session.close": {},
+    "session.release": {}, "session.delete": {}, "session.grant": {}, "session.generate": {"max_tokens": 1},
+    "session.chat": {"content": "Hi.", "max_tokens": 1}, "completion": {"tokens": [1, 2], "max_tokens": 1},
+    "session.continue": {"after": "p", "messages": [{"role": "user", "content": "Hi."}], "max_tokens": 1},
+    "skill.load": {"name": "git"}, "rag.inject": {"documents": ["A fact."]}, "session.snapshot": {},
+    "session.resume": {}, "session.info": {}, "session.export": {}, "session.point": {"name": "p"},
+}
+
+
+def test_the_ops_declared_idle_and_only_those_refuse_a_busy_session(runtime):
+    """Op.idle (and so `busy` in PROTOCOL.md's Errors by op) is what the handlers do."""
+    assert set(ON_A_SESSION) == {n for n, op in OPS.items() if "session_id" in op.schema.__struct_fields__
+                                 and n != "session.import"}
+    sid = call(runtime, "session.open", system="Be brief.")["session_id"]
+    session = runtime.residency.session(sid)
+    for name, args in ON_A_SESSION.items():
+        session.busy = True  # as while another request generates on it
+        try:
+            call(runtime, name, session_id=sid, **args)
+            refused = None
+        except ProtocolError as e:
+            refused = e.code
+        finally:
+            session.busy = False
+        assert (refused == "busy") == OPS[name].idle, (name, refused)

@@ -118,6 +118,19 @@ def test_the_op_table_gives_the_declared_reply(name):
         assert "`{upload, received}`" in cell
 
 
+def errors_by_op() -> dict[str, set[str]]:
+    table = re.search(r"^### Errors by op\n(.*?)(?=^#|\Z)", section("Ops"), re.S | re.M).group(1)
+    return {m[0]: set(re.findall(r"`([a-z_]+)`", m[1])) for m in re.findall(r"^\| `([a-z_.]+)` \| (.*) \|$", table, re.M)}
+
+
+def test_errors_by_op_are_the_declared_ones():
+    documented = errors_by_op()
+    assert set(documented) == set(OPS)
+    for name, op in OPS.items():
+        assert documented[name] == set(op.errors), name
+        assert ("busy" in op.errors) == op.idle, name  # busy: its session runs another request
+
+
 def test_sampling_and_owner_arguments_are_documented():
     sampling = set(spans(section("Sampling arguments")))
     assert fields(schemas.Sampling) <= sampling

@@ -66,7 +66,8 @@ def shutdown(link: Link):
 
 OPS = (
     Op("stats", s.NoArgs, stats, "admin", reply=STATS),
-    Op("hello", s.Hello, hello, "admin", runs="connection", reply=("protocol", "server", "max_frame", "model")),
+    Op("hello", s.Hello, hello, "admin", runs="connection", reply=("protocol", "server", "max_frame", "model"),
+       errors=("protocol_version",)),
     Op("cancel", s.Cancel, cancel, "admin", runs="connection", reply=("cancelled",)),
     Op("shutdown", s.NoArgs, shutdown, "admin", runs="connection", reply=()),
 )

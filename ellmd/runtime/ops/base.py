@@ -6,6 +6,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
+from ellmd.errors import CODES
 from ellmd.runtime import schemas
 from ellmd.runtime.errors import busy
 from ellmd.runtime.session import Session
@@ -21,6 +22,11 @@ GENERATION = ("session_id", "text", "token_ids", "finish_reason", "tool_calls", 
 APPENDED = ("tokens_appended", "tokens", "usage")
 INDEX = ("name", "path", "retriever", "files", "chunks", "updated")
 
+# Errors an op may answer besides those of any op (bad_request, cancelled, internal; busy when a
+# limit is reached): PROTOCOL.md's Errors by op.
+NAMED = ("not_found", "leased", "fingerprint", "store")  # finding the session it names (in the store)
+TURN = (*NAMED, "busy", "capacity")  # appending to it
+
 
 @dataclass(frozen=True)
 class Op:
@@ -33,7 +39,8 @@ class Op:
     idle: its session must not be running another request (else `busy`; the handler checks it
     with `idle`). upload: the argument that may come in pieces (collected by the socket server);
     download: the result's field that goes back in pieces (`chunk` events, the reply holding its
-    length as `bytes` instead). reply: the reply's fields, as the client gets them.
+    length as `bytes` instead). reply: the reply's fields, as the client gets them. errors: the
+    codes it may answer besides those of any op (`busy` exactly when `idle`).
     """
 
     name: str
@@ -43,12 +50,15 @@ class Op:
     runs: str = "engine"
     idle: bool = False
     reply: tuple[str, ...] = ()
+    errors: tuple[str, ...] = ()
     upload: str | None = None
     download: str | None = None
 
     def __post_init__(self):
         if self.area not in AREAS or self.runs not in RUNS:
             raise ValueError(f"op {self.name}: area {self.area!r} or runs {self.runs!r} is not one of {AREAS}, {RUNS}")
+        if not set(self.errors) <= set(CODES):
+            raise ValueError(f"op {self.name}: {set(self.errors) - set(CODES)} are not error codes of CODES")
 
     @property
     def aside(self) -> str | None:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from ellmd.runtime import schemas as s
 from ellmd.runtime.errors import ProtocolError
-from ellmd.runtime.ops.base import APPENDED, INDEX, Op
+from ellmd.runtime.ops.base import APPENDED, INDEX, TURN, Op
 from ellmd.runtime.turns import usage
 
 
@@ -76,11 +76,12 @@ def rag_inject(rt, request, session_id, documents=None, query=None, k=None, inde
 
 OPS = (
     Op("skill.list", s.NoArgs, skill_list, "context", runs="read", reply=("skills",)),
-    Op("skill.load", s.SkillLoad, skill_load, "context", idle=True, reply=("skill", "file", "loaded", *APPENDED)),
+    Op("skill.load", s.SkillLoad, skill_load, "context", idle=True, reply=("skill", "file", "loaded", *APPENDED),
+       errors=TURN),
     Op("rag.index", s.RagIndex, rag_index, "context", runs="write",
        reply=("name", "path", "retriever", "files", "files_indexed", "files_unchanged", "files_removed",
-              "files_skipped", "chunks", "seconds")),
-    Op("rag.list", s.NoArgs, rag_list, "context", runs="read", reply=("indexes",)),
-    Op("rag.remove", s.RagRemove, rag_remove, "context", runs="write", reply=INDEX),
-    Op("rag.inject", s.RagInject, rag_inject, "context", idle=True, reply=("passages", *APPENDED)),
+              "files_skipped", "chunks", "seconds"), errors=("not_found",)),
+    Op("rag.list", s.NoArgs, rag_list, "context", runs="read", reply=("indexes",), errors=("not_found",)),
+    Op("rag.remove", s.RagRemove, rag_remove, "context", runs="write", reply=INDEX, errors=("not_found",)),
+    Op("rag.inject", s.RagInject, rag_inject, "context", idle=True, reply=("passages", *APPENDED), errors=TURN),
 )

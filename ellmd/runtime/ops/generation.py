@@ -11,7 +11,7 @@ import copy
 from ellmd.errors import CapacityError
 from ellmd.runtime import schemas as s
 from ellmd.runtime.errors import ProtocolError, SlotsBusy, not_found
-from ellmd.runtime.ops.base import GENERATION, Op, idle
+from ellmd.runtime.ops.base import GENERATION, NAMED, TURN, Op, idle
 from ellmd.runtime.session import Session, common_prefix
 from ellmd.runtime.turns import snapshot_of, usage
 
@@ -204,9 +204,12 @@ def anonymous_session(rt, tokens: list[int], owner: str | None, tag: str = ANONY
 
 
 OPS = (
-    Op("session.generate", s.SessionGenerate, session_generate, "generation", idle=True, reply=GENERATION),
-    Op("session.chat", s.SessionChat, session_chat, "generation", idle=True, reply=GENERATION),
-    Op("completion", s.Completion, completion, "generation", idle=True, reply=GENERATION),
-    Op("session.continue", s.SessionContinue, session_continue, "generation", idle=True, reply=GENERATION),
-    Op("session.point", s.SessionPoint, session_point, "generation", reply=("session_id", "turn", "tools", "system")),
+    Op("session.generate", s.SessionGenerate, session_generate, "generation", idle=True, reply=GENERATION,
+       errors=TURN),
+    Op("session.chat", s.SessionChat, session_chat, "generation", idle=True, reply=GENERATION, errors=TURN),
+    Op("completion", s.Completion, completion, "generation", idle=True, reply=GENERATION, errors=TURN),
+    Op("session.continue", s.SessionContinue, session_continue, "generation", idle=True, reply=GENERATION,
+       errors=TURN),
+    Op("session.point", s.SessionPoint, session_point, "generation", reply=("session_id", "turn", "tools", "system"),
+       errors=NAMED),
 )

@@ -13,7 +13,7 @@ import time
 
 from ellmd.runtime import schemas as s
 from ellmd.runtime.errors import ProtocolError
-from ellmd.runtime.ops.base import APPENDED, SESSION_INFO, Op, idle, timed
+from ellmd.runtime.ops.base import APPENDED, NAMED, SESSION_INFO, TURN, Op, idle, timed
 from ellmd.runtime.residency import visible
 from ellmd.runtime.session import Session
 
@@ -159,20 +159,27 @@ def session_import(rt, request, data):
 
 
 OPS = (
-    Op("session.open", s.SessionOpen, session_open, "sessions", reply=SESSION_INFO),
-    Op("session.append", s.SessionAppend, session_append, "sessions", idle=True, reply=APPENDED),
-    Op("session.fork", s.SessionFork, session_fork, "sessions", idle=True, reply=SESSION_INFO),
-    Op("session.rewind", s.SessionRewind, session_rewind, "sessions", idle=True, reply=SESSION_INFO),
+    Op("session.open", s.SessionOpen, session_open, "sessions", reply=SESSION_INFO, errors=("capacity", "store")),
+    Op("session.append", s.SessionAppend, session_append, "sessions", idle=True, reply=APPENDED, errors=TURN),
+    Op("session.fork", s.SessionFork, session_fork, "sessions", idle=True, reply=SESSION_INFO,
+       errors=(*NAMED, "busy")),
+    Op("session.rewind", s.SessionRewind, session_rewind, "sessions", idle=True, reply=SESSION_INFO,
+       errors=(*NAMED, "busy")),
     Op("session.snapshot", s.Named, session_snapshot, "sessions",
-       reply=("chunks_written", "bytes_written", "stored_tokens", "ms")),
-    Op("session.resume", s.Named, session_resume, "sessions", reply=("session_id", "tokens", "ms")),
-    Op("session.close", s.Named, session_close, "sessions", idle=True, reply=("session_id", "snapshotted")),
-    Op("session.release", s.Named, session_release, "sessions", idle=True, reply=("session_id", "tokens", "released")),
-    Op("session.delete", s.Named, session_delete, "sessions", idle=True, reply=("session_id",)),
-    Op("session.grant", s.SessionGrant, session_grant, "sessions", idle=True, reply=("session_id", "key")),
-    Op("session.info", s.Named, session_info, "sessions", reply=SESSION_INFO),
-    Op("session.list", s.Owned, session_list, "sessions", reply=("sessions",)),
+       reply=("chunks_written", "bytes_written", "stored_tokens", "ms"), errors=NAMED),
+    Op("session.resume", s.Named, session_resume, "sessions", reply=("session_id", "tokens", "ms"), errors=NAMED),
+    Op("session.close", s.Named, session_close, "sessions", idle=True, reply=("session_id", "snapshotted"),
+       errors=(*NAMED, "busy")),
+    Op("session.release", s.Named, session_release, "sessions", idle=True, reply=("session_id", "tokens", "released"),
+       errors=("busy", "store")),
+    Op("session.delete", s.Named, session_delete, "sessions", idle=True, reply=("session_id",),
+       errors=(*NAMED, "busy")),
+    Op("session.grant", s.SessionGrant, session_grant, "sessions", idle=True, reply=("session_id", "key"),
+       errors=(*NAMED, "busy")),
+    Op("session.info", s.Named, session_info, "sessions", reply=SESSION_INFO, errors=NAMED),
+    Op("session.list", s.Owned, session_list, "sessions", reply=("sessions",), errors=("store",)),
     Op("session.export", s.Named, session_export, "sessions", download="blob",
-       reply=("session_id", "tokens", "bytes")),
-    Op("session.import", s.SessionImport, session_import, "sessions", upload="data", reply=SESSION_INFO),
+       reply=("session_id", "tokens", "bytes"), errors=NAMED),
+    Op("session.import", s.SessionImport, session_import, "sessions", upload="data", reply=SESSION_INFO,
+       errors=("not_found", "fingerprint", "store")),
 )
