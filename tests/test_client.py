@@ -50,6 +50,9 @@ from ellm import (
 from ellm.cli import app
 from ellm.framing import FrameDecoder, pack
 from ellm.paths import default_socket_path
+from ellmd.errors import BadRequest as DaemonBadRequest
+from ellmd.runtime.ops import OPS
+from ellmd.runtime.ops.base import UPLOAD_FIELDS
 
 CHUNK = 2**16  # export chunk size of the fake daemon
 
@@ -162,6 +165,7 @@ class FakeDaemon:
         rid, op, args = message["id"], message["op"], message.get("args") or {}
         self.requests.append((op, args))
         try:
+            self.check(op, args)
             if op == "hello":
                 result = self.hello(conn, args)
             elif not conn.hello:
@@ -175,6 +179,20 @@ class FakeDaemon:
             conn.send({"id": rid, "ok": False, "error": {"code": exc.code, "message": exc.message}})
         except (HungUp, NoReply):
             pass
+
+    @staticmethod
+    def check(op: str, args: dict) -> None:
+        """The daemon's ops take the arguments their declaration (ellmd.runtime.ops) says, and so
+        does the fake: the client sends nothing else (the test.* ops are the fake's own)."""
+        declared = OPS.get(op)
+        if declared is None:
+            return
+        if declared.upload:  # a piece of an upload: the server takes these before the op sees the whole
+            args = {k: v for k, v in args.items() if k not in UPLOAD_FIELDS}
+        try:
+            declared.arguments(args, vocab_size=1 << 20)
+        except DaemonBadRequest as e:
+            raise FakeError("bad_request", str(e)) from None
 
     def hello(self, conn, args) -> dict:
         if args.get("protocol") != 1:

@@ -15,7 +15,7 @@ import pytest
 
 from ellmd.engine import Engine, SamplingParams
 from ellmd.engine.sampling import Sampler
-from ellmd.errors import CapacityError, ModelError
+from ellmd.errors import CapacityError, InvariantError, ModelError
 from ellmd.kernels import bf16, cpu
 from ellmd.model.weights import RandomCheckpoint
 
@@ -92,12 +92,12 @@ def test_a_prefill_riding_a_decode_step_matches_both_apart(engine, use_kernels, 
     for got, want in ((last, extend_alone), (engine.decode([1], [2])[0], after_alone)):
         np.testing.assert_allclose(got, want, atol=bound * np.abs(want).max())
     lengths = list(engine.lengths)
-    with pytest.raises(CapacityError, match="not decoding"):
+    with pytest.raises(InvariantError, match="not decoding"):  # the runtime's bug, not a request's
         engine.step([0], [1], extend=(0, [3]))
-    with pytest.raises(CapacityError, match="more tokens"):
+    with pytest.raises(InvariantError, match="more tokens"):
         engine.step([0], [1], extend=(1, [3] * engine.step_rows))
-    with pytest.raises(CapacityError):
-        engine.step([0], [1], extend=(1, [3] * (128 - len(b) + 1)))  # over the sequence length
+    with pytest.raises(InvariantError):  # more rows than a step takes (and over the sequence length)
+        engine.step([0], [1], extend=(1, [3] * (128 - len(b) + 1)))
     assert list(engine.lengths) == lengths  # a refused step changes nothing
 
 
@@ -118,12 +118,12 @@ def test_rewind_copy_export_import(engine):
     engine.import_kv(2, 0, data)
     np.testing.assert_array_equal(engine.decode([2], [41])[0], expected)
 
-    with pytest.raises(CapacityError):
+    with pytest.raises(InvariantError):
         engine.rewind(0, 10_000)
     with pytest.raises(CapacityError):
         engine.prefill(0, [1] * 200)  # over the 128-token sequence length
-    with pytest.raises(CapacityError):
-        engine.prefill(0, [10**6])  # outside the vocabulary
+    with pytest.raises(InvariantError):
+        engine.prefill(0, [10**6])  # outside the vocabulary (requests are checked before)
 
 
 def test_chunked_prefill_matches_one_forward(llama):

@@ -18,7 +18,8 @@ from ellmd.engine.engine import builtin_model_path
 from ellmd.engine.sampling import Sampler, SamplingParams
 from ellmd.errors import EllmError
 from ellmd.runtime.ops import Op
-from ellmd.runtime.runtime import Request, Runtime, RuntimeError_
+from ellmd.runtime.schemas import NoArgs
+from ellmd.runtime.runtime import ProtocolError, Request, Runtime
 from ellmd.runtime.store.lmdb import Store, StoreError
 
 
@@ -65,7 +66,7 @@ def test_a_generation_that_raises_ends_alone_and_leaves_its_session_as_it_was(ru
     failing = [raw(runtime, "session.generate", session_id=a, max_tokens=8, **args) for args in bad]
     healthy = runtime.submit("session.chat", {"session_id": b, "content": "Count to five.", "max_tokens": 12})
     for request in failing:
-        with pytest.raises(RuntimeError_) as raised:
+        with pytest.raises(ProtocolError) as raised:
             request.future.result(timeout=120)
         assert raised.value.code in ("internal", "bad_request")
     assert healthy.future.result(timeout=120)["token_ids"] == expected["token_ids"]
@@ -89,7 +90,7 @@ def test_a_later_token_that_raises_ends_only_that_generation(runtime, monkeypatc
                                               "seed": 13, "temperature": 0.8, "ignore_eos": True})
     healthy = runtime.submit("session.chat", {"session_id": b, "content": "Tell a story.", "max_tokens": 20,
                                               "ignore_eos": True})
-    with pytest.raises(RuntimeError_, match="the generation failed: FloatingPointError") as raised:
+    with pytest.raises(ProtocolError, match="the generation failed: FloatingPointError") as raised:
         failing.future.result(timeout=120)
     assert raised.value.code == "internal"
     assert len(healthy.future.result(timeout=120)["token_ids"]) == 20
@@ -122,7 +123,7 @@ def test_the_loop_failing_snapshots_every_session_and_answers_everyone(engine, t
         return {}
 
     monkeypatch.setattr(rt, "_retry_waiting", retry)
-    monkeypatch.setitem(rt.ops, "stats", Op(stats))
+    monkeypatch.setitem(rt.ops, "stats", Op("stats", NoArgs, stats, "admin"))
     held = rt.submit("stats", {})  # holds the loop while two more requests queue behind it
     waiting = [rt.submit("session.info", {"session_id": sid}) for _ in range(2)]
     fail.set()
@@ -131,7 +132,7 @@ def test_the_loop_failing_snapshots_every_session_and_answers_everyone(engine, t
     assert held.future.result(timeout=5) == {}
     assert "the engine loop failed (MemoryError: injected)" in str(errors[0].value)
     for request in waiting:
-        with pytest.raises(RuntimeError_, match="shutting down"):
+        with pytest.raises(ProtocolError, match="shutting down"):
             request.future.result(timeout=5)
     assert store.get_meta(sid)["tokens"] > 0  # snapshotted on the way out
     store.close()
@@ -154,7 +155,7 @@ def test_shutdown_snapshots_every_session_even_when_one_fails(runtime, monkeypat
     runtime.stop(timeout=60)
     assert runtime.store.get_meta(b)["tokens"] > 0
     assert list(runtime.unsaved) == [a]  # what the daemon names as it exits 1
-    with pytest.raises(RuntimeError_, match="shutting down"):
+    with pytest.raises(ProtocolError, match="shutting down"):
         runtime.submit("session.info", {"session_id": b}).future.result(timeout=5)
 
 
@@ -216,12 +217,12 @@ def test_an_append_that_fails_to_store_has_not_appended(runtime, monkeypatch):
 
     monkeypatch.setattr(runtime.store, "snapshot", full)
     for args in ({"text": "More words."}, {"message": {"role": "user", "content": "Hi."}}, {"tokens": [1, 2, 3]}):
-        with pytest.raises(RuntimeError_, match="injected") as raised:
+        with pytest.raises(ProtocolError, match="injected") as raised:
             call(runtime, "session.append", session_id=sid, **args)
         assert raised.value.code == "store"
         assert call(runtime, "session.info", session_id=sid) == before
         assert int(runtime.engine.kv.lengths[runtime.sessions[sid].slot]) == slot_length
-    with pytest.raises(RuntimeError_, match="injected"):  # chat: neither the user message nor a reply
+    with pytest.raises(ProtocolError, match="injected"):  # chat: neither the user message nor a reply
         call(runtime, "session.chat", session_id=sid, content="Hello?", max_tokens=3)
     assert call(runtime, "session.info", session_id=sid) == before
     monkeypatch.undo()
@@ -263,7 +264,7 @@ def test_a_session_the_store_cannot_hold_is_an_internal_error_that_frees_its_slo
     unstorable = {"role": "user", "content": "Hi.", "x": "\ud800"}  # a key the template ignores
     for _ in range(runtime.engine.kv.slots):
         sid = call(runtime, "session.open")["session_id"]
-        with pytest.raises(RuntimeError_, match=f"session {sid} cannot be stored") as raised:
+        with pytest.raises(ProtocolError, match=f"session {sid} cannot be stored") as raised:
             raw(runtime, "session.chat", session_id=sid, message=unstorable, max_tokens=2).future.result(timeout=120)
         assert raised.value.code == "internal"
         assert runtime.sessions.get(sid) is None

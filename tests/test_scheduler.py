@@ -13,7 +13,8 @@ from ellmd.engine.kvcache import KVCache
 from ellmd.kernels import formats
 from ellmd.model.spec import ModelSpec
 from ellmd.runtime.ops import Op
-from ellmd.runtime.runtime import Request, Runtime, RuntimeError_
+from ellmd.runtime.schemas import NoArgs
+from ellmd.runtime.runtime import ProtocolError, Request, Runtime
 from ellmd.runtime.scheduler import Policy
 from ellmd.runtime.store.lmdb import Store
 
@@ -138,7 +139,7 @@ class held:
         def hold(rt, request):
             self.release.wait(30)
             return {}
-        self.rt.ops = {**self.rt.ops, "hold": Op(hold)}
+        self.rt.ops = {**self.rt.ops, "hold": Op("hold", NoArgs, hold, "admin")}
         self.request = Request("hold", {})
         self.rt.queue.put(self.request)
 
@@ -314,7 +315,7 @@ def test_a_cancelled_prefill_stops_at_the_next_chunk_and_leaves_the_session_as_i
 
     engine.on_prefill = cancel_after_two
     holder["request"] = rt.submit("session.append", {"session_id": b, "tokens": tokens(200, 2)})
-    with pytest.raises(RuntimeError_, match="cancelled during its prefill") as raised:
+    with pytest.raises(ProtocolError, match="cancelled during its prefill") as raised:
         holder["request"].future.result(timeout=30)
     assert raised.value.code == "cancelled"
     assert len(engine.log) == 3  # the chunk running when it was cancelled was the last
@@ -339,7 +340,7 @@ def test_a_failing_chunk_fails_its_request_alone(make):
     with held(rt):
         generation = rt.submit("session.generate", {"session_id": a, "max_tokens": 30, "ignore_eos": True})
         appended = rt.submit("session.append", {"session_id": b, "tokens": tokens(100, 1)})
-    with pytest.raises(RuntimeError_) as raised:
+    with pytest.raises(ProtocolError) as raised:
         appended.future.result(timeout=30)
     assert raised.value.code == "internal" and "injected" in str(raised.value)
     assert generation.future.result(timeout=30)["token_ids"] == [1] * 30  # A never noticed
@@ -356,7 +357,7 @@ def test_a_session_prefilling_is_busy_to_other_requests_and_shows_its_last_whole
     def peek(index):
         if index == 1:  # between two chunks of B's prefill, other requests run
             seen["info"] = rt.ops["session.info"].handler(rt, request, session_id=b)
-            with pytest.raises(RuntimeError_, match="busy") as raised:
+            with pytest.raises(ProtocolError, match="busy") as raised:
                 next(rt.ops["session.append"].handler(rt, request, session_id=b, tokens=[2]))
             seen["busy"] = raised.value.code
 
@@ -403,7 +404,7 @@ def test_shutdown_cancels_prefills_in_progress(make):
     stopping.start()
     release.set()
     stopping.join(30)
-    with pytest.raises(RuntimeError_, match="shutting down"):
+    with pytest.raises(ProtocolError, match="shutting down"):
         appended.future.result(timeout=30)
     assert rt.store.get_meta(b)["tokens"] == 0  # snapshotted as it was before the append
 

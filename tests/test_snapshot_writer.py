@@ -16,7 +16,7 @@ import pytest
 from ellmd.engine import Engine
 from ellmd.engine.engine import builtin_model_path
 from ellmd.errors import EllmError
-from ellmd.runtime.runtime import Runtime, RuntimeError_
+from ellmd.runtime.runtime import ProtocolError, Runtime
 from ellmd.runtime.store.lmdb import CHUNK_TOKENS, Store, StoreError
 
 GREEDY = {"max_tokens": 8, "temperature": 0, "ignore_eos": True}
@@ -148,7 +148,7 @@ def test_fork_and_delete_come_after_the_pending_write(start, monkeypatch):
     appended.future.result(timeout=60)
     deleted.future.result(timeout=60)
     assert rt.store.get_meta(fork) is None  # the delete ran after the snapshot, not before
-    with pytest.raises(RuntimeError_) as raised:
+    with pytest.raises(ProtocolError) as raised:
         call(rt, "session.info", session_id=fork)
     assert raised.value.code == "not_found"
 

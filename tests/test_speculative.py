@@ -15,7 +15,7 @@ import pytest
 from ellmd.engine import Engine, SamplingParams
 from ellmd.engine.engine import builtin_model_path
 from ellmd.engine.sampling import Sampler, verify_draft
-from ellmd.errors import CapacityError
+from ellmd.errors import CapacityError, InvariantError
 from ellmd.runtime.drafts import MAX_PAUSE, PromptLookup
 from ellmd.runtime.runtime import Runtime
 from ellmd.runtime.store.lmdb import Store
@@ -89,9 +89,9 @@ def test_draft_rows_beside_a_riding_prefill(smollm):
     engine.rewind(2, 0)
     engine.prefill(2, [1] * 250)
     lengths = list(engine.lengths)
-    with pytest.raises(CapacityError):
+    with pytest.raises(InvariantError):
         engine.step([0], [[1] * (engine.step_rows + 1)])  # more rows than a step takes
-    with pytest.raises(CapacityError):
+    with pytest.raises(InvariantError):
         engine.step([0], [[1] * 10], extend=(1, [2] * (engine.step_rows - 9)))
     with pytest.raises(CapacityError):
         engine.step([0, 2], [[1, 2], [1] * 7])  # slot 2's draft over the sequence length

@@ -10,8 +10,8 @@ import msgpack
 import numpy as np
 import pytest
 
-from ellmd.errors import BadRequest, CapacityError, EllmError
-from ellmd.runtime.errors import RuntimeError_
+from ellmd.errors import BadRequest, EllmError, InvariantError
+from ellmd.runtime.errors import ProtocolError
 from ellmd.runtime.residency import check_fingerprint
 from ellmd.runtime.store.lmdb import CHECKSUM_BYTES, CHUNK_TOKENS, Store, StoreError, checksum, chunk_key, first_changed
 from ellmd.server.config import load_settings
@@ -125,7 +125,7 @@ def test_fingerprint_mismatch_names_the_part():
     check_fingerprint(FINGERPRINT, meta())
     for part in FINGERPRINT:
         stored = {**meta(), "fingerprint": {**FINGERPRINT, part: "other"}}
-        with pytest.raises(RuntimeError_, match=f"another {part}") as raised:
+        with pytest.raises(ProtocolError, match=f"another {part}") as raised:
             check_fingerprint(FINGERPRINT, stored)
         assert raised.value.code == "fingerprint"
 
@@ -177,7 +177,7 @@ def test_a_snapshot_never_commits_a_short_or_empty_chunk(tmp_path):
         assert load(store, "s1")[1] == tokens  # the previous snapshot is whole
 
     def unreadable(a, b):
-        raise CapacityError("outside the slot")
+        raise InvariantError("outside the slot")
 
     with pytest.raises(StoreError, match="cannot be read"):
         store.snapshot(meta(), more, unreadable, len(tokens), BYTES_PER_TOKEN)

@@ -13,23 +13,20 @@ from ellm.errors import NotFound
 from ellmd.errors import BadRequest
 from ellmd.runtime import schemas
 from ellmd.runtime.store.meta import check_meta
-from ellmd.runtime.ops import OPS as HANDLERS
+from ellmd.runtime.ops import OPS
 
 from daemon import Daemon
 
 VOCAB = 49152  # SmolLM2's
 
 
-def test_every_op_has_a_schema_and_a_handler():
-    assert set(schemas.OPS) == set(HANDLERS)
-
-
-@pytest.mark.parametrize("op", sorted(schemas.OPS))
+@pytest.mark.parametrize("op", sorted(OPS))
 def test_every_schema_field_binds_to_its_handler(op):
     """What the schema lets through is exactly what the handler takes (owner is the request's)."""
-    fields = {f.name: f for f in msgspec.structs.fields(schemas.OPS[op]) if f.name != "owner"}
-    params = inspect.signature(HANDLERS[op].handler).parameters
-    named = {n: p for n, p in params.items() if p.kind is p.POSITIONAL_OR_KEYWORD and n not in ("rt", "request")}
+    fields = {f.name: f for f in msgspec.structs.fields(OPS[op].schema) if f.name != "owner"}
+    params = inspect.signature(OPS[op].handler).parameters
+    named = {n: p for n, p in params.items()
+             if p.kind is p.POSITIONAL_OR_KEYWORD and n not in ("rt", "request", "link")}
     sampling = {f.name for f in msgspec.structs.fields(schemas.Sampling)} - {"owner"}
     takes_sampling = any(p.kind is p.VAR_KEYWORD for p in params.values())
     assert set(fields) - set(named) == (sampling if takes_sampling else set())
@@ -92,16 +89,16 @@ BAD = [  # (op, args, words the error must contain)
 @pytest.mark.parametrize("op,args,words", BAD, ids=[f"{op}-{i}" for i, (op, _, _) in enumerate(BAD)])
 def test_bad_arguments_name_the_field_and_rule(op, args, words):
     with pytest.raises(BadRequest, match=words):
-        schemas.validate(op, args, VOCAB)
+        OPS[op].arguments(args, VOCAB)
 
 
 def test_good_arguments_come_back_typed():
-    args = schemas.validate("session.chat", {"session_id": "s1", "content": "hi", "temperature": 1,
-                                             "logit_bias": {"5": 3, 7: -1}, "stop": ["x"], "seed": None}, VOCAB)
+    args = OPS["session.chat"].arguments({"session_id": "s1", "content": "hi", "temperature": 1,
+                                          "logit_bias": {"5": 3, 7: -1}, "stop": ["x"], "seed": None}, VOCAB)
     assert args == {"session_id": "s1", "content": "hi", "temperature": 1.0, "logit_bias": {5: 3.0, 7: -1.0},
                     "stop": ["x"]}
     assert isinstance(args["temperature"], float)
-    assert schemas.validate("rag.inject", {"session_id": "a", "documents": ["x", {"text": "y"}]}, VOCAB)[
+    assert OPS["rag.inject"].arguments({"session_id": "a", "documents": ["x", {"text": "y"}]}, VOCAB)[
         "documents"] == ["x", {"text": "y", "source": None}]
 
 

@@ -17,7 +17,7 @@ import numpy as np
 from ellmd.engine.kvcache import KVCache, available_memory
 from ellmd.engine.plan import Plan
 from ellmd.engine.sampling import Sampler, SamplingParams
-from ellmd.errors import CapacityError, ModelError
+from ellmd.errors import BadRequest, CapacityError, EllmError, InvariantError, ModelError
 from ellmd.kernels import bf16, cpu, formats, quant
 from ellmd.kernels.matmul import PREFILL_MIN_ROWS
 from ellmd.model import FAMILIES
@@ -90,7 +90,7 @@ class Engine:
         except ValueError as e:
             raise ModelError(str(e)) from None
         if sequence_length < 2 or batch_size < 1 or chunk_size < 1:
-            raise CapacityError("the sequence length must be >= 2, batch and chunk sizes >= 1")
+            raise EllmError("the sequence length must be >= 2, batch and chunk sizes >= 1")
 
         start = time.perf_counter()
         if not isinstance(model_path, RandomCheckpoint):
@@ -215,7 +215,7 @@ class Engine:
         tokens = np.asarray(tokens, np.int64)
         n = len(tokens)
         if n == 0:
-            raise CapacityError("prefill needs at least one token")
+            raise InvariantError("prefill needs at least one token")
         self._check_tokens(tokens)
         self.kv.check_room(slot, n)
         ws, chunk = self.plan.ws, self.plan.chunk_size
@@ -259,12 +259,12 @@ class Engine:
         counts = [len(t) if isinstance(t, (list, tuple, np.ndarray)) else 1 for t in tokens]  # each slot's rows
         rows = sum(counts)
         if count == 0 or count != len(tokens) or rows > len(ws.logits) or (rows > count and rows > self.step_rows):
-            raise CapacityError(f"decode takes 1..{len(ws.logits)} slots with one token each, or up to "
-                                f"{self.step_rows} tokens in all")
+            raise InvariantError(f"decode takes 1..{len(ws.logits)} slots with one token each, or up to "
+                                 f"{self.step_rows} tokens in all")
         n = 0
         for slot, piece, r in zip(slots, tokens, counts):
             if r == 0:
-                raise CapacityError("each decoding slot takes at least one token")
+                raise InvariantError("each decoding slot takes at least one token")
             self.kv.check_room(slot, r)
             ws.tokens[n : n + r] = piece
             ws.slots[n : n + r] = slot
@@ -274,8 +274,8 @@ class Engine:
             extend_slot, piece = extend
             m = len(piece)
             if extend_slot in slots or m == 0 or rows + m > self.step_rows:
-                raise CapacityError(f"a decode step takes 1..{self.step_rows - rows} more tokens of a slot "
-                                    "that is not decoding")
+                raise InvariantError(f"a decode step takes 1..{self.step_rows - rows} more tokens of a slot "
+                                     "that is not decoding")
             self.kv.check_room(extend_slot, m)
             start = int(self.kv.lengths[extend_slot])
             ws.tokens[rows : rows + m] = piece
@@ -296,7 +296,7 @@ class Engine:
 
     def _check_tokens(self, tokens: np.ndarray) -> None:
         if tokens.min() < 0 or tokens.max() >= self.spec.vocab_size:
-            raise CapacityError(f"token ids must be in [0, {self.spec.vocab_size})")
+            raise InvariantError(f"token ids must be in [0, {self.spec.vocab_size})")
 
     # ---- slots ---------------------------------------------------------------------------
 
@@ -326,6 +326,8 @@ class Engine:
         prompt = list(prompt)
         if params.max_tokens == 0:
             return
+        if not prompt:  # (prefill refuses it as a caller's bug: here the caller is a user)
+            raise BadRequest("the prompt is empty: there is nothing to generate after")
         self.kv.check_room(slot, len(prompt))
         sampler = Sampler(params, prompt)
         stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.spec.eos_token_id))

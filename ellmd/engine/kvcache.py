@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ellmd.errors import CapacityError
+from ellmd.errors import CapacityError, InvariantError
 from ellmd.kernels import formats
 
 
@@ -56,9 +56,9 @@ class KVCache:
                 progress(layer + 1, self.shape[0])
 
     def check_room(self, slot: int, extra: int) -> None:
-        """Raise CapacityError unless `extra` more tokens fit in `slot`."""
+        """Raise CapacityError unless `extra` more tokens fit in `slot` (InvariantError: no such slot)."""
         if not 0 <= slot < self.slots:
-            raise CapacityError(f"slot {slot} does not exist (slots: 0..{self.slots - 1})")
+            raise InvariantError(f"slot {slot} does not exist (slots: 0..{self.slots - 1})")
         needed = int(self.lengths[slot]) + extra
         if needed > self.sequence_length:
             raise CapacityError(
@@ -68,14 +68,14 @@ class KVCache:
     def rewind(self, slot: int, length: int) -> None:
         """Forget everything after `length` tokens: O(1), the stale entries are simply overwritten later."""
         if not 0 <= length <= self.lengths[slot]:
-            raise CapacityError(f"cannot rewind slot {slot} to {length} tokens: it holds {self.lengths[slot]}")
+            raise InvariantError(f"cannot rewind slot {slot} to {length} tokens: it holds {self.lengths[slot]}")
         self.lengths[slot] = length
 
     def copy_slot(self, src: int, dst: int, length: int | None = None) -> None:
         """Make dst hold src's first `length` tokens (all of them by default)."""
         n = int(self.lengths[src]) if length is None else length
         if not 0 <= n <= self.lengths[src]:
-            raise CapacityError(f"cannot copy {n} tokens of slot {src}: it holds {self.lengths[src]}")
+            raise InvariantError(f"cannot copy {n} tokens of slot {src}: it holds {self.lengths[src]}")
         self.k[:, dst, :, :n] = self.k[:, src, :, :n]
         self.v[:, dst, :, :n] = self.v[:, src, :, :n]
         self.lengths[dst] = n
@@ -84,7 +84,7 @@ class KVCache:
         """K then V of tokens [start, stop) as bytes (a flat uint8 array, gathered in one copy),
         laid out [layers, kv_heads, tokens, head_dim]."""
         if not 0 <= start <= stop <= self.lengths[slot]:
-            raise CapacityError(f"range [{start}, {stop}) is outside slot {slot}'s {self.lengths[slot]} tokens")
+            raise InvariantError(f"range [{start}, {stop}) is outside slot {slot}'s {self.lengths[slot]} tokens")
         layers, _, kv_heads, _, head_dim = self.shape
         out = np.empty((stop - start) * self.bytes_per_token, np.uint8)
         halves = out.view(self.k.dtype).reshape(2, layers, kv_heads, stop - start, head_dim)
@@ -98,10 +98,10 @@ class KVCache:
         layers, _, kv_heads, _, head_dim = self.shape
         per_token = self.bytes_per_token
         if len(data) % per_token:
-            raise CapacityError(f"KV data of {len(data)} bytes is not a whole number of {per_token}-byte tokens")
+            raise InvariantError(f"KV data of {len(data)} bytes is not a whole number of {per_token}-byte tokens")
         count = len(data) // per_token
         if start > self.lengths[slot]:
-            raise CapacityError(f"import at {start} would leave a gap after slot {slot}'s {self.lengths[slot]} tokens")
+            raise InvariantError(f"import at {start} would leave a gap after slot {slot}'s {self.lengths[slot]} tokens")
         if start + count > self.sequence_length:
             raise CapacityError(f"{start + count} tokens exceed the sequence length {self.sequence_length}")
         half = np.frombuffer(data, self.k.dtype).reshape(2, layers, kv_heads, count, head_dim)

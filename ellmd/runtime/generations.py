@@ -18,7 +18,7 @@ import numpy as np
 from ellmd.engine.sampling import Sampler, SamplingParams, verify_draft
 from ellmd.errors import EllmError
 from ellmd.runtime.drafts import DRAFT_TOKENS, PromptLookup
-from ellmd.runtime.errors import RuntimeError_
+from ellmd.runtime.errors import ProtocolError
 from ellmd.runtime.session import Session, tally
 from ellmd.text import IncrementalDetokenizer, StopMatcher, detect_format, parse_tool_calls
 from ellmd.text.constraints import Constraint
@@ -280,7 +280,7 @@ class Generations:
         if not isinstance(error, EllmError):
             log.error("generation failed: op %s, session %s, args %s", request.op, session.session_id,
                       brief(request.args), exc_info=error)
-            error = RuntimeError_("internal", f"{request.op}: the generation failed: {type(error).__name__}: {error}")
+            error = ProtocolError("internal", f"{request.op}: the generation failed: {type(error).__name__}: {error}")
         if gen in self.active:
             self.active.remove(gen)
         session.busy = False

@@ -24,8 +24,8 @@ import hashlib
 import logging
 import time
 
-from ellmd.errors import CapacityError, EllmError
-from ellmd.runtime.errors import RuntimeError_, SlotsBusy, not_found
+from ellmd.errors import EllmError, InvariantError
+from ellmd.runtime.errors import ProtocolError, SlotsBusy, not_found
 from ellmd.runtime.store.leases import Leases
 from ellmd.runtime.schemas import UNSTORABLE, unstorable
 from ellmd.runtime.session import SCOPE, Session, common_prefix, scoped_id
@@ -108,7 +108,7 @@ class Residency:
             return
         refused = self.leases.take(session_id)
         if refused is not None:
-            raise RuntimeError_("leased", f"session {session_id} is held by {refused.holder.describe()}: "
+            raise ProtocolError("leased", f"session {session_id} is held by {refused.holder.describe()}: "
                                         f"send its requests there, or wait until it releases the session")
 
     def disown(self, session_id: str) -> None:
@@ -291,8 +291,8 @@ class Residency:
 
         def export(start, stop):  # on the writer thread
             if start not in chunks:
-                raise CapacityError(f"session {session_id}'s KV for tokens [{start}, {stop}) was not copied for "
-                                    f"this snapshot" if resident else f"session {session_id} is not resident")
+                raise InvariantError(f"session {session_id}'s KV for tokens [{start}, {stop}) was not copied for "
+                                     f"this snapshot" if resident else f"session {session_id} is not resident")
             return chunks[start]
 
         write = StoreWrite("snapshot", session_id, lambda store: store.snapshot(meta, tokens, export, stored, per_token),
@@ -425,7 +425,7 @@ def check_fingerprint(ours: dict, meta: dict) -> None:
     theirs = meta.get("fingerprint", {})
     for part in ("model", "tokenizer", "template", "kv"):
         if theirs.get(part) != ours[part]:
-            raise RuntimeError_(
+            raise ProtocolError(
                 "fingerprint",
                 f"session {meta['session_id']} was made under another {part} "
                 f"({theirs.get(part)} != {ours[part]}); it cannot be resumed by this daemon",

@@ -6,14 +6,14 @@ forward over every generating session), and again: a long prefill delays the oth
 one chunk at most, and a cancelled one stops at its next chunk. Handlers on other threads never
 touch arrays: they submit a request and wait on its future. The parts:
 
-  ops.py          the op -> handler table (and which ops run aside of the loop), shared guards
+  ops/            the ops, each declared once beside its handler (where it runs, its schema), by area
   residency.py    sessions in slots, eviction, snapshots: the only code that talks to the store
   store/          the session store and its writer thread (snapshots are written beside this one)
   context/        what sessions load: skill libraries, retrieval indexes
   turns.py        appends (fragments, prefill jobs) and putting a session back after a failure
   generations.py  the generation state machine, turn closing, tool calls
   scheduler.py    the policy: chunk budget, which prefill runs next, which idle session to evict
-  errors.py       the one table from exceptions to PROTOCOL.md's error codes
+  errors.py       the error a request is answered with (codes: the one table, ellmd/errors.py CODES)
 
 Arguments are validated at `submit` (schemas.py) before a request is queued, so handlers see only
 well-typed values. A request that fails is answered with its error and leaves its session as it
@@ -41,10 +41,10 @@ from dataclasses import dataclass, field
 
 from ellmd.errors import BadRequest, EllmError
 from ellmd.runtime import schemas
-from ellmd.runtime.errors import RuntimeError_, SlotsBusy, cancelled, protocol_error
+from ellmd.runtime.errors import ProtocolError, SlotsBusy, cancelled, protocol_error
 from ellmd.runtime.generations import Generations, brief
 from ellmd.runtime.store.leases import Leases
-from ellmd.runtime.ops import OPS
+from ellmd.runtime.ops import RUNTIME_OPS
 from ellmd.runtime.residency import Residency
 from ellmd.runtime.scheduler import Policy
 from ellmd.runtime.store.base import SessionStore, StoreError
@@ -114,7 +114,7 @@ class Runtime:
         # the matcher lets through the tokens that end a generation (Generations.accept)
         self.grammars = Grammars(engine.tokenizer, engine.spec.vocab_size, engine.spec.eos_token_id) \
             if engine.tokenizer is not None else None
-        self.ops = dict(OPS)
+        self.ops = dict(RUNTIME_OPS)
         self.fingerprint = self.residency.fingerprint
         self.tool_format = self.generations.tool_format
         self.observers = self.generations.observers  # callables given the final usage of every generation
@@ -150,7 +150,7 @@ class Runtime:
         self._thread.start()
 
     def submit(self, op: str, args: dict, emit=None) -> Request:
-        """Queue a request; its future resolves to the result dict (or raises RuntimeError_).
+        """Queue a request; its future resolves to the result dict (or raises ProtocolError).
 
         The arguments are validated here, against the op's schema (schemas.py), before anything
         runs: a bad request is answered at once and changes nothing.
@@ -158,13 +158,13 @@ class Runtime:
         request = Request(op, {}, emit)
         try:
             if op not in self.ops:
-                raise RuntimeError_("unknown_op", f"unknown op {op!r}")
-            request.args = schemas.validate(op, args, self.engine.spec.vocab_size)
+                raise ProtocolError("unknown_op", f"unknown op {op!r}")
+            request.args = self.ops[op].arguments(args, self.engine.spec.vocab_size)
             request.owner = request.args.pop("owner", None)
             request.compiling = self._compile_constraint(op, request.args)
             if self._closed:
                 raise cancelled("the daemon is shutting down")
-        except (RuntimeError_, BadRequest) as e:
+        except (ProtocolError, BadRequest) as e:
             reply(request, error=e)
             return request
         except Exception as e:  # a bug in validation: this request fails, nothing else

@@ -1,8 +1,8 @@
 """The validation layer: every op's arguments against a declared schema, before anything runs.
 
-Each op of PROTOCOL.md has a msgspec Struct here; `validate` converts a request's args into it
-(types, ranges, required and unknown fields), then checks what a type cannot say: token ids within
-the vocabulary, JSON-safe maps (string keys, finite numbers, bounded depth) and rules between
+Each op of PROTOCOL.md has a msgspec Struct here (its declaration in ops/ names it); `validate`
+converts a request's args into it (types, ranges, required and unknown fields), then checks what a
+type cannot say: token ids within the vocabulary, JSON-safe maps (string keys, finite numbers, bounded depth) and rules between
 fields. What passes comes back as keyword arguments for the op's handler, with absent (None)
 arguments left out, so nothing past this layer sees a wrong type. A failure is one `bad_request`
 line naming the field and the rule.
@@ -228,26 +228,23 @@ class NoArgs(Args, kw_only=True):
     pass
 
 
-OPS: dict[str, type[Args]] = {
-    "session.open": SessionOpen, "session.append": SessionAppend, "session.generate": SessionGenerate,
-    "session.chat": SessionChat, "session.fork": SessionFork, "session.rewind": SessionRewind,
-    "session.snapshot": Named, "session.resume": Named, "session.close": Named, "session.delete": Named,
-    "session.release": Named,
-    "session.info": Named, "session.export": Named, "session.import": SessionImport,
-    "session.list": Owned, "completion": Completion, "session.continue": SessionContinue,
-    "session.point": SessionPoint, "session.grant": SessionGrant, "skill.list": NoArgs, "skill.load": SkillLoad,
-    "rag.index": RagIndex, "rag.list": NoArgs, "rag.remove": RagRemove, "rag.inject": RagInject, "stats": NoArgs,
-    "session.turns": Named, "live": NoArgs,
-}
+class Hello(Args, kw_only=True):
+    protocol: int  # another version than the daemon's is refused with protocol_version
+    client: Short | None = None  # the client's name and version, for the log
+
+
+class Cancel(Args, kw_only=True):
+    request_id: int  # an earlier request of the same connection
+
 
 # Fields holding maps or lists of maps whose nested values must be JSON (the store keeps them).
 # `json_schema` must be too; it is checked on the compile thread (a schema may be megabytes).
 JSON_FIELDS = ("message", "messages", "tools", "note")
 
 
-def validate(op: str, args, vocab_size: int) -> dict:
-    """The handler's keyword arguments for a request, or BadRequest naming the field and rule."""
-    schema = OPS[op]
+def validate(op: str, schema: type[Args], args, vocab_size: int) -> dict:
+    """The handler's keyword arguments for a request of `op` (its arguments declared by `schema`),
+    or BadRequest naming the field and rule."""
     if not isinstance(args, dict):
         raise BadRequest(f"{op}: args must be a map")
     try:

@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass
 
 from ellmd.errors import CapacityError
-from ellmd.runtime.errors import RuntimeError_, SlotsBusy, busy
+from ellmd.runtime.errors import ProtocolError, SlotsBusy, busy
 from ellmd.runtime.session import Session, tally
 
 
@@ -73,7 +73,7 @@ class Turns:
         """Render a message as a fragment of the session's conversation and append it (generator)."""
         template = self.engine.chat_template
         if template is None:
-            raise RuntimeError_("bad_request", "this model has no chat template: append text or tokens")
+            raise ProtocolError("bad_request", "this model has no chat template: append text or tokens")
         text = template.render_fragment(session.messages, [message], tools=session.tools,
                                         add_generation_prompt=False, allow_rewrite=True)
         return (yield from self.append(request, session, kind, self.encode(session, text),
@@ -138,7 +138,7 @@ class Turns:
             if not need_logits:
                 return None
             if not session.tokens:
-                raise RuntimeError_("bad_request", f"session {session.session_id} is empty: append something first")
+                raise ProtocolError("bad_request", f"session {session.session_id} is empty: append something first")
             # Nothing new: recompute the last position's logits by running its token again.
             tokens = [session.tokens.pop()]
             self.engine.rewind(slot, len(session.tokens))

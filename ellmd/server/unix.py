@@ -1,7 +1,11 @@
 """The Unix-socket server: PROTOCOL.md framing and rpc over asyncio, in front of the Runtime.
 
-Handlers never touch arrays: each request goes to the engine thread through Runtime.submit;
-token events come back through the event loop in the order the engine thread emitted them.
+It frames and dispatches; the ops are declared in ellmd.runtime.ops. Those that run on the
+connection (hello, cancel, shutdown) get it as their link; the others go to the Runtime through
+Runtime.submit (handlers here never touch arrays), and their token events come back through the
+event loop in the order the engine thread emitted them. An op's argument that may come in pieces
+(Op.upload) is collected here, and a result's field that goes back in pieces (Op.download) is
+streamed from here.
 
 Only the daemon's user can connect: the socket's directory must be private (0700, owned by the
 user), the socket is created 0600, and SO_PEERCRED turns away any other uid. Every resource a
@@ -22,13 +26,13 @@ import msgpack
 
 from ellmd import __version__
 from ellmd.errors import EllmError
-from ellmd.runtime.errors import RuntimeError_
-from ellmd.runtime.turns import with_text
+from ellmd.runtime.errors import ProtocolError, protocol_error
+from ellmd.runtime.ops import OPS, Op
+from ellmd.runtime.ops.base import UPLOAD_FIELDS
 from ellmd.server.limits import Admission, Limits, QueueFull
 
 log = logging.getLogger("ellmd.server")
 
-PROTOCOL_VERSION = 1
 MAX_FRAME = 16 * 1024 * 1024
 READ_SIZE = 1 << 16
 # A refused connection is answered once its hello has arrived (or after this long): hung up on
@@ -292,46 +296,45 @@ class Connection:
         if not isinstance(op, str) or not isinstance(args, dict) or not all(isinstance(k, str) for k in args):
             self.send_error(request_id, "bad_request", "a request needs op (string) and args (map with string keys)")
             return
-        if op == "hello":
-            self.hello(request_id, args)
-        elif not self.greeted:
+        declared = OPS.get(op)
+        if not self.greeted and op != "hello":
             self.send_error(request_id, "bad_request", "the first request must be hello")
         elif request_id in self.in_flight:
             self.send_error(request_id, "bad_request", f"id {request_id} is already in flight")
-        elif op == "shutdown":
-            self.send({"id": request_id, "ok": True, "result": {}})
-            self.loop.call_soon(self.server.on_shutdown)
-        elif op == "cancel":
-            self.cancel(request_id, args.get("request_id"))
-        elif op == "session.import" and ("more" in args or "upload" in args):
-            self.upload(request_id, args)
+        elif declared is not None and declared.runs == "connection":
+            self.run_here(request_id, declared, args)
+        elif declared is not None and declared.upload and any(field in args for field in UPLOAD_FIELDS):
+            self.upload(request_id, declared, args)
         else:
             self.start(request_id, op, args)
 
-    def hello(self, request_id, args) -> None:
-        version = args.get("protocol")
-        if version != PROTOCOL_VERSION:
-            self.send_error(request_id, "protocol_version",
-                            f"this daemon speaks protocol {PROTOCOL_VERSION}, the client {version!r}")
+    def run_here(self, request_id, declared: Op, args) -> None:
+        """An op that runs on the connection (hello, cancel, shutdown), its reply sent at once."""
+        try:
+            # (no token ids among these ops' arguments: no vocabulary to check them against)
+            result = declared.handler(self, **declared.arguments(args, vocab_size=0))
+        except EllmError as e:
+            error = protocol_error(e)
+            self.send_error(request_id, error.code, str(error))
             return
-        self.greeted = True
-        self.send({"id": request_id, "ok": True, "result": {
-            "protocol": PROTOCOL_VERSION, "server": f"ellmd/{__version__}", "max_frame": MAX_FRAME, **self.server.info}})
+        self.send({"id": request_id, "ok": True, "result": result})
 
-    def cancel(self, request_id, target) -> None:
-        if not isinstance(target, int) or isinstance(target, bool):
-            self.send_error(request_id, "bad_request", "cancel: request_id must be an integer")
-            return
-        request = self.in_flight.get(target)
-        if request is not None:
-            request.cancelled.set()
-        self.send({"id": request_id, "ok": True, "result": {"cancelled": request is not None}})
+    # ---- what the ops run on the connection use (ellmd.runtime.ops.admin.Link) ----
 
-    def upload(self, request_id, args) -> None:
-        """Collect the pieces of a session.import; the last piece imports the whole blob."""
-        data, upload = args.get("data"), args.get("upload")
+    def identity(self) -> dict:
+        return {"server": f"ellmd/{__version__}", "max_frame": MAX_FRAME, **self.server.info}
+
+    def stop_daemon(self) -> None:
+        self.loop.call_soon(self.server.on_shutdown)  # after the reply being sent now
+
+    # ---- pieces ----
+
+    def upload(self, request_id, declared: Op, args) -> None:
+        """Collect the pieces of an upload (session.import's data); the last piece runs the op
+        with the whole of it."""
+        data, upload = args.get(declared.upload), args.get("upload")
         if not isinstance(data, bytes) or not isinstance(upload, (str, type(None))):
-            self.send_error(request_id, "bad_request", "data must be binary, upload a string")
+            self.send_error(request_id, "bad_request", f"{declared.upload} must be binary, upload a string")
             return
         if upload is None:
             upload = f"u{request_id}"
@@ -342,7 +345,7 @@ class Connection:
         total = sum(map(len, self.uploads.values())) + len(data)
         if total > self.limits.max_upload_bytes:
             del self.uploads[upload]
-            self.send_error(request_id, "bad_request", f"session.import: the upload is over "
+            self.send_error(request_id, "bad_request", f"{declared.name}: the upload is over "
                             f"{self.limits.max_upload_bytes} bytes (max_upload_mb); it was dropped")
             return
         self.uploads[upload] += data
@@ -350,7 +353,7 @@ class Connection:
             self.send({"id": request_id, "ok": True, "result": {"upload": upload, "received": len(self.uploads[upload])}})
             return
         blob = bytes(self.uploads.pop(upload))
-        self.start(request_id, "session.import", {"data": blob})
+        self.start(request_id, declared.name, {declared.upload: blob})
 
     def start(self, request_id: int, op: str, args: dict) -> None:
         """Submit a request to the runtime, within the connection's and the engine queue's limits."""
@@ -377,12 +380,14 @@ class Connection:
         """Send the reply of a request once the runtime has answered it."""
         try:
             result = await asyncio.wrap_future(request.future)
-            if op == "session.export":
-                result = await self.send_blob(request_id, result)
-            elif op == "session.turns":  # decoding the texts takes a while on a long session: not on the loop
-                result = await asyncio.to_thread(with_text, result, self.server.runtime.engine.tokenizer)
+            download = OPS[op].download if op in OPS else None
+            if download:
+                result = await self.send_blob(request_id, result, download)
+            finish = OPS[op].finish if op in OPS else None
+            if finish:  # e.g. decoding a long session's turn texts: neither on the engine thread nor on this loop
+                result = await asyncio.to_thread(finish, result, self.server.runtime.engine.tokenizer)
             self.send({"id": request_id, "ok": True, "result": result})
-        except RuntimeError_ as e:
+        except ProtocolError as e:
             self.send_error(request_id, e.code, str(e))
         except asyncio.CancelledError:
             if not request.future.cancelled():
@@ -400,10 +405,10 @@ class Connection:
         except (ConnectionResetError, BrokenPipeError):
             pass
 
-    async def send_blob(self, request_id, result: dict) -> dict:
-        """Stream an exported session as chunk events, each well under max_frame, at the client's pace:
-        the next piece is written once the previous one has been read."""
-        blob, piece = result.pop("blob"), MAX_FRAME // 2
+    async def send_blob(self, request_id, result: dict, field: str) -> dict:
+        """Stream a result's field (an exported session) as chunk events, each well under max_frame,
+        at the client's pace: the next piece is written once the previous one has been read."""
+        blob, piece = result.pop(field), MAX_FRAME // 2
         for start in range(0, len(blob), piece):
             self.send({"id": request_id, "event": "chunk", "data": {"data": blob[start:start + piece]}})
             try:

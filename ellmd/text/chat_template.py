@@ -16,14 +16,17 @@ import jinja2.ext
 import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from ellmd.errors import BadRequest
+
 logger = logging.getLogger(__name__)
 
 # A message body no template rewrites (no whitespace to trim, no markup to escape).
 _PROBE = "ELLM-PROBE-7f3a"
 
 
-class TemplateError(Exception):
-    """A chat template failed to compile or render, or cannot render a conversation as fragments."""
+class TemplateError(BadRequest):
+    """A chat template failed to compile or render, or cannot render a conversation as fragments
+    (a request's messages it refuses: `bad_request`)."""
 
 
 class _GenerationTag(jinja2.ext.Extension):

@@ -40,7 +40,7 @@ import msgpack
 import numpy as np
 import xxhash
 
-from ellmd.errors import BadRequest, EllmError
+from ellmd.errors import BadRequest, EllmError, InvariantError
 from ellmd.runtime.store.leases import Holder, Lease, may_take
 from ellmd.runtime.store.meta import check_meta
 
@@ -284,7 +284,9 @@ def exported_chunk(session_id: str, export, start: int, stop: int, bytes_per_tok
     """export(start, stop), checked to hold (stop - start) tokens' KV; StoreError otherwise."""
     try:
         data = export(start, stop)
-    except EllmError as e:
+    except (EllmError, InvariantError) as e:
+        if isinstance(e, InvariantError):  # a bug of the caller's: the snapshot is refused all the same
+            log.error("snapshot of %s: its KV cannot be read", session_id, exc_info=e)
         raise StoreError(f"snapshot of {session_id} refused: its KV for tokens [{start}, {stop}) "
                          f"cannot be read ({e}); the previous snapshot is intact") from None
     if bytes_per_token is not None and len(data) != (stop - start) * bytes_per_token:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from aiohttp import web
 
-from ellmd.runtime.errors import RuntimeError_
+from ellmd.runtime.errors import ProtocolError
 from ellmd.runtime.session import unscoped_id
 from ellmd.server.http.errors import ApiError, queue_full
 from ellmd.server.http.fields import STRING, field, read_json
@@ -157,6 +157,6 @@ class Bridge:
         """An op's result, its session named as the caller's key knows it; a runtime error as an ApiError."""
         try:  # shield: a client that disconnects must not cancel the engine thread's future under it
             result = await asyncio.shield(asyncio.wrap_future(job.future))
-        except RuntimeError_ as e:
+        except ProtocolError as e:
             raise ApiError.from_runtime(e) from None
         return known_as(result, args.get("owner"))

@@ -1,26 +1,16 @@
 """Error replies: ApiError, in OpenAI's shape unless an API gives its own (anthropic.error_body), and
-the HTTP status of each runtime error code."""
+the HTTP answer of each runtime error code (read from ellmd.errors.CODES)."""
 
 from __future__ import annotations
 
 from aiohttp import web
 
-from ellmd.runtime.errors import RuntimeError_
+from ellmd.errors import CODES
+from ellmd.runtime.errors import ProtocolError
 from ellmd.server.limits import QueueFull
 
 RETRY_AFTER_S = 1  # what a 429 (the engine queue is full) or a 503 (no connection free) asks the client to wait
 
-
-# runtime error code -> (HTTP status, OpenAI error type, OpenAI error code); others are server errors
-RUNTIME_ERRORS = {
-    "bad_request": (400, "invalid_request_error", None),
-    "capacity": (400, "invalid_request_error", "context_length_exceeded"),
-    "not_found": (404, "not_found_error", None),
-    "busy": (409, "conflict_error", "session_busy"),
-    "leased": (409, "conflict_error", "session_leased"),
-    "fingerprint": (409, "conflict_error", "fingerprint_mismatch"),
-    "cancelled": (503, "server_error", "cancelled"),
-}
 
 class ApiError(Exception):
     """An error reply in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
@@ -32,9 +22,9 @@ class ApiError(Exception):
         self.headers = headers or {}
 
     @classmethod
-    def from_runtime(cls, error: RuntimeError_) -> ApiError:
-        status, kind, code = RUNTIME_ERRORS.get(error.code, (500, "server_error", error.code))
-        return cls(status, str(error), kind, code=code)
+    def from_runtime(cls, error: ProtocolError) -> ApiError:
+        answer = CODES[error.code]  # the one table of error codes, with their HTTP status
+        return cls(answer.status, str(error), answer.type, code=answer.api_code)
 
     def body(self) -> dict:
         return {"error": {"message": str(self), "type": self.type, "param": self.param, "code": self.code}}
