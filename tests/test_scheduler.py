@@ -15,7 +15,7 @@ from ellmd.model.spec import ModelSpec
 from ellmd.runtime.ops import Op
 from ellmd.runtime.schemas import NoArgs
 from ellmd.runtime.runtime import Request, Runtime, RuntimeError_
-from ellmd.runtime.scheduler import Policy
+from ellmd.runtime.scheduler import DecodeStep, Policy, PrefillChunk
 from ellmd.runtime.store.lmdb import Store
 
 VOCAB, CHUNK = 16, 32
@@ -199,6 +199,15 @@ def test_a_riding_budget_adds_gap_ratio_steps_and_fits_the_room():
     assert 5 < policy.budget(decoding=1, room=20) <= 20
     policy.gap_ratio = None  # whole chunks, on their own: more than the room
     assert policy.budget(decoding=1, room=20) == 512
+
+
+def test_the_policy_hands_the_loop_a_riding_chunk_or_a_chunk_of_its_own_then_the_decode_step():
+    policy, jobs = Measured(), [SimpleNamespace(left=100), SimpleNamespace(left=50)]
+    # 8 ms a step, 0.5 ms a riding token: 16 tokens ride it (gap_ratio 1); alone, 1 ms a token: 8
+    assert policy.next_jobs(jobs, decoding=1, room=20) == [PrefillChunk(jobs[1], 16, ride=True), DecodeStep()]
+    assert policy.next_jobs(jobs, decoding=4, room=0) == [PrefillChunk(jobs[1], 8, ride=False), DecodeStep()]
+    assert policy.next_jobs(jobs, decoding=0, room=0) == [PrefillChunk(jobs[1], CHUNK, ride=False)]
+    assert policy.next_jobs([], decoding=2, room=10) == [DecodeStep()]
 
 
 def test_next_prefill_is_the_one_with_fewest_tokens_left_in_arrival_order():

@@ -55,7 +55,7 @@ from ellmd.runtime.generations import Generation, Generations, brief
 from ellmd.runtime.store.leases import Leases
 from ellmd.runtime.ops import RUNTIME_OPS
 from ellmd.runtime.residency import Residency
-from ellmd.runtime.scheduler import Policy
+from ellmd.runtime.scheduler import DecodeStep, Policy, PrefillChunk
 from ellmd.runtime.session import GENERATING, IDLE, PREFILLING, WRITING
 from ellmd.runtime.store.base import SessionStore, StoreError
 from ellmd.runtime.turns import Acknowledge, Encode, Prefill, Turns
@@ -250,32 +250,32 @@ class Runtime:
             self._stopped.set()
 
     def _loop(self) -> None:
+        """Take what the queue holds, one item at a time, until it is empty; then run the jobs the
+        policy hands out (a prefill chunk, a decode step); and again."""
         while True:
             self._settle()
             self._retry_waiting()
             try:
-                request = self.queue.get(block=not (self.generations.active or self.prefills))
+                item = self.queue.get(block=not (self.generations.active or self.prefills))
             except queue.Empty:
-                request = False
-            if request is None:
+                self._step()
+                continue
+            if item is None:
                 break
-            if isinstance(request, StoreWrite):
-                self._written(request)
-                continue
-            if isinstance(request, Compiled):
-                self._compiled(request.request)
-                continue
-            if isinstance(request, Encode):
-                self._encoded(request)
-                continue
-            if request:
-                self._handle(request)
-                continue  # drain the queue before the next step
-            if self.prefills:
-                self._prefill_chunk()  # with the decode step, when sessions decode
-            elif self.generations.active:
-                self._decode_step()
+            self._take(item)
         self._shutdown()
+
+    def _take(self, item) -> None:
+        """A request, or a record another thread hands back: a write the writer has run, a text
+        the text thread has tokenized, a constraint compiled."""
+        if isinstance(item, StoreWrite):
+            self._written(item)
+        elif isinstance(item, Encode):
+            self._encoded(item)
+        elif isinstance(item, Compiled):
+            self._compiled(item.request)
+        else:
+            self._handle(item)
 
     def _retry_waiting(self) -> None:
         """Run the requests that waited for a slot, once one may be free (in arrival order)."""
@@ -433,35 +433,40 @@ class Runtime:
         self.generations.step()
         self.policy.observe_decode(time.perf_counter() - began, self.generations.draft_rows)
 
-    def _prefill_chunk(self) -> None:
-        """Run one chunk of the prefill the policy picks, within its budget, and the decode step
-        of the generating sessions: the chunk rides along it where the step has room. A chunk
-        that fails ends its job alone: the step runs again without it."""
-        job = self.policy.next_prefill(self.prefills)
+    def _step(self) -> None:
+        """Run the jobs the policy hands out: a prefill chunk and the generating sessions' decode
+        step (the chunk inside it, when it rides)."""
         decoding = len(self.generations.active)
         room = self.engine.step_rows - decoding if decoding else 0
         rode = False
+        for job in self.policy.next_jobs(self.prefills, decoding, room):
+            if isinstance(job, PrefillChunk):
+                rode = self._prefill_chunk(job)
+            elif isinstance(job, DecodeStep) and not rode and self.generations.active:
+                self._decode_step()
+
+    def _prefill_chunk(self, chunk: PrefillChunk) -> bool:
+        """Run one chunk of a prefill; returns whether it rode the decode step. A chunk that fails
+        ends its job alone: the step runs without it."""
+        job = chunk.job
         if job.request.cancelled.is_set():
             self._end_prefill(job, error=cancelled("cancelled during its prefill"))
-        else:
-            budget = self.policy.budget(decoding, room)
-            began, done = time.perf_counter(), job.done
-            try:
-                if budget <= room:
-                    logits = job.ride(self.generations, budget)
-                    rode = True
-                    rows = job.done - done + self.generations.draft_rows
-                    self.policy.observe_ride(rows, time.perf_counter() - began)
-                else:
-                    logits = job.run(self.engine, budget)
-                    self.policy.observe_prefill(job.done - done, time.perf_counter() - began)
-            except Exception as e:
-                self._end_prefill(job, error=e)
+            return False
+        began, done = time.perf_counter(), job.done
+        try:
+            if chunk.ride:
+                logits = job.ride(self.generations, chunk.budget)
+                rows = job.done - done + self.generations.draft_rows
+                self.policy.observe_ride(rows, time.perf_counter() - began)
             else:
-                if not job.left:
-                    self._end_prefill(job, logits=logits)
-        if decoding and not rode and self.generations.active:
-            self._decode_step()
+                logits = job.run(self.engine, chunk.budget)
+                self.policy.observe_prefill(job.done - done, time.perf_counter() - began)
+        except Exception as e:
+            self._end_prefill(job, error=e)
+            return False
+        if not job.left:
+            self._end_prefill(job, logits=logits)
+        return chunk.ride
 
     def _end_prefill(self, job: Prefill, logits=None, error: Exception | None = None) -> None:
         """Hand a finished job's logits (or its error, which puts the session back) to its handler."""
