@@ -257,6 +257,35 @@ def test_a_prefill_riding_decode_steps_leaves_both_sessions_as_alone(runtime, en
     assert call(runtime, "session.generate", session_id=b, max_tokens=8)["token_ids"] == alone_b
 
 
+def test_a_long_message_is_tokenized_off_the_engine_thread_while_others_decode(runtime, engine, monkeypatch):
+    """B's message is held in the tokenizer (an event this test controls) while A generates: A's
+    decode steps go on meanwhile (with the tokenizer on the engine thread, A would never end)."""
+    a = call(runtime, "session.open")["session_id"]
+    b = call(runtime, "session.open", system="Be brief.")["session_id"]
+    call(runtime, "session.append", session_id=a, text="Count to ten.")
+    entered, release, threads = threading.Event(), threading.Event(), []
+    real = engine.tokenizer.encode
+    mark = "LONG-MESSAGE"
+
+    def encode(text, *args, **kwargs):
+        if mark in text:
+            threads.append(threading.current_thread().name)
+            entered.set()
+            release.wait(120)
+        return real(text, *args, **kwargs)
+
+    monkeypatch.setattr(engine.tokenizer, "encode", encode)
+    chat = runtime.submit("session.chat", {"session_id": b, "content": mark + " word" * 300, "max_tokens": 2})
+    assert entered.wait(60)
+    generated = call(runtime, "session.generate", session_id=a, max_tokens=8, ignore_eos=True)
+    assert not release.is_set() and len(generated["token_ids"]) == 8  # A ran to its end: B still held
+    release.set()
+    result = chat.future.result(timeout=120)
+    assert result["usage"]["prefilled_tokens"] > 300 and len(result["token_ids"]) <= 2
+    assert threads and "engine-test" not in threads  # the loop's thread never tokenized it
+    assert call(runtime, "session.info", session_id=b)["turns"][-2]["role"] == "user"
+
+
 def test_a_session_the_store_cannot_hold_is_an_internal_error_that_frees_its_slot(runtime):
     """Text UTF-8 cannot encode, let past the validation layer (as by a bug): the turn is an
     `internal` error and the session leaves memory. Before, it could be neither snapshotted nor

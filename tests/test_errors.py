@@ -18,6 +18,7 @@ from ellmd.runtime.context.skills import SkillLibrary
 from ellmd.runtime.errors import ProtocolError
 from ellmd.runtime.ops import OPS
 from ellmd.runtime.runtime import Runtime
+from ellmd.runtime.session import GENERATING, IDLE
 from ellmd.runtime.store.lmdb import Store
 from ellmd.server.http.errors import ApiError
 
@@ -131,6 +132,7 @@ ON_A_SESSION = {  # op -> arguments besides session_id, for every op that names 
     "session.continue": {"after": "p", "messages": [{"role": "user", "content": "Hi."}], "max_tokens": 1},
     "skill.load": {"name": "git"}, "rag.inject": {"documents": ["A fact."]}, "session.snapshot": {},
     "session.resume": {}, "session.info": {}, "session.export": {}, "session.point": {"name": "p"},
+    "session.turns": {},
 }
 
 
@@ -141,12 +143,12 @@ def test_the_ops_declared_idle_and_only_those_refuse_a_busy_session(runtime):
     sid = call(runtime, "session.open", system="Be brief.")["session_id"]
     session = runtime.residency.session(sid)
     for name, args in ON_A_SESSION.items():
-        session.busy = True  # as while another request generates on it
+        session.state = GENERATING  # as while another request generates on it
         try:
             call(runtime, name, session_id=sid, **args)
             refused = None
         except ProtocolError as e:
             refused = e.code
         finally:
-            session.busy = False
+            session.state = IDLE
         assert (refused == "busy") == OPS[name].idle, (name, refused)

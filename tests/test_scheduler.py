@@ -15,7 +15,7 @@ from ellmd.model.spec import ModelSpec
 from ellmd.runtime.ops import Op
 from ellmd.runtime.schemas import NoArgs
 from ellmd.runtime.runtime import ProtocolError, Request, Runtime
-from ellmd.runtime.scheduler import Policy
+from ellmd.runtime.scheduler import DecodeStep, Policy, PrefillChunk
 from ellmd.runtime.store.lmdb import Store
 
 VOCAB, CHUNK = 16, 32
@@ -199,6 +199,15 @@ def test_a_riding_budget_adds_gap_ratio_steps_and_fits_the_room():
     assert 5 < policy.budget(decoding=1, room=20) <= 20
     policy.gap_ratio = None  # whole chunks, on their own: more than the room
     assert policy.budget(decoding=1, room=20) == 512
+
+
+def test_the_policy_hands_the_loop_a_riding_chunk_or_a_chunk_of_its_own_then_the_decode_step():
+    policy, jobs = Measured(), [SimpleNamespace(left=100), SimpleNamespace(left=50)]
+    # 8 ms a step, 0.5 ms a riding token: 16 tokens ride it (gap_ratio 1); alone, 1 ms a token: 8
+    assert policy.next_jobs(jobs, decoding=1, room=20) == [PrefillChunk(jobs[1], 16, ride=True), DecodeStep()]
+    assert policy.next_jobs(jobs, decoding=4, room=0) == [PrefillChunk(jobs[1], 8, ride=False), DecodeStep()]
+    assert policy.next_jobs(jobs, decoding=0, room=0) == [PrefillChunk(jobs[1], CHUNK, ride=False)]
+    assert policy.next_jobs([], decoding=2, room=10) == [DecodeStep()]
 
 
 def test_next_prefill_is_the_one_with_fewest_tokens_left_in_arrival_order():
@@ -421,3 +430,32 @@ def test_requests_on_a_prefilling_session_wait_for_it_in_order(make):
     assert [e[2] for e in engine.log if e[0] == "prefill"] == [CHUNK, CHUNK, 6, 5, 1]
     info = call(rt, "session.info", session_id=b)
     assert [t["kind"] for t in info["turns"]] == ["tokens", "tokens", "generation"]
+
+
+def test_a_session_is_prefilling_then_generating_then_writing_its_turn_then_idle(make, monkeypatch):
+    rt, engine = make()
+    b = call(rt, "session.open")["session_id"]
+    call(rt, "session.append", session_id=b, tokens=tokens(5))
+    seen, decode = [], engine.decode
+    engine.on_prefill = lambda index: seen.append(("prefill", rt.sessions[b].state))
+    monkeypatch.setattr(engine, "decode", lambda *a: (seen.append(("decode", rt.sessions[b].state)), decode(*a))[1])
+    entered, release, snapshot = threading.Event(), threading.Event(), rt.store.snapshot
+
+    def held(*args, **kwargs):  # the turn's snapshot waits for the test
+        entered.set()
+        release.wait(30)
+        return snapshot(*args, **kwargs)
+
+    monkeypatch.setattr(rt.store, "snapshot", held)
+    generation = rt.submit("session.generate", {"session_id": b, "max_tokens": 3, "ignore_eos": True})
+    assert entered.wait(30)
+    info = rt.submit("session.info", {"session_id": b})  # waits for the turn's write
+    call(rt, "stats")  # the loop has run past it
+    assert rt.sessions[b].state == "writing" and not generation.future.done() and not info.future.done()
+    release.set()
+    result = generation.future.result(timeout=30)
+    assert result["token_ids"] == [1, 1, 1]
+    # nothing new to prefill: the last token ran again for its logits (the usage says so)
+    assert (result["usage"]["prefilled_tokens"], result["usage"]["reused_tokens"]) == (1, 4)
+    assert info.future.result(timeout=30)["busy"] is False and rt.sessions[b].state == "idle"
+    assert seen[0] == ("prefill", "prefilling") and {state for _, state in seen[1:]} == {"generating"}

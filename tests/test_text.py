@@ -294,6 +294,23 @@ def test_fragments_concatenate_to_the_full_rendering(tokenizer, system):
     assert [i for piece in pieces for i in tokenizer.encode(piece)] == tokenizer.encode(full)
 
 
+def test_appending_after_the_last_fragment_renders_the_conversation_once(tokenizer, monkeypatch):
+    template = ChatTemplate.from_tokenizer(tokenizer)
+    history = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+    first = template.render_fragment([], history, add_generation_prompt=False)
+    rendered = []
+    real = ChatTemplate.render
+    monkeypatch.setattr(ChatTemplate, "render", lambda self, messages, *a, **k: (
+        rendered.append(len(messages)), real(self, messages, *a, **k))[1])
+    second = template.render_fragment(history, [{"role": "user", "content": "more"}], add_generation_prompt=False)
+    history.append({"role": "user", "content": "more"})
+    prompt = template.render_fragment(history, [])
+    assert rendered == [3, 3]  # each fragment rendered the conversation once: its history was the last one's
+    assert first + second + prompt == real(template, history, add_generation_prompt=True)
+    template.render_fragment(history[:1], [{"role": "user", "content": "other"}], add_generation_prompt=False)
+    assert rendered == [3, 3, 1, 2]  # another history: rendered, not taken from the last fragment
+
+
 def test_fragment_generation_prompt_alone(tokenizer):
     template = ChatTemplate.from_tokenizer(tokenizer)
     history = [{"role": "user", "content": "hi"}]

@@ -4,7 +4,9 @@ closed turn.
 started (prompt prefilled, first token sampled) -> decoding (one token per batched decode step,
 or several when a draft is kept: speculative decoding, see drafts.py and `verify`) -> finished
 (stop, length or cancelled: the assistant turn is closed as the template would close it and
-tool calls are parsed) or failed (the session goes back to where the op found it).
+tool calls are parsed) or failed. An ended generation is an `Ended` record in `ended`, which the
+engine loop takes after each step (Runtime._settle): it snapshots the turn, or puts a failed one's
+session back, and replies.
 """
 
 from __future__ import annotations
@@ -63,16 +65,23 @@ class Generation:
     finished: bool = False
 
 
+@dataclass(eq=False)
+class Ended:
+    """A generation that ended: its reply's result, or its error (its session is to be put back)."""
+
+    gen: Generation
+    result: dict | None = None
+    error: Exception | None = None
+
+
 class Generations:
     """Every generating session; `step` runs one batched decode step over all of them."""
 
-    def __init__(self, engine, turns, counters: dict, snapshot_turn, reply):
+    def __init__(self, engine):
         self.engine = engine
-        self.turns = turns  # Turns.restore puts a failed generation's session back
-        self.counters = counters
-        self.snapshot_turn = snapshot_turn  # the snapshot policy: snapshot_turn(session) -> StoreWrite | None
-        self.reply = reply  # reply(request, result, error, write, session, restore): after `write`, per the ack policy
         self.active: list[Generation] = []
+        self.ended: list[Ended] = []  # generations ended since the loop last took them
+        self.counters = {"generated": 0, "drafted": 0, "accepted": 0}  # since start, over every generation
         self.draft_rows = 0  # draft tokens in the last step (the policy's step-time observations)
         self.observers: list = []  # callables given the final usage of every generation
         template = engine.chat_template
@@ -82,9 +91,9 @@ class Generations:
         return next((g for g in self.active if g.session is session), None)
 
     def start(self, request, session: Session, sampling: dict, start: int, logits, usage: dict,
-              restore: tuple, name: str | None = None) -> None:
-        """Begin decoding after a prefilled prompt: sample the first token from its logits; `name`
-        names the turn it logs."""
+              restore: tuple, name: str | None = None) -> Generation:
+        """Begin decoding after a prefilled prompt: sample the first token from its logits (which
+        may end it at once); `name` names the turn it logs."""
         stream = sampling.pop("stream", True)
         logprobs = sampling.pop("logprobs", 0)
         constraint = sampling.pop("constraint", None)
@@ -98,12 +107,12 @@ class Generations:
             name=name,
         )
         gen.drafter = self.drafter(gen, draft_tokens)
-        session.busy = True
         self.active.append(gen)
         try:
             self.accept(gen, gen.sample(logits), logits)
         except Exception as e:
             self.fail(gen, e)
+        return gen
 
     def drafter(self, gen: Generation, draft_tokens: int) -> PromptLookup | None:
         """The draft proposer of a generation, or None where it does not draft (asked not to, or
@@ -219,7 +228,8 @@ class Generations:
                 gen.request.emit("token", {"text": text, "token_ids": token_ids})
 
     def finish(self, gen: Generation, reason: str) -> None:
-        """End a generation: close the assistant turn as the template would, log it, reply."""
+        """End a generation: close the assistant turn as the template would, log it, its reply's
+        result ended (the loop replies once the turn's snapshot is acknowledged)."""
         self.active.remove(gen)
         gen.finished = True
         session = gen.session
@@ -228,24 +238,18 @@ class Generations:
         messages_before = len(session.messages)
         tool_calls = self.close_turn(gen, text)
         session.add_turn("generation", gen.start, role="assistant", name=gen.name, messages=messages_before)
-        session.busy = False
         usage = self.final_usage(gen)
         for observe in self.observers:
             try:
                 observe(usage)
             except Exception:
                 log.exception("usage observer failed")
-        try:
-            write = self.snapshot_turn(session)  # acknowledged once written (Runtime.reply_after)
-        except EllmError as e:  # nothing was queued: the turn cannot be acknowledged
-            self.turns.restore(session, gen.restore)
-            return self.reply(gen.request, error=e)
-        self.reply(gen.request, {
+        self.ended.append(Ended(gen, {
             "session_id": session.session_id, "text": text, "token_ids": gen.generated,
             "finish_reason": reason, "tool_calls": tool_calls, "usage": usage,
             **({"content": session.messages[-1]["content"]} if tool_calls else {}),
             **({"logprobs": gen.token_logprobs} if gen.logprobs else {}),
-        }, write=write, session=session, restore=gen.restore)
+        }))
 
     def close_turn(self, gen: Generation, text: str) -> list[dict]:
         """End the assistant turn as the template would and log its message; returns its tool calls.
@@ -274,22 +278,16 @@ class Generations:
                 "decode_tok_s": round((count - 1) / (now - gen.first_token_at), 2) if count > 1 else None}
 
     def fail(self, gen: Generation, error: Exception) -> None:
-        """End one generation that raised: the session goes back to where the op found it, the
-        request gets the error (internal unless it is the client's), every other generation goes on."""
-        request, session = gen.request, gen.session
+        """End one generation that raised, its error (internal unless it is the client's) ended;
+        every other generation goes on."""
+        request = gen.request
         if not isinstance(error, EllmError):
-            log.error("generation failed: op %s, session %s, args %s", request.op, session.session_id,
+            log.error("generation failed: op %s, session %s, args %s", request.op, gen.session.session_id,
                       brief(request.args), exc_info=error)
             error = ProtocolError("internal", f"{request.op}: the generation failed: {type(error).__name__}: {error}")
         if gen in self.active:
             self.active.remove(gen)
-        session.busy = False
-        try:
-            self.turns.restore(session, gen.restore)
-            self.snapshot_turn(session)
-        except Exception:
-            log.exception("session %s: restoring after a failed generation failed", session.session_id)
-        self.reply(request, error=error)
+        self.ended.append(Ended(gen, error=error))
 
     def end_all(self) -> None:
         """Finish every generation as cancelled (at shutdown)."""

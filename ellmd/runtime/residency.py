@@ -22,6 +22,7 @@ import copy
 import dataclasses
 import hashlib
 import logging
+import queue
 import time
 
 from ellmd.errors import EllmError, InvariantError
@@ -38,12 +39,12 @@ log = logging.getLogger("ellmd.runtime")
 class Residency:
     """Sessions by id, the slot each resident one holds, and their snapshots in the store."""
 
-    def __init__(self, engine, store: SessionStore, policy, on_written=lambda write: None,
+    def __init__(self, engine, store: SessionStore, policy, written: queue.Queue | None = None,
                  leases: Leases | None = None):
         self.engine = engine
         self.store = store
         self.leases = leases  # a fleet replica's leases (None: the store is this daemon's alone)
-        self.writer = StoreWriter(store, on_written)  # on_written(write): on the writer thread, once it has run
+        self.writer = StoreWriter(store, written)  # each write, once run, goes on `written` (the engine loop's queue)
         self.policy = policy  # picks the idle session to evict (scheduler.Policy.victim)
         self.fingerprint = model_fingerprint(engine)
         self.sessions: dict[str, Session] = {}

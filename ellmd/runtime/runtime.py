@@ -4,13 +4,22 @@ One engine thread owns the Engine. Requests arrive on a queue; the thread runs e
 request, then one chunk of a prefill (if any is in progress), then one batched decode step (one
 forward over every generating session), and again: a long prefill delays the others' tokens by
 one chunk at most, and a cancelled one stops at its next chunk. Handlers on other threads never
-touch arrays: they submit a request and wait on its future. The parts:
+touch arrays: they submit a request and wait on its future.
+
+What reaches the loop is data: requests; job records a handler yields (turns.Encode: a text to
+render and tokenize on the text thread, so no decode step waits for it; turns.Prefill: tokens to
+run chunk by chunk; turns.Acknowledge: a finished turn to snapshot; a StoreWrite to wait for), each
+resumed with its outcome; records coming back from the other threads (the writer's StoreWrite, the
+text thread's Encode, a Compiled constraint); and Generations' `ended` records, which the loop
+acknowledges and answers (`_settle`). A session's state (session.py: idle, prefilling, generating,
+writing) is set here alone, as those jobs start and end. The parts:
 
   ops/            the ops, each declared once beside its handler (where it runs, its schema), by area
   residency.py    sessions in slots, eviction, snapshots: the only code that talks to the store
   store/          the session store and its writer thread (snapshots are written beside this one)
   context/        what sessions load: skill libraries, retrieval indexes
-  turns.py        appends (fragments, prefill jobs) and putting a session back after a failure
+  turns.py        appends (their Encode, Prefill and Acknowledge jobs), usage from a request's log of
+                  prefills, and putting a session back after a failure
   generations.py  the generation state machine, turn closing, tool calls
   scheduler.py    the policy: chunk budget, which prefill runs next, which idle session to evict
   errors.py       the error a request is answered with (codes: the one table, ellmd/errors.py CODES)
@@ -42,13 +51,14 @@ from dataclasses import dataclass, field
 from ellmd.errors import BadRequest, EllmError
 from ellmd.runtime import schemas
 from ellmd.runtime.errors import ProtocolError, SlotsBusy, cancelled, protocol_error
-from ellmd.runtime.generations import Generations, brief
+from ellmd.runtime.generations import Generation, Generations, brief
 from ellmd.runtime.store.leases import Leases
 from ellmd.runtime.ops import RUNTIME_OPS
 from ellmd.runtime.residency import Residency
-from ellmd.runtime.scheduler import Policy
+from ellmd.runtime.scheduler import DecodeStep, Policy, PrefillChunk
+from ellmd.runtime.session import GENERATING, IDLE, PREFILLING, WRITING
 from ellmd.runtime.store.base import SessionStore, StoreError
-from ellmd.runtime.turns import Prefill, Turns
+from ellmd.runtime.turns import Acknowledge, Encode, Prefill, Turns
 from ellmd.runtime.store.writer import StoreWrite
 from ellmd.text.constraints import GrammarError, Grammars
 
@@ -77,9 +87,7 @@ class Request:
     cancelled: threading.Event = field(default_factory=threading.Event)
     received: float = field(default_factory=time.perf_counter)
     owner: str | None = None  # set by the HTTP layer: sessions stored with another owner are not found
-    prefilled: int = 0  # tokens this request ran through the model
-    reused: int | None = None  # tokens already computed when it first touched the session
-    shared: int = 0  # of those, tokens whose KV was copied from another session (a shared prefix)
+    prefilled: list = field(default_factory=list)  # what each of its prefills did (turns.Prefilled): its usage
     compiling: concurrent.futures.Future | None = None  # its constraint, on the compile thread
 
 
@@ -106,11 +114,11 @@ class Runtime:
         self.snapshot_ack = snapshot_ack
         self.key_owners = dict(key_owners or {})  # API key name -> owner (session.grant)
         self.policy = policy or Policy(engine.chunk_size)
-        self.counters = {"prefilled": 0, "reused": 0, "shared": 0, "generated": 0, "drafted": 0, "accepted": 0}
-        self.queue: queue.Queue[Request | StoreWrite | Compiled | None] = queue.Queue()  # StoreWrite: the writer is done with it
-        self.residency = Residency(engine, store, self.policy, on_written=self.queue.put, leases=leases)
-        self.turns = Turns(engine, self.residency, self.counters, context_role, self.after_turn)
-        self.generations = Generations(engine, self.turns, self.counters, self.snapshot_turn, self.reply_after)
+        # StoreWrite: the writer is done with it; Encode: the text thread is
+        self.queue: queue.Queue[Request | StoreWrite | Encode | Compiled | None] = queue.Queue()
+        self.residency = Residency(engine, store, self.policy, written=self.queue, leases=leases)
+        self.turns = Turns(engine, self.residency, context_role)
+        self.generations = Generations(engine)
         # the matcher lets through the tokens that end a generation (Generations.accept)
         self.grammars = Grammars(engine.tokenizer, engine.spec.vocab_size, engine.spec.eos_token_id) \
             if engine.tokenizer is not None else None
@@ -120,6 +128,7 @@ class Runtime:
         self.observers = self.generations.observers  # callables given the final usage of every generation
         self.waiting: list[Request] = []  # requests that need a slot while every slot is busy
         self.prefills: list[Prefill] = []  # prefills in progress, in arrival order (their sessions busy)
+        self.encoding: list[Encode] = []  # texts the text thread renders and tokenizes (their sessions busy)
         self.deferred: dict[str, list[Request]] = {}  # session id -> requests queued behind its prefill or write
         self.compiling: list[Request] = []  # requests that reached the loop before their constraint compiled
         self.awaiting: dict[StoreWrite, list[tuple]] = {}  # write -> (request, handler, session marked busy) waiting for it
@@ -127,7 +136,7 @@ class Runtime:
         self.started = time.time()
         self._thread = threading.Thread(target=self.run, name="engine", daemon=True)
         self._aside = {kind: concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"aside-{kind}")
-                       for kind in ("write", "read")}
+                       for kind in ("write", "read", "text")}  # text: Encode jobs
         self._aside_pending: dict[int, Request] = {}  # aside requests waiting or running
         self._stopped = threading.Event()
         self._closed = False  # set once shutdown begins: later requests are cancelled at once
@@ -140,6 +149,11 @@ class Runtime:
     @property
     def sessions(self) -> dict:
         return self.residency.sessions
+
+    @property
+    def counters(self) -> dict:
+        """Totals since start, each kept where it happens: prefills' (Turns), generations' (Generations)."""
+        return {**self.turns.counters, **self.generations.counters}
 
     # ---- called from other threads ----------------------------------------------------------
 
@@ -236,28 +250,32 @@ class Runtime:
             self._stopped.set()
 
     def _loop(self) -> None:
+        """Take what the queue holds, one item at a time, until it is empty; then run the jobs the
+        policy hands out (a prefill chunk, a decode step); and again."""
         while True:
+            self._settle()
             self._retry_waiting()
             try:
-                request = self.queue.get(block=not (self.generations.active or self.prefills))
+                item = self.queue.get(block=not (self.generations.active or self.prefills))
             except queue.Empty:
-                request = False
-            if request is None:
+                self._step()
+                continue
+            if item is None:
                 break
-            if isinstance(request, StoreWrite):
-                self._written(request)
-                continue
-            if isinstance(request, Compiled):
-                self._compiled(request.request)
-                continue
-            if request:
-                self._handle(request)
-                continue  # drain the queue before the next step
-            if self.prefills:
-                self._prefill_chunk()  # with the decode step, when sessions decode
-            elif self.generations.active:
-                self._decode_step()
+            self._take(item)
         self._shutdown()
+
+    def _take(self, item) -> None:
+        """A request, or a record another thread hands back: a write the writer has run, a text
+        the text thread has tokenized, a constraint compiled."""
+        if isinstance(item, StoreWrite):
+            self._written(item)
+        elif isinstance(item, Encode):
+            self._encoded(item)
+        elif isinstance(item, Compiled):
+            self._compiled(item.request)
+        else:
+            self._handle(item)
 
     def _retry_waiting(self) -> None:
         """Run the requests that waited for a slot, once one may be free (in arrival order)."""
@@ -291,11 +309,14 @@ class Runtime:
             return self._failed(request, e)
         if inspect.isgenerator(result):  # a handler that prefills
             self._resume(request, result, result.send, None)
-        elif result is not None:  # generations resolve later
+        elif result is not None:
             reply(request, result)
 
     def _blocked(self, session_id: str) -> bool:
-        return any(job.session.session_id == session_id for job in self.prefills) or \
+        """Do requests naming this session wait? (while it prefills, or a write of its is awaited,
+        even once it has left memory; or a request on it waits for its constraint to compile)"""
+        session = self.residency.sessions.get(session_id)
+        return (session is not None and session.state in (PREFILLING, WRITING)) or \
             any(write.session_id == session_id for write in (*self.awaiting, *self.replies_after)) or \
             any(request.args.get("session_id") == session_id for request in self.compiling)
 
@@ -325,21 +346,43 @@ class Runtime:
                 self._handle(request)  # in order; each may wait again behind a new prefill
 
     def _resume(self, request: Request, handler, step, value) -> None:
-        """Run a handler on to its next job, a Prefill (queued) or a StoreWrite (waited for),
-        or its end (replied)."""
-        try:
-            job = step(value)
-        except StopIteration as stop:
-            if stop.value is not None:
-                reply(request, stop.value)
+        """Run a handler on to its next job record: an Encode (to the text thread), a Prefill
+        (queued), an Acknowledge (its turn's snapshot, waited for with ack "written"), a StoreWrite
+        (waited for); or to its end: its reply's result, or a Generation it started."""
+        while True:
+            try:
+                job = step(value)
+            except StopIteration as stop:
+                if isinstance(stop.value, Generation):
+                    self._generating(stop.value)
+                elif stop.value is not None:
+                    reply(request, stop.value)
+                return
+            except Exception as e:
+                return self._failed(request, e)
+            if isinstance(job, Acknowledge):
+                step, value, job = self._acknowledge(handler, job)
+                if job is None:
+                    continue
+            if isinstance(job, StoreWrite):
+                return self._await(request, handler, job)
+            job.handler = handler
+            if isinstance(job, Encode):
+                return self._encode(job)
+            job.session.state = PREFILLING  # no other request changes it, nor evicts it, until the job ends
+            self.prefills.append(job)
             return
-        except Exception as e:
-            return self._failed(request, e)
-        if isinstance(job, StoreWrite):
-            return self._await(request, handler, job)
-        job.handler = handler
-        job.session.busy = True  # no other request changes it, nor evicts it, until the job ends
-        self.prefills.append(job)
+
+    def _acknowledge(self, handler, job: Acknowledge) -> tuple:
+        """Snapshot a finished turn per the policy: (step, value) to resume its handler with at
+        once, or the write to wait for first (ack "written")."""
+        try:
+            write = self.snapshot_turn(job.session)
+        except Exception as e:  # nothing was queued: the turn cannot be acknowledged
+            return handler.throw, e, None
+        if write is not None and self.snapshot_ack == "written":
+            return None, None, write
+        return handler.send, None, None
 
     def _failed(self, request: Request, e: Exception) -> None:
         if isinstance(e, SlotsBusy):
@@ -349,45 +392,86 @@ class Runtime:
             log.exception("op %s failed (args %s)", request.op, brief(request.args))
         reply(request, error=e)
 
+    def _generating(self, gen) -> None:
+        """A handler started a generation: its session generates until the generation ends."""
+        gen.session.state = GENERATING
+        self._settle()  # its first token may have ended it
+
+    def _settle(self) -> None:
+        """Take the generations that ended: acknowledge each finished turn (with ack "written", once
+        its snapshot is on disk: `_written`); put a failed one's session back and reply its error."""
+        while self.generations.ended:
+            ended = self.generations.ended.pop(0)
+            gen, session = ended.gen, ended.gen.session
+            session.state = IDLE
+            if ended.error is not None:
+                self._undo(gen)
+                reply(gen.request, error=ended.error)
+                continue
+            try:
+                write = self.snapshot_turn(session)
+            except EllmError as e:  # nothing was queued: the turn cannot be acknowledged
+                self.turns.restore(session, gen.restore)
+                reply(gen.request, error=e)
+                continue
+            if write is not None and self.snapshot_ack == "written":
+                session.state = WRITING  # not evicted; requests naming it wait their turn
+                self.replies_after.setdefault(write, []).append((gen.request, ended.result, session, gen.restore))
+            else:
+                reply(gen.request, ended.result)
+
+    def _undo(self, gen) -> None:
+        """Put a failed generation's session back where its op found it, and store that."""
+        try:
+            self.turns.restore(gen.session, gen.restore)
+            self.snapshot_turn(gen.session)
+        except Exception:
+            log.exception("session %s: restoring after a failed generation failed", gen.session.session_id)
+
     def _decode_step(self) -> None:
         began = time.perf_counter()
         self.generations.step()
         self.policy.observe_decode(time.perf_counter() - began, self.generations.draft_rows)
 
-    def _prefill_chunk(self) -> None:
-        """Run one chunk of the prefill the policy picks, within its budget, and the decode step
-        of the generating sessions: the chunk rides along it where the step has room. A chunk
-        that fails ends its job alone: the step runs again without it."""
-        job = self.policy.next_prefill(self.prefills)
+    def _step(self) -> None:
+        """Run the jobs the policy hands out: a prefill chunk and the generating sessions' decode
+        step (the chunk inside it, when it rides)."""
         decoding = len(self.generations.active)
         room = self.engine.step_rows - decoding if decoding else 0
         rode = False
+        for job in self.policy.next_jobs(self.prefills, decoding, room):
+            if isinstance(job, PrefillChunk):
+                rode = self._prefill_chunk(job)
+            elif isinstance(job, DecodeStep) and not rode and self.generations.active:
+                self._decode_step()
+
+    def _prefill_chunk(self, chunk: PrefillChunk) -> bool:
+        """Run one chunk of a prefill; returns whether it rode the decode step. A chunk that fails
+        ends its job alone: the step runs without it."""
+        job = chunk.job
         if job.request.cancelled.is_set():
             self._end_prefill(job, error=cancelled("cancelled during its prefill"))
-        else:
-            budget = self.policy.budget(decoding, room)
-            began, done = time.perf_counter(), job.done
-            try:
-                if budget <= room:
-                    logits = job.ride(self.generations, budget)
-                    rode = True
-                    rows = job.done - done + self.generations.draft_rows
-                    self.policy.observe_ride(rows, time.perf_counter() - began)
-                else:
-                    logits = job.run(self.engine, budget)
-                    self.policy.observe_prefill(job.done - done, time.perf_counter() - began)
-            except Exception as e:
-                self._end_prefill(job, error=e)
+            return False
+        began, done = time.perf_counter(), job.done
+        try:
+            if chunk.ride:
+                logits = job.ride(self.generations, chunk.budget)
+                rows = job.done - done + self.generations.draft_rows
+                self.policy.observe_ride(rows, time.perf_counter() - began)
             else:
-                if not job.left:
-                    self._end_prefill(job, logits=logits)
-        if decoding and not rode and self.generations.active:
-            self._decode_step()
+                logits = job.run(self.engine, chunk.budget)
+                self.policy.observe_prefill(job.done - done, time.perf_counter() - began)
+        except Exception as e:
+            self._end_prefill(job, error=e)
+            return False
+        if not job.left:
+            self._end_prefill(job, logits=logits)
+        return chunk.ride
 
     def _end_prefill(self, job: Prefill, logits=None, error: Exception | None = None) -> None:
         """Hand a finished job's logits (or its error, which puts the session back) to its handler."""
         self.prefills.remove(job)
-        job.session.busy = False
+        job.session.state = IDLE
         if error is None:
             self._resume(job.request, job.handler, job.handler.send, logits)
         else:
@@ -395,6 +479,27 @@ class Runtime:
         if not self._closed:
             for request in self.deferred.pop(job.session.session_id, []):
                 self._handle(request)  # in order; each may wait again behind a new prefill
+
+    def _encode(self, job: Encode) -> None:
+        """Hand a text to the text thread; its session is busy (prefilling) until `_encoded`."""
+        job.session.state = PREFILLING
+        self.encoding.append(job)
+        job.future = self._aside["text"].submit(job.run, self.engine)
+        job.future.add_done_callback(lambda _: self.queue.put(job))
+
+    def _encoded(self, job: Encode, error: Exception | None = None) -> None:
+        """Resume a handler with its token ids (or the text's error), then the requests deferred
+        behind its session. A job ended already (at shutdown) is ignored."""
+        if job not in self.encoding:
+            return
+        self.encoding.remove(job)
+        job.session.state = IDLE
+        error = error or job.future.exception()
+        if error is None:
+            self._resume(job.request, job.handler, job.handler.send, job.future.result())
+        else:
+            self._resume(job.request, job.handler, job.handler.throw, error)
+        self._run_deferred(job.session.session_id)
 
     def _await(self, request: Request, handler, write: StoreWrite) -> None:
         """Park a handler until the writer is done with `write` (_written resumes it). Its session
@@ -404,7 +509,7 @@ class Runtime:
             (s for s in residency.resident_sessions() if s.session_id == write.session_id), None)
         marked = session if session is not None and not session.busy else None
         if marked is not None:
-            marked.busy = True
+            marked.state = WRITING
         self.awaiting.setdefault(write, []).append((request, handler, marked))
 
     def _written(self, write: StoreWrite) -> None:
@@ -412,7 +517,7 @@ class Runtime:
         the handlers that did (its error thrown in), then the requests deferred behind them."""
         self.residency.settle(write)
         for request, result, session, restore in self.replies_after.pop(write, ()):
-            session.busy = False
+            session.state = IDLE
             if write.error is None:
                 reply(request, result)
             else:  # not on disk: not acknowledged, so not kept
@@ -420,7 +525,7 @@ class Runtime:
                 reply(request, error=StoreError(f"{write.error}; the turn is undone"))
         for request, handler, marked in self.awaiting.pop(write, ()):
             if marked is not None:
-                marked.busy = False
+                marked.state = IDLE
             if write.error is None:
                 self._resume(request, handler, handler.send, write.result)
             else:
@@ -450,9 +555,11 @@ class Runtime:
         self.waiting.extend(self.compiling)
         self.compiling = []
         while True:  # an op resumed after its write may go on to a prefill: cancelled in turn
-            for job in list(self.prefills):
-                self._end_prefill(job, error=cancelled("the daemon is shutting down"))
+            for job in [*self.prefills, *self.encoding]:
+                end = self._end_prefill if isinstance(job, Prefill) else self._encoded
+                end(job, error=cancelled("the daemon is shutting down"))
             self.generations.end_all()
+            self._settle()
             if not self.awaiting and not self.replies_after:
                 break
             self.residency.writer.flush()
@@ -485,13 +592,6 @@ class Runtime:
         """The snapshot policy: a finished turn's snapshot, queued (None: none is taken)."""
         return self.snapshot(session) if self.snapshot_every_turn else None
 
-    def after_turn(self, session):
-        """In a handler (generator): snapshot a finished turn; with ack "written", wait until it is
-        on disk (the loop goes on meanwhile; a failed write raises here)."""
-        write = self.snapshot_turn(session)
-        if write is not None and self.snapshot_ack == "written":
-            yield write
-
     def stored(self, session):
         """In a handler (generator): wait until the store holds the session as it is now (its
         pending writes, then a snapshot of what they left unsaved; that one's failure raises);
@@ -505,14 +605,3 @@ class Runtime:
         if write is None:
             return {"chunks_written": 0, "bytes_written": 0, "stored_tokens": session.stored_tokens}
         return (yield write)
-
-    def reply_after(self, request, result=None, error: Exception | None = None,
-                    write: StoreWrite | None = None, session=None, restore: tuple = ()) -> None:
-        """Reply now, or with ack "written" once `write` (the turn's snapshot) has run: until then
-        `session` is busy (not evicted; requests naming it wait their turn). Should the write fail,
-        the reply is its error and the session goes back to `restore` (turns.snapshot_of)."""
-        if write is not None and error is None and self.snapshot_ack == "written":
-            session.busy = True
-            self.replies_after.setdefault(write, []).append((request, result, session, restore))
-        else:
-            reply(request, result, error)

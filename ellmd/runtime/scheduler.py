@@ -24,7 +24,24 @@ The loop alternates one prefill chunk and one batched decode step. The policy de
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 EMA = 0.3  # weight of the newest measurement in the running estimates
+
+
+@dataclass(frozen=True)
+class PrefillChunk:
+    """Run up to `budget` tokens of a prefill job (turns.Prefill): inside the decode step (`ride`),
+    or on its own."""
+
+    job: object
+    budget: int
+    ride: bool
+
+
+@dataclass(frozen=True)
+class DecodeStep:
+    """One batched decode step over every generating session (none when a chunk rode it)."""
 
 
 class Policy:
@@ -96,6 +113,19 @@ class Policy:
             return min(most, self.min_chunk)  # not measured yet: the cautious size, measured from then on
         tokens = int(self.gap_ratio * self.decode_s / max(per_token, 1e-9))
         return max(least, min(most, tokens))
+
+    def next_jobs(self, prefills: list, decoding: int, room: int) -> list:
+        """What the loop runs when no request is queued: a chunk of the prefill `next_prefill`
+        picks, sized by `budget` (riding the decode step where it fits the step's `room`), then the
+        decode step of the `decoding` sessions."""
+        jobs = []
+        job = self.next_prefill(prefills)
+        if job is not None:
+            budget = self.budget(decoding, room)
+            jobs.append(PrefillChunk(job, budget, ride=budget <= room))
+        if decoding:
+            jobs.append(DecodeStep())
+        return jobs
 
     def next_prefill(self, jobs: list):
         """The prefill job to run a chunk of next (jobs in arrival order), or None."""

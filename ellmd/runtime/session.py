@@ -7,6 +7,9 @@ turns    [{index, kind, role, name, start, end, messages, time}]: kind is messag
          generation, skill or rag; [start, end) spans tokens + pending; `messages` is how many
          chat messages preceded the turn (so rewinding restores the conversation too)
 messages the chat messages as the template rendered them, for rendering the next fragment
+state    what runs on it: idle, prefilling (its text tokenized, or its tokens run through the
+         model), generating, or writing (its turn is acknowledged once its snapshot is on disk);
+         set by the engine loop alone (runtime.py)
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ import time
 import uuid
 
 import numpy as np
+
+IDLE, PREFILLING, GENERATING, WRITING = "idle", "prefilling", "generating", "writing"
 
 
 @dataclasses.dataclass
@@ -39,7 +44,7 @@ class Session:
     slot: int | None = None
     stored_tokens: int = 0  # KV on disk is valid for tokens[:stored_tokens]
     dirty: bool = True  # metadata changed since the last snapshot
-    busy: bool = False  # a request is running on it: a generation, or a prefill in progress
+    state: str = IDLE  # IDLE, PREFILLING, GENERATING or WRITING
     last_used: float = dataclasses.field(default_factory=time.monotonic)
 
     STORED_FIELDS = ("session_id", "fingerprint", "title", "tags", "created", "updated", "pending", "turns",
@@ -60,6 +65,11 @@ class Session:
 
     def stored_meta(self) -> dict:
         return {k: getattr(self, k) for k in self.STORED_FIELDS}
+
+    @property
+    def busy(self) -> bool:
+        """A request is running on it: other requests wait for it, or are refused `busy`."""
+        return self.state != IDLE
 
     @property
     def length(self) -> int:
@@ -112,8 +122,9 @@ def tally(counters: dict, session: Session, **amounts: int) -> None:
     """Count tokens (prefilled, reused, shared, generated, drafted, accepted) in the daemon's
     counters and in the session's own usage."""
     for name, amount in amounts.items():
-        counters[name] += amount
-        session.usage[name] = session.usage.get(name, 0) + amount
+        if amount:  # a session's usage holds only what counted (PROTOCOL.md)
+            counters[name] += amount
+            session.usage[name] = session.usage.get(name, 0) + amount
 
 
 SCOPE = "@"  # joins the id a key names a session by and the key's scope (see scoped_id)

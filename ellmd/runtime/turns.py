@@ -1,9 +1,11 @@
 """Turns: appending to a session (rendering a fragment, prefilling it, logging the turn) and
 putting a session back as it was when an op fails.
 
-A prefill is not run here: `prefill` is a generator that yields a `Prefill` job to the engine
-loop and gets the logits back when the job is done (or its error thrown in), so the loop decides
-when its chunks run (between decode steps). Ops that prefill are generators too (`yield from`).
+Nothing slow runs here: appending is a generator that yields job records to the engine loop
+(Runtime._resume) and gets their outcome back (or their error thrown in): an `Encode` (the text
+thread renders and tokenizes a text: the token ids), a `Prefill` (the loop runs its chunks between
+decode steps: the logits), an `Acknowledge` (the loop snapshots the finished turn per its policy and
+resumes once the turn is acknowledged). Ops that append are generators too (`yield from`).
 """
 
 from __future__ import annotations
@@ -56,14 +58,63 @@ class Prefill:
         return logits
 
 
+@dataclass(frozen=True)
+class Acknowledge:
+    """A finished turn of `session`: the loop snapshots it (Runtime.snapshot_turn), and with ack
+    "written" resumes the handler once it is on disk (a failed write is thrown in)."""
+
+    session: Session
+
+
+@dataclass(frozen=True)
+class Prefilled:
+    """What one prefill of a request did: a line of its log, from which its usage is computed."""
+
+    found: int  # tokens in the session's KV when it began
+    kept: int  # of those, tokens not run again (with the prefix copied from another session: `shared`)
+    shared: int  # tokens whose KV was copied from another session (Residency.share_prefix)
+    ran: int  # tokens run through the model
+
+
+@dataclass(eq=False)
+class Encode:
+    """Text to render and tokenize for a session's append, off the engine thread (a long message
+    would hold every session's decode steps while it tokenizes): a chat fragment of `messages`
+    after `history` (rendered with `tools`), or `text` as it is. The engine thread only sets it up
+    (the session cannot change meanwhile: it is prefilling) and gets the token ids back."""
+
+    request: object
+    session: Session
+    room: int  # tokens the session has left: a text surely longer is refused before it is tokenized
+    text: str | None = None  # after the messages' fragment, if any
+    history: list | None = None
+    messages: list | None = None
+    tools: list | None = None
+    generation_prompt: bool = False
+    handler: object = None  # the op's generator that yielded the job, resumed with the token ids
+    future: object = None  # of `run`, on the text thread
+
+    def run(self, engine) -> list[int]:
+        """On the text thread: the token ids (CapacityError for a text that surely cannot fit)."""
+        text = self.text or ""
+        if self.messages is not None:
+            text = engine.chat_template.render_fragment(self.history, self.messages, tools=self.tools,
+                                                        add_generation_prompt=self.generation_prompt,
+                                                        allow_rewrite=True) + text
+        if engine.tokenizer.cannot_fit(text, self.room):
+            raise CapacityError(f"session {self.session.session_id} has room for {self.room} tokens; a text of "
+                                f"{len(text)} characters is more than that (sequence length "
+                                f"{engine.kv.sequence_length})")
+        return engine.tokenizer.encode(text)
+
+
 class Turns:
     """Appends and their bookkeeping, over the runtime's engine and residency."""
 
-    def __init__(self, engine, residency, counters: dict, context_role: str, after_turn):
+    def __init__(self, engine, residency, context_role: str):
         self.engine = engine
         self.residency = residency
-        self.counters = counters
-        self.after_turn = after_turn  # after_turn(session): the snapshot policy (a generator: it may wait for the write)
+        self.counters = {"prefilled": 0, "reused": 0, "shared": 0}  # since start, over every request
         self.context_role = context_role  # the role of skill and document messages
 
     def role(self, role) -> str:
@@ -71,23 +122,28 @@ class Turns:
 
     def append_message(self, request, session: Session, message, kind="message", name=None, snapshot=True):
         """Render a message as a fragment of the session's conversation and append it (generator)."""
-        template = self.engine.chat_template
-        if template is None:
+        if self.engine.chat_template is None:
             raise ProtocolError("bad_request", "this model has no chat template: append text or tokens")
-        text = template.render_fragment(session.messages, [message], tools=session.tools,
-                                        add_generation_prompt=False, allow_rewrite=True)
-        return (yield from self.append(request, session, kind, self.encode(session, text),
-                                       role=message["role"], name=name, message=message, snapshot=snapshot))
+        if session.busy:
+            raise busy(session.session_id)
+        tokens = yield self.encode(request, session, messages=[message], tools=session.tools)
+        return (yield from self.append(request, session, kind, tokens, role=message["role"], name=name,
+                                       message=message, snapshot=snapshot))
 
-    def encode(self, session: Session, text: str) -> list[int]:
-        """The tokens of a text to append; CapacityError before encoding one that surely cannot fit
-        (a megabytes-long text would hold this thread, and every generation, for seconds)."""
+    def append_text(self, request, session: Session, text: str):
+        """Tokenize a text and append it (generator)."""
+        if session.busy:
+            raise busy(session.session_id)
+        tokens = yield self.encode(request, session, text=text)
+        return (yield from self.append(request, session, "text", tokens))
+
+    def encode(self, request, session: Session, text: str | None = None, messages: list | None = None,
+               generation_prompt: bool = False, tools=None) -> Encode:
+        """The job that turns chat messages after the session's (rendered with `tools`), then a
+        text, into the tokens to append."""
         room = self.engine.kv.sequence_length - session.length
-        if self.engine.tokenizer.cannot_fit(text, room):
-            raise CapacityError(f"session {session.session_id} has room for {room} tokens; a text of "
-                                f"{len(text)} characters is more than that (sequence length "
-                                f"{self.engine.kv.sequence_length})")
-        return self.engine.tokenizer.encode(text)
+        return Encode(request, session, room, text=text, history=list(session.messages), messages=messages,
+                      tools=tools, generation_prompt=generation_prompt)
 
     def append(self, request, session: Session, kind: str, tokens: list[int], role=None, name=None, message=None,
                snapshot=True):
@@ -103,7 +159,7 @@ class Turns:
                 session.messages.append(message)
             session.add_turn(kind, start, role=role, name=name, messages=messages_before)
             if snapshot:
-                yield from self.after_turn(session)
+                yield Acknowledge(session)
         except SlotsBusy:
             raise
         except BaseException:  # a turn that reports an error has not been appended
@@ -121,43 +177,39 @@ class Turns:
                 f"would exceed the sequence length {sequence_length}"
             )
         slot = self.residency.resident(session)
-        if request.reused is None:
-            request.reused = len(session.tokens)
-            tally(self.counters, session, reused=request.reused)
+        found, shared = len(session.tokens), 0
         tokens = session.pending + list(new_tokens)
         if not session.tokens and tokens:  # a new session: its first tokens may be another's prefix
             shared = self.residency.share_prefix(session, tokens, limit=len(tokens) - need_logits)
             if shared:
                 session.tokens, session.pending, tokens = tokens[:shared], [], tokens[shared:]
-                request.reused += shared
-                request.shared += shared
-                tally(self.counters, session, reused=shared, shared=shared)
-                if not tokens:
-                    return None
-        if not tokens:
-            if not need_logits:
-                return None
+        if not tokens and need_logits:
             if not session.tokens:
                 raise ProtocolError("bad_request", f"session {session.session_id} is empty: append something first")
             # Nothing new: recompute the last position's logits by running its token again.
             tokens = [session.tokens.pop()]
             self.engine.rewind(slot, len(session.tokens))
-            request.reused = min(request.reused, len(session.tokens))
-        logits = yield Prefill(request, session, tokens, need_logits)
-        session.tokens.extend(tokens)
-        session.pending = []
-        request.prefilled += len(tokens)
-        tally(self.counters, session, prefilled=len(tokens))
+        kept, logits = len(session.tokens), None
+        if tokens:
+            logits = yield Prefill(request, session, tokens, need_logits)
+            session.tokens.extend(tokens)
+            session.pending = []
+        self.log(request, session, Prefilled(found, kept, shared, len(tokens)))
         return logits
+
+    def log(self, request, session: Session, prefilled: Prefilled) -> None:
+        """Keep what a prefill did in its request's log (its usage) and count it, for the daemon and
+        the session."""
+        first = not request.prefilled
+        request.prefilled.append(prefilled)
+        tally(self.counters, session, reused=(prefilled.found if first else 0) + prefilled.shared,
+              shared=prefilled.shared, prefilled=prefilled.ran)
 
     def prefill_prompt(self, request, session: Session, prompt):
         """Prefill the generation prompt (rendered, or the given tokens) (generator); returns the
         logits of its last position."""
-        template = self.engine.chat_template
-        if prompt is None and template is not None and session.messages:
-            text = template.render_fragment(session.messages, [], tools=session.tools,
-                                            add_generation_prompt=True, allow_rewrite=True)
-            prompt = self.engine.tokenizer.encode(text)
+        if prompt is None and self.engine.chat_template is not None and session.messages:
+            prompt = yield self.encode(request, session, messages=[], generation_prompt=True, tools=session.tools)
         prompt = prompt or []
         sequence_length = self.engine.kv.sequence_length
         if session.length + len(prompt) + 1 > sequence_length:
@@ -186,9 +238,12 @@ def snapshot_of(session: Session) -> tuple:
 
 
 def usage(request, session: Session) -> dict:
-    """Usage of this request so far: what it prefilled and what it found already computed."""
-    return {"prompt_tokens": session.length, "prefilled_tokens": request.prefilled,
-            "reused_tokens": request.reused, "shared_tokens": request.shared,
+    """Usage of this request so far, from its log of prefills: what it ran through the model and
+    what it found already computed (the least KV any of its prefills kept: a prefill with nothing
+    new recomputes the session's last token)."""
+    log = request.prefilled
+    return {"prompt_tokens": session.length, "prefilled_tokens": sum(p.ran for p in log),
+            "reused_tokens": min((p.kept for p in log), default=None), "shared_tokens": sum(p.shared for p in log),
             "prefill_ms": round((time.perf_counter() - request.received) * 1000, 2)}
 
 

@@ -13,6 +13,7 @@ from functools import cached_property
 
 import jinja2
 import jinja2.ext
+import msgspec
 import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -143,6 +144,14 @@ def _after_rewritten_history(before: str, after: str, at: int) -> str | None:
     return after[end:]
 
 
+def _key(messages: list[dict], tools, extra: dict) -> bytes | None:
+    """What a rendering depends on, as bytes (None: not encodable, so never reused)."""
+    try:
+        return msgspec.msgpack.encode((messages, tools, extra))
+    except (TypeError, ValueError, msgspec.EncodeError):  # ValueError: a lone surrogate, say
+        return None
+
+
 class ChatTemplate:
     """A compiled chat template with the model's BOS/EOS tokens bound."""
 
@@ -151,6 +160,9 @@ class ChatTemplate:
         tokens = {"bos_token": bos_token, "eos_token": eos_token}
         self.special_tokens = {k: v for k, v in tokens.items() if v is not None}
         self.max_chars = DEFAULT_MAX_CHARS  # a longer rendering is refused (a loop run wild)
+        # The last conversation rendered without a generation prompt, (key, text): the history of the
+        # next fragment, so that appending renders the conversation once, not twice.
+        self._last: tuple[bytes | None, str] = (None, "")
         try:
             self._template = _ENV.from_string(source)
         except jinja2.TemplateSyntaxError as e:
@@ -211,8 +223,10 @@ class ChatTemplate:
         of earlier turns), this raises TemplateError, unless `allow_rewrite`: then the text after
         the rewritten history is returned, to be appended to the history the model actually saw.
         """
-        before = self.render(history, tools, False, **extra) if history else ""
+        before = self._history(history, tools, extra) if history else ""
         after = self.render([*history, *new_messages], tools, add_generation_prompt, **extra)
+        if not add_generation_prompt:
+            self._last = (_key([*history, *new_messages], tools, extra), after)
         if after.startswith(before):
             return after[len(before):]
         at = next((i for i, (a, b) in enumerate(zip(before, after)) if a != b), len(after))
@@ -228,6 +242,12 @@ class ChatTemplate:
             raise TemplateError(f"cannot find where new messages start: the chat template rewrites {where}")
         logger.info("chat template rewrote the history %s; the session keeps what the model saw", where)
         return fragment
+
+    def _history(self, history: list[dict], tools, extra: dict) -> str:
+        """The rendering of `history` (no generation prompt): the last fragment's, when it was that."""
+        key, text = self._last  # one tuple: read whole, whichever thread rendered it
+        wanted = _key(history, tools, extra)
+        return text if wanted is not None and key == wanted else self.render(history, tools, False, **extra)
 
     @cached_property
     def assistant_end(self) -> str:

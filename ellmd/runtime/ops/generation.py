@@ -1,7 +1,8 @@
 """Ops that generate: session.generate, session.chat, completion, session.continue, and
 session.point (the named points a generation leaves, which continue starts from).
 
-Handlers as in ops/sessions.py; a generation's reply comes later, from Generations.
+Handlers as in ops/sessions.py; one that generates returns the Generation it started, whose reply
+comes when it ends (Generations, Runtime._settle).
 """
 
 from __future__ import annotations
@@ -13,13 +14,13 @@ from ellmd.runtime import schemas as s
 from ellmd.runtime.errors import ProtocolError, SlotsBusy, not_found
 from ellmd.runtime.ops.base import GENERATION, NAMED, TURN, Op, idle
 from ellmd.runtime.session import Session, common_prefix
-from ellmd.runtime.turns import snapshot_of, usage
+from ellmd.runtime.turns import Acknowledge, snapshot_of, usage
 
 ANONYMOUS = "anonymous"  # the tag of sessions made by completion requests that named none
 
 
 def session_generate(rt, request, session_id, **sampling):
-    yield from generate(rt, request, rt.residency.session(session_id, request.owner), sampling)
+    return (yield from generate(rt, request, rt.residency.session(session_id, request.owner), sampling))
 
 
 def session_chat(rt, request, session_id, content=None, message=None, **sampling):
@@ -28,7 +29,7 @@ def session_chat(rt, request, session_id, content=None, message=None, **sampling
     message = message if message is not None else {"role": "user", "content": content}
     # one snapshot, after the reply's turn: the message and the reply are acknowledged, or undone, together
     yield from rt.turns.append_message(request, session, message, snapshot=False)
-    yield from generate(rt, request, session, sampling, restore=before)
+    return (yield from generate(rt, request, session, sampling, restore=before))
 
 
 def completion(rt, request, tokens, session_id=None, messages=None, tools=None, name=None, tag=None, **sampling):
@@ -70,7 +71,7 @@ def completion(rt, request, tokens, session_id=None, messages=None, tools=None, 
     session.messages, session.tools = list(messages or []), tools
     if request.emit and sampling.get("stream", True):  # the caller may not know which session it got
         request.emit("session", {"session_id": session.session_id})
-    yield from generate(rt, request, session, sampling, prompt=tokens[keep:], name=name)
+    return (yield from generate(rt, request, session, sampling, prompt=tokens[keep:], name=name))
 
 
 def session_continue(rt, request, session_id, after, messages, tools=None, forced="", name=None, **sampling):
@@ -82,8 +83,7 @@ def session_continue(rt, request, session_id, after, messages, tools=None, force
     point, whose KV is copied from this one (Residency.share_prefix), so that the later turns stay
     as they were and each point can still be continued. Only the new messages are prefilled.
     """
-    template = rt.engine.chat_template
-    if template is None:
+    if rt.engine.chat_template is None:
         raise ProtocolError("bad_request", "this model has no chat template")
     source = idle(rt.residency.session(session_id, request.owner))
     at = next((t["end"] for t in source.turns if t["kind"] == "generation" and t["name"] == after), None)
@@ -95,15 +95,14 @@ def session_continue(rt, request, session_id, after, messages, tools=None, force
     rt.residency.resident(session)  # before anything changes: SlotsBusy runs the op again later
     if session.session_id not in rt.residency.sessions:  # a new branch (a fleet replica leases it)
         rt.residency.adopt(session)
-    text = template.render_fragment(session.messages, messages, tools=tools, add_generation_prompt=True,
-                                    allow_rewrite=True)
-    prompt = rt.engine.tokenizer.encode(text + forced)
+    prompt = yield rt.turns.encode(request, session, text=forced, messages=messages, generation_prompt=True,
+                                   tools=tools)
     before = snapshot_of(session)
     session.messages.extend(messages)
     session.tools = tools
     if request.emit and sampling.get("stream", True):
         request.emit("session", {"session_id": session.session_id})
-    yield from generate(rt, request, session, sampling, prompt=prompt, restore=before, name=name)
+    return (yield from generate(rt, request, session, sampling, prompt=prompt, restore=before, name=name))
 
 
 def session_point(rt, request, session_id, name, note=None, forget=False):
@@ -130,7 +129,7 @@ def session_point(rt, request, session_id, name, note=None, forget=False):
         turn["name"] = None
         turn.pop("note", None)
         session.touch()
-        yield from rt.after_turn(session)
+        yield Acknowledge(session)
     first = session.messages[0] if session.messages else {}
     return {"session_id": session_id, "turn": found, "tools": session.tools,
             "system": first.get("content") if first.get("role") == "system" else None}
@@ -150,7 +149,7 @@ def branch(rt, source: Session, at: int) -> Session:
 
 def generate(rt, request, session: Session, sampling: dict, prompt=None, restore: tuple | None = None, name=None):
     """Prefill the generation prompt (rendered, or the given tokens) and start decoding (generator);
-    `name` names the generation's turn.
+    returns the Generation; `name` names the generation's turn.
 
     restore: the session before the op (turns.snapshot_of); if the generation fails, from its
     prompt to its last token, the session goes back to it (default: as it is now).
@@ -165,7 +164,7 @@ def generate(rt, request, session: Session, sampling: dict, prompt=None, restore
     except BaseException:
         rt.turns.restore(session, restore)
         raise
-    rt.generations.start(request, session, sampling, start, logits, usage(request, session), restore, name)
+    return rt.generations.start(request, session, sampling, start, logits, usage(request, session), restore, name)
 
 
 def bound_session(rt, session_id: str, owner: str | None) -> Session:

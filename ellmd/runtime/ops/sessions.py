@@ -3,7 +3,8 @@ grant, info, list, export, import.
 
 A handler is `handler(rt, request, **args)` with the arguments its schema let through. It returns
 the reply's result. A handler that prefills, or waits for a write to the store, is a generator: it
-yields turns.Prefill jobs and writer.StoreWrite writes to the engine loop (see Runtime._resume).
+yields job records (turns.Encode, turns.Prefill, turns.Acknowledge, writer.StoreWrite) to the
+engine loop, which resumes it with their outcome (see Runtime._resume).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from ellmd.runtime.errors import ProtocolError
 from ellmd.runtime.ops.base import APPENDED, NAMED, SESSION_INFO, TURN, Op, idle, timed
 from ellmd.runtime.residency import visible
 from ellmd.runtime.session import Session
-from ellmd.runtime.turns import with_text
+from ellmd.runtime.turns import Acknowledge, with_text
 
 
 def session_open(rt, request, title=None, tags=None, system=None, tools=None):
@@ -26,7 +27,7 @@ def session_open(rt, request, title=None, tags=None, system=None, tools=None):
         if system is not None:  # may wait for a slot (SlotsBusy): register the session only after
             yield from rt.turns.append_message(request, session, {"role": "system", "content": system})
         else:
-            yield from rt.after_turn(session)
+            yield Acknowledge(session)
     except BaseException:  # no ghost: a session that failed to open holds no slot
         rt.residency.release(session)
         raise
@@ -39,7 +40,7 @@ def session_append(rt, request, session_id, message=None, text=None, tokens=None
     if message is not None:
         return (yield from rt.turns.append_message(request, session, message))
     if text is not None:
-        return (yield from rt.turns.append(request, session, "text", rt.turns.encode(session, text)))
+        return (yield from rt.turns.append_text(request, session, text))
     return (yield from rt.turns.append(request, session, "tokens", tokens))
 
 
@@ -70,7 +71,7 @@ def session_rewind(rt, request, session_id, turn=None, tokens=None):
     slot = rt.residency.resident(session)
     session.truncate(length)
     rt.engine.rewind(slot, len(session.tokens))
-    yield from rt.after_turn(session)
+    yield Acknowledge(session)
     return session.info(resident=True)
 
 
@@ -132,7 +133,7 @@ def session_grant(rt, request, session_id, key=None):
     rt.residency.resident(session)  # the change is stored with a snapshot, which takes a resident session
     session.owner = rt.key_owners.get(key)
     session.touch()
-    yield from rt.after_turn(session)
+    yield Acknowledge(session)
     return {"session_id": session_id, "key": key}
 
 

@@ -42,9 +42,9 @@ class StoreWrite:
 class StoreWriter:
     """The writer thread, its queue, and the writes each session has pending."""
 
-    def __init__(self, store: SessionStore, on_done: Callable[[StoreWrite], None] = lambda write: None):
+    def __init__(self, store: SessionStore, done: queue.Queue | None = None):
         self.store = store
-        self.on_done = on_done  # called on the writer thread once a write has run (wakes the engine loop)
+        self.done = done  # where each write goes once it has run (the engine loop's queue: it settles it)
         self.pending: dict[str, list[StoreWrite]] = {}  # session id -> its writes queued or running
         self._lock = threading.Lock()  # guards pending
         self._queue: queue.SimpleQueue[StoreWrite | None] = queue.SimpleQueue()
@@ -109,4 +109,5 @@ class StoreWriter:
                 if not writes:
                     self.pending.pop(write.session_id, None)
             write.done.set()
-            self.on_done(write)
+            if self.done is not None:
+                self.done.put(write)
