@@ -109,7 +109,7 @@ def test_fused_decode_on_fusions_of_formats_and_kernel_paths(alignment_dir, use_
     engine = make_engine(alignment_dir / "qwen3_moe-dense0-tied-bf16", "f32")
     assert engine.fmt == F32
     mixed_formats(engine)
-    assert any(isinstance(entry[0][2], tuple) and len(entry[0][2]) == 2 for _, run in engine.plan.runs for entry in run)
+    assert any(len(attention[2]) == 2 for attention, _ in engine.plan.layers)  # qkv: two parts
     assert_same(decode_both_ways(engine), integer_tolerance(True))
 
 
@@ -132,12 +132,13 @@ def count_numba_calls(monkeypatch) -> Counter:
 def test_a_decode_step_makes_a_few_python_to_numba_calls(alignment_dir, monkeypatch):
     engine = make_engine(alignment_dir / "qwen3", "bf16")
     engine.prefill(0, PROMPTS[0])
-    engine.decode([0], [1])  # compiled before the dispatchers are wrapped
+    for fused in (False, True):  # each way compiled before the dispatchers are wrapped
+        engine.plan.fused_decode = fused
+        engine.decode([0], [1])
     calls = count_numba_calls(monkeypatch)
     engine.decode([0], [2])
-    assert len(engine.plan.runs) == engine.spec.num_hidden_layers
     # the embedding, every layer, then the final norm and lm_head for the logits
-    assert calls == Counter(_embed=1, decode_dense=engine.spec.num_hidden_layers, decode_logits=1), calls
+    assert calls == Counter(_embed=1, decode_layer=engine.spec.num_hidden_layers, decode_logits=1), calls
     engine.plan.fused_decode = False
     calls.clear()
     engine.decode([0], [3])
