@@ -14,6 +14,7 @@ from ellmd.engine import Engine
 from ellmd.engine.plan import Plan
 from ellmd.kernels import cpu, quant
 from ellmd.kernels.formats import BF16, F32, to_f32
+from ellmd.model.llama import logical_shape
 
 PROMPTS = [list(range(5, 17)), [3, 4], list(range(20, 41))]
 
@@ -111,6 +112,26 @@ def test_fused_decode_on_fusions_of_formats_and_kernel_paths(alignment_dir, use_
     mixed_formats(engine)
     assert any(len(attention[2]) == 2 for attention, _ in engine.plan.layers)  # qkv: two parts
     assert_same(decode_both_ways(engine), integer_tolerance(True))
+
+
+def test_a_qkv_bias_joins_prefill_and_both_decodes_alike(alignment_dir):
+    """attention_bias (a Llama config flag; no test checkpoint has it): the bias moves the logits, and a
+    token's logits are the same bits from a prefill, a kernel-by-kernel decode step and a compiled one."""
+    engine = make_engine(alignment_dir / "llama", "f32")
+    prompt = PROMPTS[0]
+    without = engine.prefill(0, prompt).copy()
+    rng = np.random.default_rng(0)
+    for layer_weights in engine.model.layers:
+        rows = logical_shape(layer_weights["qkv_proj"])[0]
+        layer_weights["qkv_bias"] = rng.normal(0, 0.5, rows).astype(np.float32)
+    engine.plan = Plan(engine.model, engine.kv, engine.chunk_size)
+    engine.rewind(0, 0)
+    prefilled = engine.prefill(0, prompt).copy()
+    assert np.abs(prefilled - without).max() > 1e-2 * np.abs(without).max()
+    for fused in (False, True):
+        engine.plan.fused_decode = fused
+        engine.rewind(0, len(prompt) - 1)
+        assert np.array_equal(engine.decode([0], [prompt[-1]])[0], prefilled), f"fused={fused}"
 
 
 def count_numba_calls(monkeypatch) -> Counter:

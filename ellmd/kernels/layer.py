@@ -162,7 +162,7 @@ def linear(x, w, out, run):
 @overload(linear, jit_options=JIT)
 def _linear_compiled(x, w, out, run):
     def impl(x, w, out, run):
-        integer, workers, q8buf, acc = run[0], run[1], run[2], run[3]
+        integer, workers, q8buf, acc, _, _, _ = run
         _linear(x, w, out, acc, q8buf, integer, workers)
 
     return impl
@@ -226,9 +226,9 @@ def _attend_compiled(q, k_layer, v_layer, slots, positions, lengths, scale, out,
         n = q.shape[0]
         for i in range(n):
             lengths[i] = positions[i] + 1
-        partial_m, partial_l, partial_acc, tile = run[5]
+        _, _, _, _, threads, (partial_m, partial_l, partial_acc, tile), _ = run
         attention.decode_rows(q, k_layer, v_layer, slots, lengths[:n], scale, partial_m, partial_l, partial_acc,
-                              tile, run[4], out)
+                              tile, threads, out)
 
     return impl
 
@@ -254,8 +254,8 @@ def experts(x, weights, out, logits, chosen, ids, run):
 def _experts_compiled(x, weights, out, logits, chosen, ids, run):
     def impl(x, weights, out, logits, chosen, ids, run):
         router, gate, up, up0, down = weights
-        top_k, normalize, work = run[6]
-        moe._block_fused(x, router, top_k, normalize, (gate, up, up0, down), out, logits, chosen, ids, work, run[0])
+        integer, _, _, _, _, _, (top_k, normalize, work) = run
+        moe._block_fused(x, router, top_k, normalize, (gate, up, up0, down), out, logits, chosen, ids, work, integer)
 
     return impl
 
