@@ -92,8 +92,8 @@ def main() -> None:
     start = time.perf_counter()
     engine = Engine(source, weight_dtype=args.weight_dtype, sequence_length=CONTEXT + args.tokens + 32,
                     chunk_size=CONTEXT, threads=args.threads)
-    print(f"{engine.model_path.name} {engine.weight_formats}: {engine.spec.num_hidden_layers} layers, "
-          f"{len(engine.plan.runs)} run(s) of layers; start {time.perf_counter() - start:.1f} s "
+    print(f"{engine.model_path.name} {engine.weight_formats}: {engine.spec.num_hidden_layers} layers; "
+          f"start {time.perf_counter() - start:.1f} s "
           f"(compile {engine.timings['compile']:.1f} s)")
     engine.prefill(0, list(range(1, CONTEXT + 1)))
     ways = {"kernels": False, "fused": True}

@@ -14,6 +14,7 @@ from ellmd.engine import Engine
 from ellmd.engine.plan import Plan
 from ellmd.kernels import cpu, quant
 from ellmd.kernels.formats import BF16, F32, to_f32
+from ellmd.model.llama import logical_shape
 
 PROMPTS = [list(range(5, 17)), [3, 4], list(range(20, 41))]
 
@@ -109,8 +110,28 @@ def test_fused_decode_on_fusions_of_formats_and_kernel_paths(alignment_dir, use_
     engine = make_engine(alignment_dir / "qwen3_moe-dense0-tied-bf16", "f32")
     assert engine.fmt == F32
     mixed_formats(engine)
-    assert any(isinstance(entry[0][2], tuple) and len(entry[0][2]) == 2 for _, run in engine.plan.runs for entry in run)
+    assert any(len(attention[2]) == 2 for attention, _ in engine.plan.layers)  # qkv: two parts
     assert_same(decode_both_ways(engine), integer_tolerance(True))
+
+
+def test_a_qkv_bias_joins_prefill_and_both_decodes_alike(alignment_dir):
+    """attention_bias (a Llama config flag; no test checkpoint has it): the bias moves the logits, and a
+    token's logits are the same bits from a prefill, a kernel-by-kernel decode step and a compiled one."""
+    engine = make_engine(alignment_dir / "llama", "f32")
+    prompt = PROMPTS[0]
+    without = engine.prefill(0, prompt).copy()
+    rng = np.random.default_rng(0)
+    for layer_weights in engine.model.layers:
+        rows = logical_shape(layer_weights["qkv_proj"])[0]
+        layer_weights["qkv_bias"] = rng.normal(0, 0.5, rows).astype(np.float32)
+    engine.plan = Plan(engine.model, engine.kv, engine.chunk_size)
+    engine.rewind(0, 0)
+    prefilled = engine.prefill(0, prompt).copy()
+    assert np.abs(prefilled - without).max() > 1e-2 * np.abs(without).max()
+    for fused in (False, True):
+        engine.plan.fused_decode = fused
+        engine.rewind(0, len(prompt) - 1)
+        assert np.array_equal(engine.decode([0], [prompt[-1]])[0], prefilled), f"fused={fused}"
 
 
 def count_numba_calls(monkeypatch) -> Counter:
@@ -132,12 +153,13 @@ def count_numba_calls(monkeypatch) -> Counter:
 def test_a_decode_step_makes_a_few_python_to_numba_calls(alignment_dir, monkeypatch):
     engine = make_engine(alignment_dir / "qwen3", "bf16")
     engine.prefill(0, PROMPTS[0])
-    engine.decode([0], [1])  # compiled before the dispatchers are wrapped
+    for fused in (False, True):  # each way compiled before the dispatchers are wrapped
+        engine.plan.fused_decode = fused
+        engine.decode([0], [1])
     calls = count_numba_calls(monkeypatch)
     engine.decode([0], [2])
-    assert len(engine.plan.runs) == engine.spec.num_hidden_layers
     # the embedding, every layer, then the final norm and lm_head for the logits
-    assert calls == Counter(_embed=1, decode_dense=engine.spec.num_hidden_layers, decode_logits=1), calls
+    assert calls == Counter(_embed=1, decode_layer=engine.spec.num_hidden_layers, decode_logits=1), calls
     engine.plan.fused_decode = False
     calls.clear()
     engine.decode([0], [3])

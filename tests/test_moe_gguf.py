@@ -83,8 +83,7 @@ def _block_products(path, tokens, chunk):
     prefill of tokens in chunks of chunk, the chunks' rows joined in order."""
     from ellmd import kernels
     from ellmd.engine import Engine
-    from ellmd.kernels import quant
-    from ellmd.model import qwen3_moe
+    from ellmd.kernels import layer, moe, quant
 
     calls = {}
     engine = Engine(path, sequence_length=256, chunk_size=chunk, threads=2)
@@ -102,8 +101,9 @@ def _block_products(path, tokens, chunk):
         return run
 
     with pytest.MonkeyPatch.context() as patch:  # the test's own patches (its kernel path) stay
-        patch.setattr(kernels, "matmul", recorder(kernels.matmul, 1, 3))
-        patch.setattr(qwen3_moe, "moe_block", recorder(qwen3_moe.moe_block, 5, 7))
+        for module in (kernels, layer):  # the head's matmul (Llama.logits) and the layers' (kernels.layer)
+            patch.setattr(module, "matmul", recorder(module.matmul, 1, 3))
+        patch.setattr(moe, "moe_block", recorder(moe.moe_block, 5, 7))
         engine.prefill(0, tokens)
     return {w: (np.concatenate(ins), np.concatenate(outs)) for w, (ins, outs) in calls.items()}
 

@@ -21,10 +21,9 @@ I intermediate, V vocab, E experts, k experts per token):
   moe_scratch     kernels.moe.MoeScratch: the C*k (token, expert) pairs' gathered rows and quantized
                   activations (inputs, silu outputs), and the fused path's per-worker accumulators
 
-Decode (up to Plan.fused_max_rows rows) runs through kernels.layer: the layers in a few compiled
-calls, one per run of consecutive layers whose weights have the same types (one run for a
-model in one format). Prefill runs the model's forward kernel by kernel (its calls are
-amortized over the chunk's tokens).
+Every forward runs kernels.layer's `layer` over the model's layers, the one definition of a layer:
+decode (up to Plan.fused_max_rows rows) compiled, one call per layer (decode_layer); prefill from
+Python, kernel by kernel (its calls are amortized over the chunk's tokens).
 """
 
 from __future__ import annotations
@@ -100,8 +99,8 @@ def _arrays(obj):
 class Plan:
     """The model's forward pass bound to its workspace and the KV cache.
 
-    fused_decode: decode through kernels.layer (True) or kernel by kernel as prefill does
-    (False: the reference the tests compare the fused step with).
+    fused_decode: decode through the compiled layer (True) or kernel by kernel as prefill does
+    (False: the reference the tests compare the compiled step with).
     """
 
     def __init__(self, model, kv, chunk_size: int):
@@ -111,26 +110,24 @@ class Plan:
         spec = model.spec
         self.ws = Workspace(spec, chunk_size, kv.slots, kv.sequence_length, _weight_shapes(model))
         self.fused_decode = True
-        self._bind_decode()
-
-    def _bind_decode(self) -> None:
-        """The runs of layers and the workspace tuples of kernels.layer, built once."""
-        model, ws, kv, spec = self.model, self.ws, self.kv, self.model.spec
-        layers = [model.fused_layer(i) for i in range(len(model.layers))]
+        self.layers = [model.layer_weights(i) for i in range(len(model.layers))]
         self.lm_head = model.parts(model.lm_head)
-        # [(is_moe, ((attention, mlp) weights,))]: one layer a call. A run of several same-typed
-        # layers in one call is a tuple type of its own length, which numba compiles anew for every
-        # run length (minutes for a model of mixed block types) to save ~2 us a layer.
-        self.runs = [(moe, ((attention, mlp),)) for attention, mlp, moe in layers]
-        scratch = ws.attention_scratch
-        self.attention_ws = (
-            ws.x, ws.h, ws.qkv, ws.attn, ws.lengths, ws.cos, ws.sin, kernel_view(kv.k, kv.fmt),
-            kernel_view(kv.v, kv.fmt), scratch["partial_m"], scratch["partial_l"], scratch["partial_acc"],
-            scratch["tile"], ws.acc,
-        )
-        self.mlp_ws = (ws.x, ws.h, ws.gate_up, ws.act, ws.acc)
+        self._bind_layer()
+
+    def _bind_layer(self) -> None:
+        """The arguments of kernels.layer's layer, both ways, built once (each step passes one layer's
+        weights: a tuple of several layers would compile anew for each count)."""
+        model, ws, kv, spec = self.model, self.ws, self.kv, self.model.spec
+        routed = (ws.moe_out, ws.router_logits, ws.expert_weights, ws.expert_ids) if spec.num_experts else ()
+        buffers, mlp = (ws.x, ws.h, ws.qkv, ws.attn, ws.lengths, ws.cos, ws.sin), (ws.gate_up, ws.act, routed)
+        self.stepwise_ws = (*buffers, kv.k, kv.v, mlp)
+        self.fused_ws = (*buffers, kernel_view(kv.k, kv.fmt), kernel_view(kv.v, kv.fmt), mlp)
+        self.dims = (spec.num_attention_heads, spec.num_key_value_heads, spec.head_dim, spec.rms_norm_eps, model.scale)
+        moe = (spec.num_experts_per_tok, spec.norm_topk_prob, ws.moe_scratch) if spec.num_experts else ()
+        self.stepwise = {decode: layer.Stepwise(model.fmt, kv.fmt, decode, ws.matmul_scratch, ws.attention_scratch, moe)
+                         for decode in (False, True)}
         self.fused_max_rows = PREFILL_MIN_ROWS - 1  # matmul's choice of kernel
-        if any(moe for _, _, moe in layers):
+        if any(layer.routed(mlp_weights) for _, mlp_weights in self.layers):
             self.fused_max_rows = min(self.fused_max_rows, FUSED_MAX_TOKENS)
 
     def forward(self, n: int, decode: bool) -> None:
@@ -138,9 +135,11 @@ class Plan:
         ws = self.ws
         kernels.embed(ws.tokens[:n], self.model.embed_tokens, self.model.fmt, ws.x[:n])
         if decode and self.fused_decode and n <= self.fused_max_rows:
-            self._decode_layers(n)
+            run_layer, buffers, run = layer.decode_layer, self.fused_ws, self._fused_run()
         else:
-            self.model.forward(ws, self.kv, n, ws.slots, ws.positions, decode)
+            run_layer, buffers, run = layer.layer, self.stepwise_ws, self.stepwise[decode]
+        for weights in self.layers:
+            run_layer(weights, buffers, n, ws.slots, ws.positions, self.dims, run)
 
     def _paths(self) -> tuple:
         """(integer path on, workers, (xq, xd, xs)): the kernel-path arguments of kernels.layer, read
@@ -149,25 +148,16 @@ class Plan:
         xq = ws.xq8 if "vnni" in cpu.ENABLED else ws.xq16
         return bool(cpu.INTEGER & cpu.ENABLED), min(numba.get_num_threads(), len(ws.acc)), (xq, ws.xd, ws.xs)
 
-    def _moe_ws(self) -> tuple:
-        """The MoE buffers of kernels.layer.decode_moe, on the kernel path of this step (as _paths)."""
-        ws = self.ws
-        work, _ = fused_work(ws.moe_scratch)
-        return ws.x, ws.h, ws.moe_out, ws.router_logits, ws.expert_weights, ws.expert_ids, work
-
-    def _decode_layers(self, n: int) -> None:
-        spec, ws = self.model.spec, self.ws
-        threads = min(ws.attention_scratch["tile"].shape[0], numba.get_num_threads())
-        paths = self._paths()
-        shape = (spec.num_attention_heads, spec.num_key_value_heads, spec.head_dim)
-        common = (n, ws.slots, ws.positions, shape, spec.rms_norm_eps, self.model.scale, threads, paths)
-        moe_ws = self._moe_ws() if spec.num_experts else None
-        for moe, layers in self.runs:
-            if moe:
-                layer.decode_moe(layers, self.attention_ws, moe_ws, *common, spec.num_experts_per_tok,
-                                 spec.norm_topk_prob)
-            else:
-                layer.decode_dense(layers, self.attention_ws, self.mlp_ws, *common)
+    def _fused_run(self) -> tuple:
+        """The `run` of decode_layer on the kernel paths of this step (as _paths)."""
+        ws, spec = self.ws, self.model.spec
+        scratch = ws.attention_scratch
+        threads = min(scratch["tile"].shape[0], numba.get_num_threads())
+        moe_work = ()
+        if spec.num_experts:
+            moe_work = (spec.num_experts_per_tok, spec.norm_topk_prob, fused_work(ws.moe_scratch)[0])
+        attention = (scratch["partial_m"], scratch["partial_l"], scratch["partial_acc"], scratch["tile"])
+        return layer.fused_run(*self._paths(), ws.acc, threads, attention, moe_work)
 
     def logits(self, rows, out) -> np.ndarray:
         """Logits of the given residual rows into out [len(rows), V]."""
@@ -187,6 +177,6 @@ class Plan:
 def _weight_shapes(model):
     """[m, k] in values of every weight matrix (expert stacks: one expert's)."""
     shapes = [logical_shape(model.lm_head)]
-    for layer in model.layers:
-        shapes += [logical_shape(w)[-2:] for w in layer.values() if isinstance(w, tuple) or w.ndim >= 2]
+    for weights in model.layers:
+        shapes += [logical_shape(w)[-2:] for w in weights.values() if isinstance(w, tuple) or w.ndim >= 2]
     return shapes

@@ -1,38 +1,266 @@
-"""A decode step through a transformer layer in one compiled call.
+"""A transformer layer, defined once: `layer` runs kernel by kernel from Python (prefill) and
+compiled in one call (`decode_layer`, a decode step).
 
-Shape legend (n decode rows, one token per slot; h hidden; H, G query/kv heads; d head_dim;
-I intermediate; W workers = kernel threads; L layers of the model):
+Shape legend (n rows: a prefill chunk's tokens of one slot, or a decode step's, one per slot;
+h hidden; H, G query/kv heads; d head_dim; I intermediate; E experts, k of them per token;
+W workers = kernel threads; L layers of the model):
   x, h            [n, h]          residual stream; normed input / branch output
   qkv             [n, (H+2G)*d]   viewed as [n, H+2G, d]: q heads, then k, then v
   attn            [n, H*d]
   gate_up, act    [n, 2*I], [n, I]
-  kv_k, kv_v      [L, slots, G, S, d] storage (f16 viewed as int16)
+  moe_out [n, h]; router logits [n, E]; expert weights, expert ids [n, k]
+  k_cache, v_cache [L, slots, G, S, d] storage (compiled: kernel views, f16 as int16)
   acc             [W, quant.acc_floats(n)] float32: each worker's dot_rows accumulator
   xq, xd, xs      flat int8 or int16 [n*k], float32 [n*k/32], int32 [n*k/16]: activations
                   quantized for the integer paths, one matmul input at a time
 
-Why: a decode step of a 30-layer model otherwise makes ~14 Python-to-numba calls per layer,
-and at batch 1 on a small model those calls cost as much as the arithmetic. Here a layer is one
-call (the functions take a tuple of layers; the plan passes one at a time, plan.py, since each
-tuple length would be compiled anew). Every kernel inside is the same code the per-kernel path runs, on the
-same rows in the same order, so the results are identical to it.
+`layer` is the sequence of blocks: rmsnorm -> qkv -> (Qwen3: q/k norm) -> rope -> store K, V ->
+attention -> o_proj -> residual -> rmsnorm -> MLP or routed experts -> residual. Each block is an
+op below: a plain Python function, the kernel-by-kernel call, and a numba overload, its call
+inside compiled code. Called from Python, `layer` runs the kernel entry points one by one, which
+choose their kernels by the rows (matmul's GEMM from PREFILL_MIN_ROWS rows, prefill or decode
+attention): prefill, and decode's reference (Plan.fused_decode off). `decode_layer` is the same
+function compiled: each op becomes its fused call, and a decode step's layer is one call.
 
-A weight is a tuple of parts (one matrix, or the matrices of a fusion of different formats)
-whose rows follow one another. Kernel paths (cpu.py) arrive as arguments, never as globals:
-compiled code is cached on disk, and a global would be frozen into the cache.
+Why: a decode step of a 30-layer model otherwise makes ~14 Python-to-numba calls per layer,
+and at batch 1 on a small model those calls cost as much as the arithmetic. The plan passes one
+layer at a time (plan.py): the layer's weight types compile once each, whatever the layer count.
+Every kernel inside is the same code the kernel-by-kernel path runs, on the same rows in the
+same order, so the results are identical to it.
+
+The ops take their kernel-path arguments from `run`: a Stepwise record from Python, fused_run's
+tuple compiled. A weight is a tuple of parts (one matrix, or the matrices of a fusion of
+different formats) whose rows follow one another. Kernel paths (cpu.py) arrive as arguments,
+never as globals: compiled code is cached on disk, and a global would be frozen into the cache.
 """
 
+from typing import NamedTuple
+
 import numba
+import numpy as np
 from numba import prange
 from numba.extending import overload
 
-from ellmd.kernels import quant
+from ellmd.kernels import attention, moe, norm, quant
 from ellmd.kernels.activations import PARALLEL_MIN, silu_mul
-from ellmd.kernels.attention import _store, decode_rows
-from ellmd.kernels.matmul import ROW_BLOCK, path_rows
-from ellmd.kernels.moe import _block_fused
+from ellmd.kernels.matmul import ROW_BLOCK, matmul, path_rows
 from ellmd.kernels.norm import _rmsnorm_rows, qk_norm
-from ellmd.kernels.rope import _rope_rows
+from ellmd.kernels.rope import _rope_rows, rope
+
+JIT = {"fastmath": True, "nogil": True}
+
+
+class Stepwise(NamedTuple):
+    """`run` of `layer` called from Python: what the kernel entry points take beside its arrays."""
+
+    fmt: int  # the weights' storage format
+    kv_fmt: int
+    decode: bool  # one token per slot (attention_decode), else consecutive tokens of slots[0] (attention_prefill)
+    matmul_scratch: np.ndarray
+    attention_scratch: dict  # attention_decode's scratch arrays by name
+    moe: tuple  # (top_k, normalize, MoeScratch) of a model with routed experts, else ()
+
+
+def fused_run(integer, workers, q8buf, acc, threads, attention_scratch, moe_work) -> tuple:
+    """`run` of decode_layer: integer (an integer path on), workers and acc [W, ...] of _linear,
+    q8buf (xq, xd, xs), threads of decode attention, attention_scratch (partial_m, partial_l,
+    partial_acc, tile) and moe_work (top_k, normalize, moe.fused_work's work) or ()."""
+    return integer, workers, q8buf, acc, threads, attention_scratch, moe_work
+
+
+def layer(weights, ws, n, slots, positions, dims, run):
+    """x[:n] += attention(rmsnorm(x)), then x[:n] += mlp(rmsnorm(x)): one layer over the n rows of
+    slots and positions, x holding their embeddings or the previous layer's output.
+
+    weights: (attention weights, MLP weights) of Llama.layer_weights; attention weights: (layer
+    index, input norm [h], qkv parts, qkv bias [(H+2G)*d] or [0], q_norm [d] or [0], k_norm [d] or
+    [0], o parts, post-attention norm [h]); MLP weights: see feed_forward. ws: (x, h, qkv, attn,
+    lengths, cos, sin, k_cache, v_cache, (gate_up, act, (moe_out, router logits, expert weights,
+    expert ids) or ())) (plan.py); dims: (H, G, d, rms_norm_eps, attention scale); run: Stepwise
+    from Python, fused_run compiled.
+    """
+    index, ln1, qkv_w, bias, q_norm, k_norm, o_w, ln2 = weights[0]
+    x, h, qkv, attn, lengths, cos, sin, k_cache, v_cache, mlp_buffers = ws
+    H, G, d, eps, scale = dims
+    x, h, qkv = x[:n], h[:n], qkv[:n]
+    rmsnorm(x, ln1, eps, h)
+    linear(h, qkv_w, qkv, run)
+    add_bias(qkv, bias)
+    if q_norm.shape[0]:  # Qwen3: an RMSNorm over each head of q and k
+        qk_norm(qkv, H, G, q_norm, k_norm, eps)
+    heads = qkv.reshape((n, H + 2 * G, d))
+    q, k, v = heads[:, :H], heads[:, H : H + G], heads[:, H + G :]
+    rotate(q, positions, cos, sin)
+    rotate(k, positions, cos, sin)
+    k_layer, v_layer = k_cache[index], v_cache[index]
+    store_kv(k, v, k_layer, v_layer, slots, positions, run)
+    attend(q, k_layer, v_layer, slots, positions, lengths, scale, attn[:n].reshape((n, H, d)), run)
+    linear(attn[:n], o_w, h, run)
+    add(x, h)
+    rmsnorm(x, ln2, eps, h)
+    feed_forward(weights[1], x, h, mlp_buffers, run)
+
+
+# the layer compiled: each op below becomes its overload (cached on disk like every kernel)
+decode_layer = numba.njit(cache=True, nogil=True, fastmath=True)(layer)
+
+
+def routed(mlp_weights) -> bool:
+    """True for routed experts' weights (router, gate, up, up0, down), False for a dense MLP's
+    (gate_up parts, down parts); a compile-time constant inside compiled code."""
+    return len(mlp_weights) == 5
+
+
+def feed_forward(weights, x, h, buffers, run):
+    """x += the MLP of h: dense_mlp or routed_mlp, by the weights."""
+    (routed_mlp if routed(weights) else dense_mlp)(weights, x, h, buffers, run)
+
+
+@overload(feed_forward, jit_options=JIT)
+def _feed_forward_compiled(weights, x, h, buffers, run):
+    return routed_mlp if routed(weights) else dense_mlp
+
+
+def dense_mlp(weights, x, h, buffers, run):
+    """x += down(silu(gate) * up) of h. weights: (gate_up parts, down parts)."""
+    gate_up_w, down_w = weights
+    n = x.shape[0]
+    gate_up, act = buffers[0][:n], buffers[1][:n]
+    linear(h, gate_up_w, gate_up, run)
+    silu_mul(gate_up, act)
+    linear(act, down_w, h, run)
+    add(x, h)
+
+
+def routed_mlp(weights, x, h, buffers, run):
+    """x += the routed experts' MLP of h. weights: (router [E, h] f32, gate, up, up0, down) with the
+    expert stacks of moe.moe_block (up's rows start at up0 of its stack)."""
+    n = x.shape[0]
+    out, logits, chosen, ids = buffers[2]
+    experts(h, weights, out[:n], logits[:n], chosen[:n], ids[:n], run)
+    add(x, out[:n])
+
+
+# ---- the ops: the kernel-by-kernel call, then the compiled one ----------------------------------
+
+
+def rmsnorm(x, weight, eps, out):
+    """out = rmsnorm(x) * weight (norm.rmsnorm: rows in parallel when many)."""
+    norm.rmsnorm(x, weight, eps, out)
+
+
+@overload(rmsnorm, jit_options=JIT)
+def _rmsnorm_compiled(x, weight, eps, out):
+    return lambda x, weight, eps, out: _rmsnorm_rows(x, weight, eps, out, 0, x.shape[0])
+
+
+def linear(x, w, out, run):
+    """out = x @ w.T, w a tuple of parts (matmul: decode's kernel, or the GEMM from PREFILL_MIN_ROWS rows)."""
+    matmul(x, w[0] if len(w) == 1 else w, run.fmt, out, run.matmul_scratch)
+
+
+@overload(linear, jit_options=JIT)
+def _linear_compiled(x, w, out, run):
+    def impl(x, w, out, run):
+        integer, workers, q8buf, acc, _, _, _ = run
+        _linear(x, w, out, acc, q8buf, integer, workers)
+
+    return impl
+
+
+def add_bias(x, bias):
+    """x += bias on every row; bias [0]: none."""
+    if bias.shape[0]:
+        np.add(x, bias, out=x)
+
+
+@overload(add_bias, jit_options=JIT)
+def _add_bias_compiled(x, bias):
+    def impl(x, bias):
+        for i in range(x.shape[0] if bias.shape[0] else 0):
+            for c in range(bias.shape[0]):
+                x[i, c] += bias[c]
+
+    return impl
+
+
+def rotate(x, positions, cos, sin):
+    """Rope on x [n, heads, d] in place, row i at positions[i]."""
+    rope(x, positions[: x.shape[0]], cos, sin)
+
+
+@overload(rotate, jit_options=JIT)
+def _rotate_compiled(x, positions, cos, sin):
+    return lambda x, positions, cos, sin: _rope_rows(x, positions, cos, sin, 0, x.shape[0])
+
+
+def store_kv(k, v, k_layer, v_layer, slots, positions, run):
+    """The rows' keys and values [n, G, d] into the layer's cache at (slot, head, position)."""
+    n = k.shape[0]
+    attention.store_kv(k, v, k_layer, v_layer, run.kv_fmt, slots[:n], positions[:n])
+
+
+@overload(store_kv, jit_options=JIT)
+def _store_kv_compiled(k, v, k_layer, v_layer, slots, positions, run):
+    return lambda k, v, k_layer, v_layer, slots, positions, run: attention._store(k, v, k_layer, v_layer, slots,
+                                                                                  positions)
+
+
+def attend(q, k_layer, v_layer, slots, positions, lengths, scale, out, run):
+    """out [n, H, d] = causal attention of q over the keys stored so far: a decode step's rows, each
+    of its slot up to its position (attention_decode), or a chunk of slots[0] from positions[0]
+    (attention_prefill)."""
+    n = q.shape[0]
+    if run.decode:
+        np.add(positions[:n], 1, out=lengths[:n])
+        attention.attention_decode(q, k_layer, v_layer, run.kv_fmt, slots[:n], lengths[:n], scale, out,
+                                   **run.attention_scratch)
+    else:
+        slot = slots[0]
+        attention.attention_prefill(q, k_layer[slot], v_layer[slot], run.kv_fmt, int(positions[0]), scale, out)
+
+
+@overload(attend, jit_options=JIT)
+def _attend_compiled(q, k_layer, v_layer, slots, positions, lengths, scale, out, run):
+    def impl(q, k_layer, v_layer, slots, positions, lengths, scale, out, run):
+        n = q.shape[0]
+        for i in range(n):
+            lengths[i] = positions[i] + 1
+        _, _, _, _, threads, (partial_m, partial_l, partial_acc, tile), _ = run
+        attention.decode_rows(q, k_layer, v_layer, slots, lengths[:n], scale, partial_m, partial_l, partial_acc,
+                              tile, threads, out)
+
+    return impl
+
+
+def add(x, y):
+    """x += y (the residual)."""
+    np.add(x, y, out=x)
+
+
+@overload(add, jit_options=JIT)
+def _add_compiled(x, y):
+    return lambda x, y: _add(x, y)
+
+
+def experts(x, weights, out, logits, chosen, ids, run):
+    """out = the routed experts' MLP of x (moe.moe_block); logits, chosen, ids receive the routing."""
+    router, gate, up, _, down = weights
+    top_k, normalize, scratch = run.moe
+    moe.moe_block(x, router, top_k, normalize, (gate, up), down, run.fmt, out, logits, chosen, ids, scratch)
+
+
+@overload(experts, jit_options=JIT)
+def _experts_compiled(x, weights, out, logits, chosen, ids, run):
+    def impl(x, weights, out, logits, chosen, ids, run):
+        router, gate, up, up0, down = weights
+        integer, _, _, _, _, _, (top_k, normalize, work) = run
+        moe._block_fused(x, router, top_k, normalize, (gate, up, up0, down), out, logits, chosen, ids, work, integer)
+
+    return impl
+
+
+# ---- the compiled kernels of the ops ------------------------------------------------------------
 
 
 def _parts_rows(x, parts, out, j0, j1, acc, q8, integer):
@@ -40,7 +268,7 @@ def _parts_rows(x, parts, out, j0, j1, acc, q8, integer):
     raise NotImplementedError("numba only")
 
 
-@overload(_parts_rows, jit_options={"fastmath": True, "nogil": True})
+@overload(_parts_rows, jit_options=JIT)
 def _parts_rows_overload(x, parts, out, j0, j1, acc, q8, integer):
     if len(parts) == 1:
 
@@ -97,83 +325,6 @@ def _add(x, y):
     for i in range(x.shape[0]):
         for c in range(x.shape[1]):
             x[i, c] += y[i, c]
-
-
-@numba.njit(cache=True, nogil=True, fastmath=True)
-def _attention(weights, ws, n, slots, positions, shape, eps, scale, threads, paths):
-    """x += attention(rmsnorm(x)); then h = post-attention rmsnorm(x)."""
-    index, ln1, qkv_w, bias, q_norm, k_norm, o_w, ln2 = weights
-    x, h, qkv_buf, attn, lengths, cos, sin, kv_k, kv_v, pm, pl, pa, tile, acc = ws
-    integer, workers, q8buf = paths
-    H, G, d = shape
-    x, h = x[:n], h[:n]
-    _rmsnorm_rows(x, ln1, eps, h, 0, n)
-    qkv = qkv_buf[:n]
-    _linear(h, qkv_w, qkv, acc, q8buf, integer, workers)
-    for i in range(n if bias.shape[0] else 0):
-        for c in range(bias.shape[0]):
-            qkv[i, c] += bias[c]
-    if q_norm.shape[0]:
-        qk_norm(qkv, H, G, q_norm, k_norm, eps)
-    heads = qkv.reshape((n, H + 2 * G, d))
-    q, k, v = heads[:, :H], heads[:, H : H + G], heads[:, H + G :]
-    _rope_rows(q, positions, cos, sin, 0, n)
-    _rope_rows(k, positions, cos, sin, 0, n)
-    k_layer, v_layer = kv_k[index], kv_v[index]
-    _store(k, v, k_layer, v_layer, slots, positions)
-    for i in range(n):
-        lengths[i] = positions[i] + 1
-    decode_rows(q, k_layer, v_layer, slots, lengths[:n], scale, pm, pl, pa, tile, threads, attn[:n].reshape((n, H, d)))
-    _linear(attn[:n], o_w, h, acc, q8buf, integer, workers)
-    _add(x, h)
-    _rmsnorm_rows(x, ln2, eps, h, 0, n)
-
-
-@numba.njit(cache=True, nogil=True, fastmath=True)
-def _dense_mlp(weights, ws, n, paths):
-    """x += down(silu(gate) * up) of h."""
-    gate_up_w, down_w = weights
-    x, h, gate_up, act, acc = ws
-    integer, workers, q8buf = paths
-    x, h = x[:n], h[:n]
-    _linear(h, gate_up_w, gate_up[:n], acc, q8buf, integer, workers)
-    silu_mul(gate_up[:n], act[:n])
-    _linear(act[:n], down_w, h, acc, q8buf, integer, workers)
-    _add(x, h)
-
-
-@numba.njit(cache=True, nogil=True, fastmath=True)
-def decode_dense(layers, ws, mlp_ws, n, slots, positions, shape, eps, scale, threads, paths):
-    """Decode n rows through a run of dense layers (Llama, Qwen3); x[:n] holds their embeddings.
-
-    layers: a tuple of (attention weights, (gate_up parts, down parts)), every layer of the same
-    types; attention weights: (layer index, input norm [h], qkv parts, qkv bias [(H+2G)*d] or
-    [0], q_norm [d] or [0], k_norm [d] or [0], o parts, post-attention norm [h]); ws: the
-    workspace buffers (plan.py); shape: (H, G, d); paths: (integer path on, workers, (xq, xd, xs)):
-    xq's dtype picks the integer path, int8 (vpdpbusd) or int16 (vpdpwssd, or vpmaddwd on AVX2).
-    """
-    for i in range(len(layers)):
-        attention_weights, mlp_weights = layers[i]
-        _attention(attention_weights, ws, n, slots, positions, shape, eps, scale, threads, paths)
-        _dense_mlp(mlp_weights, mlp_ws, n, paths)
-
-
-@numba.njit(cache=True, nogil=True, fastmath=True)
-def decode_moe(layers, ws, moe_ws, n, slots, positions, shape, eps, scale, threads, paths, top_k, normalize):
-    """decode_dense for a run of Qwen3-MoE layers: the routed experts' MLP (moe.moe_block's fused path).
-
-    layers: a tuple of (attention weights, (router [E, h], gate, up, up0, down)) with the expert
-    stacks of moe.moe_block; moe_ws: (x, h, moe_out, router logits, weights, experts, the work
-    arrays of moe.fused_work, whose codes have the dtype of paths' xq).
-    """
-    x, h, out, logits, weights, experts, work = moe_ws
-    integer = paths[0]
-    for i in range(len(layers)):
-        attention_weights, (router, gate, up, up0, down) = layers[i]
-        _attention(attention_weights, ws, n, slots, positions, shape, eps, scale, threads, paths)
-        _block_fused(h[:n], router, top_k, normalize, (gate, up, up0, down), out[:n], logits[:n], weights[:n],
-                     experts[:n], work, integer)
-        _add(x[:n], out[:n])
 
 
 @numba.njit(cache=True, nogil=True, fastmath=True)

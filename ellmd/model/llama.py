@@ -1,10 +1,12 @@
 """Llama (SmolLM2, Llama 2/3): the base decoder that Qwen3 and Qwen3-MoE extend.
 
-Shapes (n tokens in this forward, h hidden, H query heads, G kv heads, d head_dim, I intermediate):
-  x, residual stream     [n, h]       f32
+A family reads its checkpoint into the weights of kernels/layer.py's `layer`, where the layer is
+defined once for every family (a family's extra blocks are weights there: Qwen3's q/k norms, the
+routed experts), and computes the logits.
+
+Shapes (h hidden, H query heads, G kv heads, d head_dim, I intermediate):
   qkv_proj               [(H+2G)*d, h]  storage format; q, k and v fused at load
   gate_up_proj           [2*I, h]     storage format; gate and up fused at load
-  K, V cache of a layer  [slots, G, S, d]
 A weight in a block format (ellmd.kernels.quant) is [rows, h / block size] of its block dtype;
 a fusion of tensors of different formats is the tuple of its parts (kernels.matmul takes both).
 """
@@ -63,7 +65,7 @@ def logical_shape(w) -> tuple:
 
 
 class Llama:
-    """Weights in engine layout plus the forward pass over a Workspace."""
+    """Weights in engine layout, as kernels.layer's layer takes them, and the logits."""
 
     def __init__(self, spec: ModelSpec, weights: dict, fmt: int):
         self.spec = spec
@@ -138,64 +140,13 @@ class Llama:
                         f"layer {i} tensor {name} has shape {logical_shape(layer[name])}, the config implies {shape}"
                     )
 
-    # ---- forward -------------------------------------------------------------------------
+    # ---- the layer (kernels.layer) ----------------------------------------------------------
 
-    def forward(self, ws, kv, n: int, slots: np.ndarray, positions: np.ndarray, decode: bool) -> None:
-        """Run all layers over ws.x[:n]; tokens are already embedded there.
+    def layer_weights(self, index: int) -> tuple:
+        """Layer `index` as kernels.layer's `layer` takes it: (attention weights, MLP weights).
 
-        decode: one token per slot (slots[i], positions[i]); otherwise n consecutive tokens of slots[0].
-        """
-        spec = self.spec
-        x, h = ws.x[:n], ws.h[:n]
-        for index, layer in enumerate(self.layers):
-            kernels.rmsnorm(x, layer["input_layernorm"], spec.rms_norm_eps, h)
-            self.attention(index, layer, ws, kv, n, slots, positions, decode)
-            np.add(x, h, out=x)
-            kernels.rmsnorm(x, layer["post_attention_layernorm"], spec.rms_norm_eps, h)
-            self.mlp(layer, ws, n)
-            np.add(x, h, out=x)
-
-    def attention(self, index, layer, ws, kv, n, slots, positions, decode) -> None:
-        """h[:n] (normed input) -> h[:n] (attention output projected back to hidden)."""
-        spec = self.spec
-        H, G, d = spec.num_attention_heads, spec.num_key_value_heads, spec.head_dim
-        qkv = ws.qkv[:n]
-        kernels.matmul(ws.h[:n], layer["qkv_proj"], self.fmt, qkv, ws.matmul_scratch)
-        if "qkv_bias" in layer:
-            np.add(qkv, layer["qkv_bias"], out=qkv)
-        q = qkv[:, : H * d].reshape(n, H, d)
-        k = qkv[:, H * d : (H + G) * d].reshape(n, G, d)
-        v = qkv[:, (H + G) * d :].reshape(n, G, d)
-        self.qk_norm(layer, qkv)
-        kernels.rope(q, positions[:n], ws.cos, ws.sin)
-        kernels.rope(k, positions[:n], ws.cos, ws.sin)
-        kernels.store_kv(k, v, kv.k[index], kv.v[index], kv.fmt, slots[:n], positions[:n])
-        out = ws.attn[:n].reshape(n, H, d)
-        if decode:
-            np.add(positions[:n], 1, out=ws.lengths[:n])
-            kernels.attention_decode(
-                q, kv.k[index], kv.v[index], kv.fmt, slots[:n], ws.lengths[:n], self.scale, out, **ws.attention_scratch
-            )
-        else:
-            slot = slots[0]
-            kernels.attention_prefill(q, kv.k[index, slot], kv.v[index, slot], kv.fmt, int(positions[0]), self.scale, out)
-        kernels.matmul(ws.attn[:n], layer["o_proj"], self.fmt, ws.h[:n], ws.matmul_scratch)
-
-    def qk_norm(self, layer, qkv) -> None:
-        """Llama has no per-head norm; Qwen3 overrides this."""
-
-    def mlp(self, layer, ws, n) -> None:
-        """h[:n] (normed) -> h[:n] (MLP output)."""
-        kernels.matmul(ws.h[:n], layer["gate_up_proj"], self.fmt, ws.gate_up[:n], ws.matmul_scratch)
-        kernels.silu_mul(ws.gate_up[:n], ws.act[:n])
-        kernels.matmul(ws.act[:n], layer["down_proj"], self.fmt, ws.h[:n], ws.matmul_scratch)
-
-    # ---- fused decode (kernels.layer) ------------------------------------------------------
-
-    def fused_layer(self, index: int) -> tuple:
-        """Layer `index` as kernels.layer takes it: (attention weights, MLP weights, is_moe).
-
-        Weights in kernel views (f16 as int16), every matrix as a tuple of its parts.
+        Weights in kernel views (f16 as int16), every matrix as a tuple of its parts; a norm or
+        bias the family lacks is an empty array.
         """
         layer = self.layers[index]
         none = np.zeros(0, np.float32)
@@ -204,11 +155,11 @@ class Llama:
             layer.get("q_norm", none), layer.get("k_norm", none), self.parts(layer["o_proj"]),
             layer["post_attention_layernorm"],
         )
-        return attention, *self.fused_mlp(layer)
+        return attention, self.mlp_weights(layer)
 
-    def fused_mlp(self, layer) -> tuple:
-        """(MLP weights, is_moe) of a layer for kernels.layer.decode_dense."""
-        return (self.parts(layer["gate_up_proj"]), self.parts(layer["down_proj"])), False
+    def mlp_weights(self, layer) -> tuple:
+        """A layer's MLP weights for kernels.layer.feed_forward: (gate_up parts, down parts)."""
+        return self.parts(layer["gate_up_proj"]), self.parts(layer["down_proj"])
 
     def parts(self, w) -> tuple:
         """A weight as the tuple of its parts in kernel views."""

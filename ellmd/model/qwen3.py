@@ -6,7 +6,6 @@ Shapes: as llama.py; q_norm, k_norm [d] f32.
 from __future__ import annotations
 
 from ellmd.kernels import formats
-from ellmd.kernels.norm import qk_norm
 from ellmd.model import llama
 from ellmd.model.llama import Llama
 from ellmd.model.registry import Family, register
@@ -19,11 +18,6 @@ class Qwen3(Llama):
         layer["q_norm"] = get(f"{prefix}.self_attn.q_norm.weight", formats.F32)
         layer["k_norm"] = get(f"{prefix}.self_attn.k_norm.weight", formats.F32)
         return layer
-
-    def qk_norm(self, layer, qkv) -> None:
-        spec = self.spec
-        qk_norm(qkv, spec.num_attention_heads, spec.num_key_value_heads, layer["q_norm"], layer["k_norm"],
-                spec.rms_norm_eps)  # qkv [n, (H+2G)*d]: q and k heads in place
 
 
 def layer_shapes(spec, index: int) -> dict[str, tuple[int, ...]]:

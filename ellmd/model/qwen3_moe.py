@@ -16,7 +16,6 @@ import numpy as np
 
 from ellmd.kernels import formats
 from ellmd.kernels.formats import kernel_view
-from ellmd.kernels.moe import moe_block
 from ellmd.model import qwen3
 from ellmd.model.qwen3 import Qwen3
 from ellmd.model.registry import Family, register
@@ -43,22 +42,12 @@ class Qwen3Moe(Qwen3):
             "experts_down": np.ascontiguousarray(down),
         }
 
-    def fused_mlp(self, layer) -> tuple:
+    def mlp_weights(self, layer) -> tuple:
+        """Routed experts' weights for kernels.layer.feed_forward: (router, gate, up, up0, down)."""
         if "router" not in layer:
-            return super().fused_mlp(layer)
+            return super().mlp_weights(layer)
         gate, up, down = (kernel_view(layer[f"experts_{p}"], self.fmt) for p in ("gate", "up", "down"))
-        return (layer["router"], gate, up, 0, down), True  # 0: up rows start at 0 of their own stack
-
-    def mlp(self, layer, ws, n) -> None:
-        if "router" not in layer:
-            return super().mlp(layer, ws, n)
-        spec = self.spec
-        moe_block(
-            ws.h[:n], layer["router"], spec.num_experts_per_tok, spec.norm_topk_prob,
-            (layer["experts_gate"], layer["experts_up"]), layer["experts_down"], self.fmt, ws.moe_out[:n],
-            ws.router_logits[:n], ws.expert_weights[:n], ws.expert_ids[:n], ws.moe_scratch,
-        )
-        ws.h[:n] = ws.moe_out[:n]
+        return layer["router"], gate, up, 0, down  # 0: up rows start at 0 of their own stack
 
 
 def layer_shapes(spec, index: int) -> dict[str, tuple[int, ...]]:

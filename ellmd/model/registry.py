@@ -36,7 +36,7 @@ GGUF_LAYER_NAMES = {
 class Family:
     model_type: str  # config.json's model_type
     gguf_architecture: str  # GGUF's general.architecture
-    model: type  # weights in engine layout and the forward pass (sanitize, forward, fused_layer)
+    model: type  # weights in engine layout (sanitize, layer_weights for kernels.layer) and the logits
     layer_shapes: Callable  # layer_shapes(spec, index) -> {HF name under model.layers.N: shape}
     gguf_layer_names: dict = field(default_factory=dict)  # layer pieces beyond GGUF_LAYER_NAMES
     gguf_fields: Callable | None = None  # gguf_fields(get) -> ModelSpec fields read from GGUF metadata
