@@ -13,7 +13,7 @@ import pytest
 
 from ellmd.kernels.formats import BF16, F32
 
-cpu, quant, matmul = (import_module(f"ellmd.kernels.{name}") for name in ("cpu", "quant", "matmul"))
+cpu, quant, quant_int, matmul = (import_module(f"ellmd.kernels.{name}") for name in ("cpu", "quant", "quant_int", "matmul"))
 
 NAMES = list(quant.BLOCK_DTYPES)
 K = 512  # a multiple of every block size
@@ -96,7 +96,7 @@ def test_matmul_on_blocks(rng, use_kernels, kernels, name, n):
     if n < matmul.PREFILL_MIN_ROWS and cpu.INTEGER & cpu.ENABLED or matmul._integer_prefill(x, w, F32):
         dtype = np.int8 if "vnni" in cpu.ENABLED else np.int16
         want = np.zeros_like(out)  # the reference quantizes the activations the same way
-        quant.rows_vnni_ref(*quant.quantize_activations_ref(x, dtype), w, want, 0, 37)
+        quant_int.rows_vnni_ref(*quant.quantize_activations_ref(x, dtype), w, want, 0, 37)
         error = np.abs(out - exact).max() / np.abs(exact).max()
         assert ACTIVATION_ERROR[dtype] / 100 < error < ACTIVATION_ERROR[dtype]  # the path taken, its cost
     else:

@@ -34,7 +34,7 @@ from numba import prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
-from ellmd.kernels import bf16, cpu, gemm, quant
+from ellmd.kernels import bf16, cpu, gemm, quant, quant_f32, quant_int
 from ellmd.kernels.activations import PARALLEL_MIN
 from ellmd.kernels.formats import BF16, kernel_view, to_f32
 from ellmd.kernels.quant import decode_row
@@ -167,8 +167,8 @@ def linear_rows(x, w, out, j0, j1, acc=None):
     block dtype (quant.py); out: [n, m] float32 (any layout). Serial: callers split the rows.
     x must be C-contiguous, float w too. Float weight rows go two (four inputs at a time) or four
     (the inputs left over) side by side, a last odd one computed twice; block rows are unpacked in
-    registers once for all n inputs (quant.dot_rows, whose accumulator is acc, 1-D float32 of
-    quant.acc_floats(n), or allocated when acc is None).
+    registers once for all n inputs (quant_f32.dot_rows, whose accumulator is acc, 1-D float32 of
+    quant_f32.acc_floats(n), or allocated when acc is None).
     """
     raise NotImplementedError("numba only")
 
@@ -188,7 +188,7 @@ def _linear_rows_overload(x, w, out, j0, j1, acc=None):
         return impl_float
 
     def impl_blocks(x, w, out, j0, j1, acc=None):
-        quant.dot_rows(x, w, out, j0, j1, acc)
+        quant_f32.dot_rows(x, w, out, j0, j1, acc)
 
     return impl_blocks
 
@@ -205,7 +205,7 @@ def _path_rows_overload(x, q, w, out, j0, j1, acc, integer):
 
         def impl_integer(x, q, w, out, j0, j1, acc, integer):
             if integer:
-                quant.rows_vnni(q[0], q[1], q[2], w, out, j0, j1)
+                quant_int.rows_vnni(q[0], q[1], q[2], w, out, j0, j1)
             else:
                 linear_rows(x, w, out, j0, j1, acc)
 
@@ -240,7 +240,7 @@ def _linear_int(x, w, out, xq, workers):
     xs = np.empty((n, k // 16), np.int32)
     if n * m * k < 8 * PARALLEL_MIN:
         quant.quantize_activations(x, xq, xd, xs)
-        quant.rows_vnni(xq, xd, xs, w, out, 0, m)
+        quant_int.rows_vnni(xq, xd, xs, w, out, 0, m)
         return
     for wk in prange(workers):
         r0, r1 = wk * n // workers, (wk + 1) * n // workers
@@ -251,7 +251,7 @@ def _linear_int(x, w, out, xq, workers):
             j0, j1 = b * ROW_BLOCK, min(m, b * ROW_BLOCK + ROW_BLOCK)
             for i0 in range(0, n, INT_INPUT_BLOCK):
                 i1 = min(n, i0 + INT_INPUT_BLOCK)
-                quant.rows_vnni(xq[i0:i1], xd[i0:i1], xs[i0:i1], w, out[i0:i1], j0, j1)
+                quant_int.rows_vnni(xq[i0:i1], xd[i0:i1], xs[i0:i1], w, out[i0:i1], j0, j1)
 
 
 @numba.njit(cache=True, nogil=True)
