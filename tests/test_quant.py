@@ -120,6 +120,28 @@ def test_a_row_sums_the_same_whatever_rows_share_its_pass(rng, use_kernels, kern
         assert np.array_equal(together[i], alone[0]), f"row {i}"
 
 
+@pytest.mark.parametrize("name", [name for name in NAMES if quant.BLOCK_SIZES[name] == 32])
+@pytest.mark.parametrize("k", [288, 2048])
+def test_one_scale_blocks_on_int16_codes_at_either_activation_group(rng, use_kernels, name, k):
+    # int16 codes share a scale per 256 values where 256 divides the width (rows_vnni applies it
+    # once per 8 blocks), else one per block (288): both against the reference, and a row's numbers
+    # alone equal its numbers beside 10 others
+    use_kernels("int16")
+    assert quant.activation_group(k, 2) == (256 if k == 2048 else 32)
+    w = blocks(rng, name, 37, k)
+    x = rng.standard_normal((11, k)).astype(np.float32)
+    x[:, 7] *= 30.0
+    out = np.full((11, 37), np.nan, np.float32)
+    matmul.matmul(x, w, F32, out, None)
+    want = np.zeros_like(out)
+    quant_int.rows_vnni_ref(*quant.quantize_activations_ref(x, np.int16), w, want, 0, 37)
+    assert_f32_close(out, want)
+    for i in (0, 10):
+        alone = np.zeros((1, 37), np.float32)
+        matmul.matmul(x[i : i + 1], w, F32, alone, None)
+        assert np.array_equal(out[i], alone[0]), f"row {i}"
+
+
 @pytest.mark.parametrize("kernels", ["default", "vnni"])
 @pytest.mark.parametrize("name", NAMES)
 def test_a_prefill_row_is_the_decode_row_to_the_bit(rng, use_kernels, kernels, name):

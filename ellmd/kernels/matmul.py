@@ -44,7 +44,11 @@ ROW_BLOCK = 16  # weight rows per parallel task of linear
 PREFILL_MIN_ROWS = 64  # from this many input rows linear_prefill wins (packing amortized)
 PANEL = 32  # weight rows packed by a linear_prefill task (a multiple of NR)
 INPUT_BLOCK = 120  # input rows multiplied per packed panel pass (stay in L2; a multiple of TALL_MR)
-INT_INPUT_BLOCK = 64  # input rows an integer prefill task runs a weight row block over (see _linear_int)
+# input rows an integer prefill task runs a weight row block over (see _linear_int): one pass of
+# rows_vnni, whose inputs (8 x 2,048 int16: 32 KB) then stay in L1 across the block's weight rows;
+# over 64 inputs each weight row streamed them all from L2 (Xeon model 207, one-scale and
+# K-quant GEMMs at k = 2048: 1.2-1.5x; scripts/kernel_bench.py --prefill)
+INT_INPUT_BLOCK = quant_int.ROW_PASSES[0]
 DEPTH_BLOCK = 128  # depth of one micro-kernel call: its panel slice (16 KiB) and rows of x stay in L1
 
 
@@ -231,8 +235,8 @@ def _linear(x, w, out):
 def _linear_int(x, w, out, xq, workers):
     """out = x @ w.T on the integer path, decode and prefill: x quantized once (its rows split between
     the workers), then each worker an equal run of ROW_BLOCK weight rows, each block over
-    INT_INPUT_BLOCK rows of x at a time, so that the block's rows and those inputs stay in cache
-    while rows_vnni's passes unpack each weight row once per ROW_PASSES[0] inputs. A row is computed
+    INT_INPUT_BLOCK rows of x at a time, so that those inputs stay in L1 across the block's rows
+    while rows_vnni's pass unpacks each weight row once for them. A row is computed
     alike whatever rows come with it (rows_vnni sums a row in one order whatever its pass)."""
     n, k = x.shape
     m = w.shape[0]

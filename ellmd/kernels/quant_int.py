@@ -323,25 +323,49 @@ def _bias(q, xs_at, offset, a, m, wide):
 ROW_PASSES = (8, 4, 2, 1) if WORDS_VNNI else (4, 2, 1)
 
 
+def _fma(b, a, x, y):
+    """a * x + y, float32 vectors, one rounding."""
+    fn = cgutils.get_or_insert_function(b.module, ir.FunctionType(a.type, [a.type] * 3), f"llvm.fma.v{a.type.count}f32")
+    return b.call(fn, [a, x, y])
+
+
 class _RowSums:
     """One input row's sums over a weight row, in allocas (registers once LLVM promotes them): two
-    vector chains of FMAs, two scalar chains of bias terms, and the int8 path's K-quant min terms."""
+    vector chains of FMAs, two scalar chains of bias terms, and the int8 path's K-quant min terms;
+    for one-scale blocks on int16 codes with one activation scale per 256 values, the two chains and
+    the bias terms of the current 256 values before that scale (group_accs, group_corrs)."""
 
     def __init__(self, q, i, lanes, kbias_lanes):
         self.q, self.i, b = q, i, q.b
-        self.accs = [cgutils.alloca_once_value(b, ir.Constant(q.vec(q.f32, lanes), [0.0] * lanes)) for _ in range(2)]
-        self.corrs = [cgutils.alloca_once_value(b, ir.Constant(q.f32, 0.0)) for _ in range(2)]
+
+        def zeros(count):
+            return [cgutils.alloca_once_value(b, ir.Constant(q.vec(q.f32, lanes), [0.0] * lanes)) for _ in range(count)]
+
+        self.accs, self.group_accs = zeros(2), zeros(2)
+        self.corrs, self.group_corrs = ([cgutils.alloca_once_value(b, ir.Constant(q.f32, 0.0)) for _ in range(2)]
+                                        for _ in range(2))
         self.kbias = cgutils.alloca_once_value(b, ir.Constant(q.vec(q.f32, kbias_lanes), [0.0] * kbias_lanes))
 
     def add(self, slot, value):
         self.q.b.store(self.q.b.fadd(self.q.b.load(slot), value), slot)
 
-    def fma(self, chain, a, x):
-        """accs[chain] += a * x."""
-        b, acc = self.q.b, self.accs[chain]
-        fn = cgutils.get_or_insert_function(b.module, ir.FunctionType(a.type, [a.type] * 3),
-                                            f"llvm.fma.v{a.type.count}f32")
-        b.store(b.call(fn, [a, x, b.load(acc)]), acc)
+    def fma(self, slot, a, x):
+        """slot += a * x (vectors)."""
+        self.q.b.store(_fma(self.q.b, a, x, self.q.b.load(slot)), slot)
+
+    def close_group(self, dx):
+        """accs[0] and corrs[0] += the group's sums times its activation scale dx; the group's sums
+        back to zero."""
+        b, q = self.q.b, self.q
+        for group, whole in ((self.group_accs, self.accs[0]), (self.group_corrs, self.corrs[0])):
+            value = b.fadd(b.load(group[0]), b.load(group[1]))
+            if isinstance(value.type, ir.VectorType):
+                self.fma(whole, value, q.splat(dx, value.type.count))
+            else:
+                self.add(whole, b.fmul(value, dx))
+            zero = ir.Constant(value.type, [0.0] * value.type.count if isinstance(value.type, ir.VectorType) else 0.0)
+            for slot in group:
+                b.store(zero, slot)
 
     def total(self):
         b, q = self.q.b, self.q
@@ -374,23 +398,54 @@ def _rows_vnni_codegen(name, wide):
             at = builder.add(builder.mul(blk, c(groups)), c(g))
             return builder.add(builder.mul(row.i, k), builder.mul(at, c(32)))
 
-        def group(rows, blk, chain):
-            """Block blk of a one-group type (one scale) for every row of the pass, on chain."""
+        def dx_at(row, blk):
+            """The activation scale of block blk of an input row."""
+            return builder.load(builder.gep(xd_a.data, [builder.add(builder.mul(row.i, builder.udiv(k, c(32))), blk)]))
+
+        def group(rows, blk, chain, shared_scale=False):
+            """Block blk of a one-group type (one scale) for every row of the pass, on chain: into the
+            row's sums times its activation scale, or, with shared_scale (one activation scale for
+            the 8 blocks of a group of 256), into the group's sums before that scale (close_group)."""
             o = builder.mul(blk, c(size))
             q.prefetch(o, size)
             codes, offset, a, _, m = _group(name, q, o, 0)  # one scale for the 32 values
             words = _group_words(q, codes, offset, wide)
+            a_lanes = q.splat(a, group_lanes) if shared_scale else None  # shared by the rows of the pass
             for row in rows:
                 dot = _dot_group(q, xq_a, x_at(row, blk, 0), words, wide)
                 if dot.type.count > group_lanes:  # one scale: the halves of the lanes add up before the float conversion
                     dot = tile.fold(builder, dot)
-                dx = builder.gep(xd_a.data, [builder.add(builder.mul(row.i, builder.udiv(k, c(32))), blk)])
-                dx = builder.load(dx)
-                row.fma(chain, builder.sitofp(dot, q.vec(q.f32, group_lanes)), q.splat(builder.fmul(a, dx), group_lanes))
+                dot = builder.sitofp(dot, q.vec(q.f32, group_lanes))
                 s = builder.add(builder.mul(row.i, builder.udiv(k, c(16))), builder.mul(blk, c(2)))
                 bias = _bias(q, lambda h: builder.gep(xs_a.data, [builder.add(s, c(h))]), offset, a, m, wide)
+                if shared_scale:
+                    row.fma(row.group_accs[chain], dot, a_lanes)
+                    if bias is not None:
+                        row.add(row.group_corrs[chain], bias)
+                    continue
+                dx = dx_at(row, blk)
+                row.fma(row.accs[chain], dot, q.splat(builder.fmul(a, dx), group_lanes))
                 if bias is not None:
                     row.add(row.corrs[chain], builder.fmul(bias, dx))
+
+        def block_pairs(rows):
+            """Blocks in pairs, one on each chain, whatever the pass (a row sums in one order)."""
+            with cgutils.for_range(builder, builder.udiv(nb, c(2))) as pairs:
+                for h in (0, 1):
+                    group(rows, builder.add(builder.mul(pairs.index, c(2)), c(h)), h)
+            with builder.if_then(builder.icmp_unsigned("!=", builder.urem(nb, c(2)), c(0))):
+                group(rows, builder.sub(nb, c(1)), 0)
+
+        def groups_of_256(rows):
+            """As block_pairs, for int16 codes with one activation scale per 256 values: the scale
+            multiplies a group's sums once, not each block's (the float steps per block, not the
+            products, bounded the one-scale types)."""
+            with cgutils.for_range(builder, builder.udiv(nb, c(8))) as groups_256:
+                first = builder.mul(groups_256.index, c(8))
+                for h in range(8):
+                    group(rows, builder.add(first, c(h)), h % 2, shared_scale=True)
+                for row in rows:
+                    row.close_group(dx_at(row, first))
 
         def row_inputs(row, blk):
             """Super-block blk's 8 activation scales and 16 code sums of an input row."""
@@ -412,7 +467,7 @@ def _rows_vnni_codegen(name, wide):
                 index = ir.Constant(q.vec(q.i32, lanes), [2 * g + (lane >= lanes // 2) for lane in range(lanes)])
                 for row, (scales, _) in zip(rows, scaled):
                     dot = _dot_group(q, xq_a, x_at(row, blk, g), codes, wide)
-                    row.fma(g % 2, builder.sitofp(dot, f32v), builder.shuffle_vector(scales, scales, index))
+                    row.fma(row.accs[g % 2], builder.sitofp(dot, f32v), builder.shuffle_vector(scales, scales, index))
             for row, (scales, bias), (_, xsv) in zip(rows, scaled, inputs):
                 if name == "Q6_K":  # the codes' offset 32, on int8 activations
                     bias = builder.fmul(builder.fmul(scales, builder.sitofp(xsv, q.vec(q.f32, 16))),
@@ -422,8 +477,9 @@ def _rows_vnni_codegen(name, wide):
 
         def super_block_words(rows, blk):
             # int16 activations share one scale per super-block (activation_group): the sub-block
-            # scales multiply the codes in int16 and the 8 groups sum in int32 (|sum| < 2^30), the
-            # lanes of uniform scale folded to 8 (one AVX2 register per input row)
+            # scales multiply the codes in int16 and the 8 groups sum in int32 (|sum| < 2^30); per
+            # input row, one conversion, the block's scale and mins (shared by the rows of the pass),
+            # then one FMA by the activation scale, in vpdpwssd's 16 lanes (8 on AVX2)
             o = builder.mul(blk, c(size))
             q.prefetch(o, size)
             w16, i32v = q.vec(ir.IntType(16), 32), q.vec(q.i32, 16)
@@ -433,10 +489,11 @@ def _rows_vnni_codegen(name, wide):
                 scales, mins = _k4_scale_bytes(q, o)
                 scales = builder.zext(scales, q.vec(ir.IntType(16), 8))
                 mins = builder.shuffle_vector(mins, mins, ir.Constant(q.vec(q.i32, 16), [l // 2 for l in range(16)]))
-                mins, dmin = builder.uitofp(mins, f32v), builder.fneg(q.f16(builder.add(o, c(2))))
-            d = q.f16(builder.add(o, c(208 if name == "Q6_K" else 0)))
-            chains = 2 if len(rows) == 1 else 1  # int32 sums per input row
+                dmin = builder.fneg(q.f16(builder.add(o, c(2))))
+                mins = builder.fmul(builder.uitofp(mins, f32v), q.splat(dmin, 16))
             width = 16 if WORDS_VNNI else 8  # vpdpwssd accumulates in its 16 lanes
+            d = q.splat(q.f16(builder.add(o, c(208 if name == "Q6_K" else 0))), width)
+            chains = 2 if len(rows) == 1 else 1  # int32 sums per input row
             sums = [[ir.Constant(q.vec(q.i32, width), [0] * width)] * chains for _ in rows]
             for g in range(groups):
                 codes, index = _k_words(name, q, o, g)
@@ -450,26 +507,28 @@ def _rows_vnni_codegen(name, wide):
                     else:
                         dot = _dot_words(builder, ir.Constant(i32v, [0] * 16), product, xv)
                         row_sums[h] = builder.add(row_sums[h], tile.fold(builder, dot))
-            f8 = q.vec(q.f32, 8)
             for row, row_sums in zip(rows, sums):
                 dxv, xsv = row_inputs(row, blk)
-                dx = builder.extract_element(dxv, ir.Constant(q.i32, 0))
                 total = row_sums[0] if chains == 1 else builder.add(*row_sums)
-                total = builder.sitofp(tile.fold(builder, total) if WORDS_VNNI else total, f8)
-                row.fma(0, total, q.splat(builder.fmul(d, dx), 8))
+                scaled = builder.fmul(builder.sitofp(total, q.vec(q.f32, width)), d)
                 if name != "Q6_K":  # the mins times the code sums per 16 of the activations
-                    bias = tile.fold(builder, builder.fmul(mins, builder.sitofp(xsv, f32v)))
-                    row.fma(0, bias, q.splat(builder.fmul(dmin, dx), 8))
+                    xsv = builder.sitofp(xsv, f32v)
+                    scaled = _fma(builder, mins, xsv, scaled) if width == 16 else builder.fadd(
+                        scaled, tile.fold(builder, builder.fmul(mins, xsv)))
+                row.fma(row.accs[0], scaled, q.splat(builder.extract_element(dxv, ir.Constant(q.i32, 0)), width))
 
         def rows_pass(i0, together):
-            rows = [_RowSums(q, builder.add(i0, c(r)), group_lanes if groups == 1 else 8, 16 if name == "Q6_K" else 8)
+            row_lanes = group_lanes if groups == 1 else 16 if wide and WORDS_VNNI else 8
+            rows = [_RowSums(q, builder.add(i0, c(r)), row_lanes, 16 if name == "Q6_K" else 8)
                     for r in range(together)]
-            if groups == 1:  # blocks in pairs, one on each chain, whatever the pass (a row sums in one order)
-                with cgutils.for_range(builder, builder.udiv(nb, c(2))) as pairs:
-                    for h in (0, 1):
-                        group(rows, builder.add(builder.mul(pairs.index, c(2)), c(h)), h)
-                with builder.if_then(builder.icmp_unsigned("!=", builder.urem(nb, c(2)), c(0))):
-                    group(rows, builder.sub(nb, c(1)), 0)
+            if groups == 1 and wide:  # one activation scale per 256 values where the width allows (activation_group)
+                with builder.if_else(builder.icmp_unsigned("==", builder.urem(k, c(256)), c(0))) as (by_256, by_32):
+                    with by_256:
+                        groups_of_256(rows)
+                    with by_32:
+                        block_pairs(rows)
+            elif groups == 1:
+                block_pairs(rows)
             else:
                 with cgutils.for_range(builder, nb) as blocks:
                     (super_block_words if wide else super_block)(rows, blocks.index)
