@@ -332,8 +332,8 @@ def _fma(b, a, x, y):
 class _RowSums:
     """One input row's sums over a weight row, in allocas (registers once LLVM promotes them): two
     vector chains of FMAs, two scalar chains of bias terms, and the int8 path's K-quant min terms;
-    for one-scale blocks on int16 codes with one activation scale per 256 values, the two chains and
-    the bias terms of the current 256 values before that scale (group_accs, group_corrs)."""
+    for one-scale blocks on int16 codes with one activation scale per 256 values, the two chains of
+    the current 256 values before that scale (group_accs)."""
 
     def __init__(self, q, i, lanes, kbias_lanes):
         self.q, self.i, b = q, i, q.b
@@ -342,8 +342,7 @@ class _RowSums:
             return [cgutils.alloca_once_value(b, ir.Constant(q.vec(q.f32, lanes), [0.0] * lanes)) for _ in range(count)]
 
         self.accs, self.group_accs = zeros(2), zeros(2)
-        self.corrs, self.group_corrs = ([cgutils.alloca_once_value(b, ir.Constant(q.f32, 0.0)) for _ in range(2)]
-                                        for _ in range(2))
+        self.corrs = [cgutils.alloca_once_value(b, ir.Constant(q.f32, 0.0)) for _ in range(2)]
         self.kbias = cgutils.alloca_once_value(b, ir.Constant(q.vec(q.f32, kbias_lanes), [0.0] * kbias_lanes))
 
     def add(self, slot, value):
@@ -354,18 +353,12 @@ class _RowSums:
         self.q.b.store(_fma(self.q.b, a, x, self.q.b.load(slot)), slot)
 
     def close_group(self, dx):
-        """accs[0] and corrs[0] += the group's sums times its activation scale dx; the group's sums
-        back to zero."""
+        """accs[0] += the group's sums times its activation scale dx; the group's sums back to zero."""
         b, q = self.q.b, self.q
-        for group, whole in ((self.group_accs, self.accs[0]), (self.group_corrs, self.corrs[0])):
-            value = b.fadd(b.load(group[0]), b.load(group[1]))
-            if isinstance(value.type, ir.VectorType):
-                self.fma(whole, value, q.splat(dx, value.type.count))
-            else:
-                self.add(whole, b.fmul(value, dx))
-            zero = ir.Constant(value.type, [0.0] * value.type.count if isinstance(value.type, ir.VectorType) else 0.0)
-            for slot in group:
-                b.store(zero, slot)
+        value = b.fadd(b.load(self.group_accs[0]), b.load(self.group_accs[1]))
+        self.fma(self.accs[0], value, q.splat(dx, value.type.count))
+        for slot in self.group_accs:
+            b.store(ir.Constant(value.type, [0.0] * value.type.count), slot)
 
     def total(self):
         b, q = self.q.b, self.q
@@ -405,7 +398,8 @@ def _rows_vnni_codegen(name, wide):
         def group(rows, blk, chain, shared_scale=False):
             """Block blk of a one-group type (one scale) for every row of the pass, on chain: into the
             row's sums times its activation scale, or, with shared_scale (one activation scale for
-            the 8 blocks of a group of 256), into the group's sums before that scale (close_group)."""
+            the 8 blocks of a group of 256), its products into the group's sums before that scale
+            (close_group), its min (Q4_1, Q5_1) returned for groups_of_256 (else None)."""
             o = builder.mul(blk, c(size))
             q.prefetch(o, size)
             codes, offset, a, _, m = _group(name, q, o, 0)  # one scale for the 32 values
@@ -416,17 +410,16 @@ def _rows_vnni_codegen(name, wide):
                 if dot.type.count > group_lanes:  # one scale: the halves of the lanes add up before the float conversion
                     dot = tile.fold(builder, dot)
                 dot = builder.sitofp(dot, q.vec(q.f32, group_lanes))
-                s = builder.add(builder.mul(row.i, builder.udiv(k, c(16))), builder.mul(blk, c(2)))
-                bias = _bias(q, lambda h: builder.gep(xs_a.data, [builder.add(s, c(h))]), offset, a, m, wide)
                 if shared_scale:
                     row.fma(row.group_accs[chain], dot, a_lanes)
-                    if bias is not None:
-                        row.add(row.group_corrs[chain], bias)
                     continue
                 dx = dx_at(row, blk)
                 row.fma(row.accs[chain], dot, q.splat(builder.fmul(a, dx), group_lanes))
+                s = builder.add(builder.mul(row.i, builder.udiv(k, c(16))), builder.mul(blk, c(2)))
+                bias = _bias(q, lambda h: builder.gep(xs_a.data, [builder.add(s, c(h))]), offset, a, m, wide)
                 if bias is not None:
                     row.add(row.corrs[chain], builder.fmul(bias, dx))
+            return m
 
         def block_pairs(rows):
             """Blocks in pairs, one on each chain, whatever the pass (a row sums in one order)."""
@@ -442,10 +435,29 @@ def _rows_vnni_codegen(name, wide):
             products, bounded the one-scale types)."""
             with cgutils.for_range(builder, builder.udiv(nb, c(8))) as groups_256:
                 first = builder.mul(groups_256.index, c(8))
-                for h in range(8):
-                    group(rows, builder.add(first, c(h)), h % 2, shared_scale=True)
+                mins = [group(rows, builder.add(first, c(h)), h % 2, shared_scale=True) for h in range(8)]
+                if mins[0] is not None:
+                    group_mins(rows, first, mins)
                 for row in rows:
                     row.close_group(dx_at(row, first))
+
+        def group_mins(rows, first, mins):
+            """The 8 blocks' mins times the activations' code sums per 16 values (xs), one vector
+            product per input row and group of 256 (a scalar product per block cost as much as the
+            blocks' products)."""
+            lanes8 = ir.Constant(q.vec(q.f32, 8), ir.Undefined)
+            for j, m in enumerate(mins):
+                lanes8 = builder.insert_element(lanes8, m, ir.Constant(q.i32, j))
+            every = ir.Constant(q.vec(q.i32, 16), [l // 2 for l in range(16)])
+            mins16 = builder.shuffle_vector(lanes8, lanes8, every)  # xs holds two sums per block
+            for row in rows:
+                at = builder.add(builder.mul(row.i, builder.udiv(k, c(16))), builder.mul(first, c(2)))
+                xs = builder.load(builder.bitcast(builder.gep(xs_a.data, [at]), q.vec(q.i32, 16).as_pointer()), align=4)
+                xs = builder.sitofp(xs, q.vec(q.f32, 16))
+                if group_lanes == 16:
+                    row.fma(row.group_accs[0], mins16, xs)
+                else:  # AVX2: the row's sums in 8 lanes
+                    row.add(row.group_accs[0], tile.fold(builder, builder.fmul(mins16, xs)))
 
         def row_inputs(row, blk):
             """Super-block blk's 8 activation scales and 16 code sums of an input row."""
