@@ -28,7 +28,7 @@ from numba import prange
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from ellmd.kernels import cpu, quant  # noqa: E402
+from ellmd.kernels import cpu, quant, quant_int  # noqa: E402
 from ellmd.kernels.matmul import _linear_int, _prefill_product, _worker_floats, linear_rows  # noqa: E402
 
 K = 2048
@@ -42,7 +42,7 @@ def _integer(x, xq, xd, xs, w, out, tasks):
     quant.quantize_activations(x, xq, xd, xs)
     m = w.shape[0]
     for t in prange(tasks):
-        quant.rows_vnni(xq, xd, xs, w, out, t * m // tasks, (t + 1) * m // tasks)
+        quant_int.rows_vnni(xq, xd, xs, w, out, t * m // tasks, (t + 1) * m // tasks)
 
 
 @numba.njit(nogil=True, fastmath=True, parallel=True)

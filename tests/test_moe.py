@@ -8,7 +8,7 @@ except on the integer paths (cpu.py), where block weights meet activations quant
 import numpy as np
 import pytest
 
-from ellmd.kernels import cpu, moe, quant
+from ellmd.kernels import cpu, moe, quant, quant_int
 from ellmd.kernels.activations import silu_mul_ref
 from ellmd.kernels.formats import BF16, F16, F32, to_f32, to_storage
 
@@ -152,7 +152,7 @@ def quantized(x, dtype):
 
 
 def integer_reference(x, experts, weights, gate_up, down, dtype):
-    """moe_experts_ref as the integer paths compute it (quant.rows_vnni_ref): each token's input and
+    """moe_experts_ref as the integer paths compute it (quant_int.rows_vnni_ref): each token's input and
     each (token, expert) silu output quantized per 32 values, times the blocks dequantized by gguf."""
     out = np.zeros(x.shape)
     for e in np.unique(experts):

@@ -13,7 +13,7 @@ import pytest
 
 from ellmd.kernels.formats import BF16, F32
 
-cpu, quant, matmul = (import_module(f"ellmd.kernels.{name}") for name in ("cpu", "quant", "matmul"))
+cpu, quant, quant_int, matmul = (import_module(f"ellmd.kernels.{name}") for name in ("cpu", "quant", "quant_int", "matmul"))
 
 NAMES = list(quant.BLOCK_DTYPES)
 K = 512  # a multiple of every block size
@@ -96,7 +96,7 @@ def test_matmul_on_blocks(rng, use_kernels, kernels, name, n):
     if n < matmul.PREFILL_MIN_ROWS and cpu.INTEGER & cpu.ENABLED or matmul._integer_prefill(x, w, F32):
         dtype = np.int8 if "vnni" in cpu.ENABLED else np.int16
         want = np.zeros_like(out)  # the reference quantizes the activations the same way
-        quant.rows_vnni_ref(*quant.quantize_activations_ref(x, dtype), w, want, 0, 37)
+        quant_int.rows_vnni_ref(*quant.quantize_activations_ref(x, dtype), w, want, 0, 37)
         error = np.abs(out - exact).max() / np.abs(exact).max()
         assert ACTIVATION_ERROR[dtype] / 100 < error < ACTIVATION_ERROR[dtype]  # the path taken, its cost
     else:
@@ -118,6 +118,28 @@ def test_a_row_sums_the_same_whatever_rows_share_its_pass(rng, use_kernels, kern
         alone = np.zeros((1, 37), np.float32)
         matmul.matmul(x[i : i + 1], w, F32, alone, None)
         assert np.array_equal(together[i], alone[0]), f"row {i}"
+
+
+@pytest.mark.parametrize("name", [name for name in NAMES if quant.BLOCK_SIZES[name] == 32])
+@pytest.mark.parametrize("k", [288, 2048])
+def test_one_scale_blocks_on_int16_codes_at_either_activation_group(rng, use_kernels, name, k):
+    # int16 codes share a scale per 256 values where 256 divides the width (rows_vnni applies it
+    # once per 8 blocks), else one per block (288): both against the reference, and a row's numbers
+    # alone equal its numbers beside 10 others
+    use_kernels("int16")
+    assert quant.activation_group(k, 2) == (256 if k == 2048 else 32)
+    w = blocks(rng, name, 37, k)
+    x = rng.standard_normal((11, k)).astype(np.float32)
+    x[:, 7] *= 30.0
+    out = np.full((11, 37), np.nan, np.float32)
+    matmul.matmul(x, w, F32, out, None)
+    want = np.zeros_like(out)
+    quant_int.rows_vnni_ref(*quant.quantize_activations_ref(x, np.int16), w, want, 0, 37)
+    assert_f32_close(out, want)
+    for i in (0, 10):
+        alone = np.zeros((1, 37), np.float32)
+        matmul.matmul(x[i : i + 1], w, F32, alone, None)
+        assert np.array_equal(out[i], alone[0]), f"row {i}"
 
 
 @pytest.mark.parametrize("kernels", ["default", "vnni"])

@@ -18,7 +18,7 @@ from ellmd.engine.kvcache import KVCache, available_memory
 from ellmd.engine.plan import Plan
 from ellmd.engine.sampling import Sampler, SamplingParams
 from ellmd.errors import BadRequest, CapacityError, EllmError, InvariantError, ModelError
-from ellmd.kernels import bf16, cpu, formats, quant
+from ellmd.kernels import bf16, cpu, formats, quant, quant_int
 from ellmd.kernels.matmul import PREFILL_MIN_ROWS
 from ellmd.model import FAMILIES
 from ellmd.model.weights import GGUFCheckpoint, RandomCheckpoint, open_checkpoint
@@ -167,7 +167,7 @@ class Engine:
         if "vnni" in cpu.ENABLED:
             blocks = "GGUF blocks: int8 vpdpbusd, activations quantized to int8 per 32"
         elif "int16" in cpu.ENABLED:
-            madd = "vpdpwssd" if quant.WORDS_VNNI else "vpmaddwd (AVX2)"
+            madd = "vpdpwssd" if quant_int.WORDS_VNNI else "vpmaddwd (AVX2)"
             blocks = f"GGUF blocks: int16 {madd}, activations quantized to int16 per 256 (or 32) values"
         else:
             blocks = "GGUF blocks: f32 FMA"

@@ -13,7 +13,7 @@ I intermediate, V vocab, E experts, k experts per token):
   (D = max(B, PREFILL_MIN_ROWS - 1): the rows of a decode-path forward, its B sessions' tokens
   and the prefill tokens that ride along, Engine.step)
   cos, sin        [S, d/2]        rope tables for every position of the sequence
-  acc             [W, quant.acc_floats(D)]   each kernel thread's block-row accumulator (decode)
+  acc             [W, quant_f32.acc_floats(D)]   each kernel thread's block-row accumulator (decode)
   xq8, xq16       [D*K] int8, int16   decode activations quantized for the integer paths ("vnni", "int16")
   xd, xs          [D*K/32], [D*K/16]  their scales (per 32) and code sums (per 16)
                                              (K the widest matmul input)
@@ -32,7 +32,7 @@ import numba
 import numpy as np
 
 from ellmd import kernels
-from ellmd.kernels import cpu, layer, quant
+from ellmd.kernels import cpu, layer, quant_f32
 from ellmd.kernels.formats import kernel_view
 from ellmd.kernels.matmul import PREFILL_MIN_ROWS
 from ellmd.kernels.moe import FUSED_MAX_TOKENS, fused_work
@@ -70,7 +70,7 @@ class Workspace:
         self.attention_scratch = {name: np.zeros(shape, f32) for name, shape in shapes.items()}
         self.matmul_scratch = np.zeros(max(kernels.prefill_scratch_size(m, k) for m, k in weight_shapes), f32)
         widest = max(k for _, k in weight_shapes)
-        self.acc = np.zeros((numba.get_num_threads(), quant.acc_floats(D)), f32)
+        self.acc = np.zeros((numba.get_num_threads(), quant_f32.acc_floats(D)), f32)
         self.xq8 = np.zeros(D * widest, np.int8)
         self.xq16 = np.zeros(D * widest, np.int16)
         self.xd = np.zeros(D * (widest // 32), f32)

@@ -78,9 +78,11 @@ ENABLED = _from_environment()
 #  "bf16"     the blocks decoded to bf16 halves on AMX (bf16.py; decode stays integer, so prefill and
 #             decode round differently).
 # avx512 (Xeon model 207 without AMX, shared and loaded: directional; --prefill 512, CPU time):
-# the integer GEMM over the f32 panels 1.16-1.44x on the K-quants (125-154 GFLOP/s), 0.78-0.88x on
-# Q8_0/Q4_0/Q5_0 (92-98), ~0.5x on Q4_1/Q5_1 (55); the integer GEMM for all, one arithmetic with
-# decode outweighing the one-scale types' loss (the f32 panels stay on ELLM_KERNELS=portable).
+# the integer GEMM over the f32 panels Q6_K 1.49x (180 GFLOP/s), Q4_K 1.21x, Q5_K 1.09x, Q8_0
+# 1.06x (129), Q4_0 0.97x, Q5_0 0.92x, Q4_1 0.88x, Q5_1 0.77x, once the one-scale types took the
+# activation scale per 256 values and the GEMM's inputs stayed in L1 (before: K-quants 1.16-1.44x,
+# Q8_0/Q4_0/Q5_0 0.78-0.88x, Q4_1/Q5_1 ~0.5x); the integer GEMM for all, one arithmetic with
+# decode outweighing the 5-bit one-scale types' loss (the f32 panels stay on ELLM_KERNELS=portable).
 # avx2 (Zen 3): not measured yet, integer by the same rule. amx: AMX's bf16 tiles (~280 GFLOP/s a
 # core measured) several times the integer GEMM's rate (~45-75 a core here): blocks keep AMX there.
 BLOCK_PREFILL = {"amx": "bf16", "avx512": "integer", "avx2": "integer"}

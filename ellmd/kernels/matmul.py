@@ -34,7 +34,7 @@ from numba import prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
-from ellmd.kernels import bf16, cpu, gemm, quant
+from ellmd.kernels import bf16, cpu, gemm, quant, quant_f32, quant_int
 from ellmd.kernels.activations import PARALLEL_MIN
 from ellmd.kernels.formats import BF16, kernel_view, to_f32
 from ellmd.kernels.quant import decode_row
@@ -44,7 +44,11 @@ ROW_BLOCK = 16  # weight rows per parallel task of linear
 PREFILL_MIN_ROWS = 64  # from this many input rows linear_prefill wins (packing amortized)
 PANEL = 32  # weight rows packed by a linear_prefill task (a multiple of NR)
 INPUT_BLOCK = 120  # input rows multiplied per packed panel pass (stay in L2; a multiple of TALL_MR)
-INT_INPUT_BLOCK = 64  # input rows an integer prefill task runs a weight row block over (see _linear_int)
+# input rows an integer prefill task runs a weight row block over (see _linear_int): one pass of
+# rows_vnni, whose inputs (8 x 2,048 int16: 32 KB) then stay in L1 across the block's weight rows;
+# over 64 inputs each weight row streamed them all from L2 (Xeon model 207, one-scale and
+# K-quant GEMMs at k = 2048: 1.2-1.5x; scripts/kernel_bench.py --prefill)
+INT_INPUT_BLOCK = quant_int.ROW_PASSES[0]
 DEPTH_BLOCK = 128  # depth of one micro-kernel call: its panel slice (16 KiB) and rows of x stay in L1
 
 
@@ -167,8 +171,8 @@ def linear_rows(x, w, out, j0, j1, acc=None):
     block dtype (quant.py); out: [n, m] float32 (any layout). Serial: callers split the rows.
     x must be C-contiguous, float w too. Float weight rows go two (four inputs at a time) or four
     (the inputs left over) side by side, a last odd one computed twice; block rows are unpacked in
-    registers once for all n inputs (quant.dot_rows, whose accumulator is acc, 1-D float32 of
-    quant.acc_floats(n), or allocated when acc is None).
+    registers once for all n inputs (quant_f32.dot_rows, whose accumulator is acc, 1-D float32 of
+    quant_f32.acc_floats(n), or allocated when acc is None).
     """
     raise NotImplementedError("numba only")
 
@@ -188,7 +192,7 @@ def _linear_rows_overload(x, w, out, j0, j1, acc=None):
         return impl_float
 
     def impl_blocks(x, w, out, j0, j1, acc=None):
-        quant.dot_rows(x, w, out, j0, j1, acc)
+        quant_f32.dot_rows(x, w, out, j0, j1, acc)
 
     return impl_blocks
 
@@ -205,7 +209,7 @@ def _path_rows_overload(x, q, w, out, j0, j1, acc, integer):
 
         def impl_integer(x, q, w, out, j0, j1, acc, integer):
             if integer:
-                quant.rows_vnni(q[0], q[1], q[2], w, out, j0, j1)
+                quant_int.rows_vnni(q[0], q[1], q[2], w, out, j0, j1)
             else:
                 linear_rows(x, w, out, j0, j1, acc)
 
@@ -231,8 +235,8 @@ def _linear(x, w, out):
 def _linear_int(x, w, out, xq, workers):
     """out = x @ w.T on the integer path, decode and prefill: x quantized once (its rows split between
     the workers), then each worker an equal run of ROW_BLOCK weight rows, each block over
-    INT_INPUT_BLOCK rows of x at a time, so that the block's rows and those inputs stay in cache
-    while rows_vnni's passes unpack each weight row once per ROW_PASSES[0] inputs. A row is computed
+    INT_INPUT_BLOCK rows of x at a time, so that those inputs stay in L1 across the block's rows
+    while rows_vnni's pass unpacks each weight row once for them. A row is computed
     alike whatever rows come with it (rows_vnni sums a row in one order whatever its pass)."""
     n, k = x.shape
     m = w.shape[0]
@@ -240,7 +244,7 @@ def _linear_int(x, w, out, xq, workers):
     xs = np.empty((n, k // 16), np.int32)
     if n * m * k < 8 * PARALLEL_MIN:
         quant.quantize_activations(x, xq, xd, xs)
-        quant.rows_vnni(xq, xd, xs, w, out, 0, m)
+        quant_int.rows_vnni(xq, xd, xs, w, out, 0, m)
         return
     for wk in prange(workers):
         r0, r1 = wk * n // workers, (wk + 1) * n // workers
@@ -251,7 +255,7 @@ def _linear_int(x, w, out, xq, workers):
             j0, j1 = b * ROW_BLOCK, min(m, b * ROW_BLOCK + ROW_BLOCK)
             for i0 in range(0, n, INT_INPUT_BLOCK):
                 i1 = min(n, i0 + INT_INPUT_BLOCK)
-                quant.rows_vnni(xq[i0:i1], xd[i0:i1], xs[i0:i1], w, out[i0:i1], j0, j1)
+                quant_int.rows_vnni(xq[i0:i1], xd[i0:i1], xs[i0:i1], w, out[i0:i1], j0, j1)
 
 
 @numba.njit(cache=True, nogil=True)

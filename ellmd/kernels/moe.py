@@ -34,7 +34,7 @@ import numpy as np
 from numba import prange
 from numba.extending import overload
 
-from ellmd.kernels import cpu, quant
+from ellmd.kernels import cpu, quant, quant_f32
 from ellmd.kernels.activations import FASTMATH_DIVIDES, exp_f32, silu_mul, silu_mul_ref
 from ellmd.kernels.formats import F32, kernel_view, to_f32
 from ellmd.kernels.matmul import ROW_BLOCK, linear_rows, matmul, matmul_ref, path_rows, prefill_scratch_size
@@ -105,7 +105,7 @@ class MoeScratch(NamedTuple):
     ys: np.ndarray  # [n, h] float32: the grouped path's expert outputs before weighting
     matmul: np.ndarray  # 1-D float32: matmul's prefill scratch
     # the fused path's own, per worker (S = min(max_tokens, FUSED_MAX_TOKENS) rows a slice):
-    acc: np.ndarray  # [W, quant.acc_floats(S)] float32: block-row accumulator
+    acc: np.ndarray  # [W, quant_f32.acc_floats(S)] float32: block-row accumulator
     tiles: np.ndarray  # [W, S, 3*ROW_BLOCK] float32: gate, up and down outputs of a slice and row block
     # activations quantized for the integer paths, two areas one after the other: the pairs'
     # inputs [rows, h], their silu outputs [rows, I] (see _area)
@@ -132,7 +132,7 @@ def moe_scratch(max_tokens, top_k, num_experts, hidden, inter):
         matmul=np.zeros(
             max(prefill_scratch_size(2 * inter, hidden), prefill_scratch_size(hidden, inter)), np.float32
         ),
-        acc=np.zeros((workers, quant.acc_floats(piece)), np.float32),
+        acc=np.zeros((workers, quant_f32.acc_floats(piece)), np.float32),
         tiles=np.zeros((workers, piece, 3 * ROW_BLOCK), np.float32),
         codes8=np.zeros(codes, np.int8),
         codes16=np.zeros(codes, np.int16),
