@@ -7,7 +7,7 @@ the plain function to give its outcome to, which returns the same kinds of thing
 (or `fail` with the job's error), and so on until a result. Nothing is suspended in between: what a
 waiting op holds is its Then record.
 
-`after` chains steps (what `yield from` did), `guarded` puts a try/except around them, jobs they
+`after` chains steps (one op's steps, then the next), `guarded` puts a try/except around them, jobs they
 wait for included.
 """
 
