@@ -135,7 +135,8 @@ class Turns:
         """Tokenize a text and append it (steps)."""
         if session.busy:
             raise busy(session.session_id)
-        return Then(self.encode(request, session, text=text), lambda tokens: self.append(request, session, "text", tokens))
+        return Then(self.encode(request, session, text=text),
+                    lambda tokens: self.append(request, session, "text", tokens))
 
     def encode(self, request, session: Session, text: str | None = None, messages: list | None = None,
                generation_prompt: bool = False, tools=None) -> Encode:

@@ -1,8 +1,8 @@
 """Ops that generate: session.generate, session.chat, completion, session.continue, and
 session.point (the named points a generation leaves, which continue starts from).
 
-Handlers as in ops/sessions.py; one that generates returns the Generation it started, whose reply
-comes when it ends (Generations, Runtime._settle).
+Handlers as in ops/sessions.py; one that generates returns steps ending in the Generation it
+started, whose reply comes when it ends (Generations, Runtime._settle).
 """
 
 from __future__ import annotations
