@@ -10,10 +10,10 @@ What reaches the loop is data: requests; the job records in the steps a handler 
 (steps.Then: turns.Encode, a text to render and tokenize on the text thread, so no decode step
 waits for it; turns.Prefill, tokens to run chunk by chunk; turns.Acknowledge, a finished turn to
 snapshot; a StoreWrite to wait for), each job's outcome given to its step's function (`_run`, the
-one place an op's steps are sequenced); records coming back from the other threads (the writer's StoreWrite, the
-text thread's Encode, a Compiled constraint); and Generations' `ended` records, which the loop
-acknowledges and answers (`_settle`). A session's state (session.py: idle, prefilling, generating,
-writing) is set here alone, as those jobs start and end. The parts:
+one place an op's steps are sequenced); records coming back from the other threads (the writer's
+StoreWrite, the text thread's Encode, a Compiled constraint); and Generations' `ended` records,
+which the loop acknowledges and answers (`_settle`). A session's state (session.py: idle,
+prefilling, generating, writing) is set here alone, as those jobs start and end. The parts:
 
   ops/            the ops, each declared once beside its handler (where it runs, its schema), by area
   steps.py        Then: a job an op waits for and what it does next; chaining (after, guarded)
@@ -350,17 +350,17 @@ class Runtime:
         waited for with ack "written", else gone on from at once); or to their end: the reply's
         result, or a Generation the op started."""
         try:
-            while isinstance(step, Then):
-                if isinstance(step.job, Acknowledge):
-                    write, error = self._acknowledge(step.job)
-                    if write is None:
-                        step = step.resume(error=error)
-                        continue
+            while isinstance(step, Then) and isinstance(step.job, Acknowledge):
+                write, error = self._acknowledge(step.job)
+                if write is not None:
                     step = Then(write, step.then, step.fail)
-                return self._wait(request, step)
+                    break
+                step = step.resume(error=error)
         except Exception as e:
             return self._failed(request, e)
-        if isinstance(step, Generation):
+        if isinstance(step, Then):
+            self._wait(request, step)
+        elif isinstance(step, Generation):
             self._generating(step)
         elif step is not None:
             reply(request, step)
