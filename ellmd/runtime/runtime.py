@@ -6,15 +6,17 @@ forward over every generating session), and again: a long prefill delays the oth
 one chunk at most, and a cancelled one stops at its next chunk. Handlers on other threads never
 touch arrays: they submit a request and wait on its future.
 
-What reaches the loop is data: requests; job records a handler yields (turns.Encode: a text to
-render and tokenize on the text thread, so no decode step waits for it; turns.Prefill: tokens to
-run chunk by chunk; turns.Acknowledge: a finished turn to snapshot; a StoreWrite to wait for), each
-resumed with its outcome; records coming back from the other threads (the writer's StoreWrite, the
-text thread's Encode, a Compiled constraint); and Generations' `ended` records, which the loop
-acknowledges and answers (`_settle`). A session's state (session.py: idle, prefilling, generating,
-writing) is set here alone, as those jobs start and end. The parts:
+What reaches the loop is data: requests; the job records in the steps a handler returns
+(steps.Then: turns.Encode, a text to render and tokenize on the text thread, so no decode step
+waits for it; turns.Prefill, tokens to run chunk by chunk; turns.Acknowledge, a finished turn to
+snapshot; a StoreWrite to wait for), each job's outcome given to its step's function (`_run`, the
+one place an op's steps are sequenced); records coming back from the other threads (the writer's
+StoreWrite, the text thread's Encode, a Compiled constraint); and Generations' `ended` records,
+which the loop acknowledges and answers (`_settle`). A session's state (session.py: idle,
+prefilling, generating, writing) is set here alone, as those jobs start and end. The parts:
 
   ops/            the ops, each declared once beside its handler (where it runs, its schema), by area
+  steps.py        Then: a job an op waits for and what it does next; chaining (after, guarded)
   residency.py    sessions in slots, eviction, snapshots: the only code that talks to the store
   store/          the session store and its writer thread (snapshots are written beside this one)
   context/        what sessions load: skill libraries, retrieval indexes
@@ -32,7 +34,7 @@ first (`run`).
 Snapshots: a turn's snapshot is copied out of the KV on this thread and written by the writer
 (store/writer.py), so no decode step waits on LMDB. When the writer is done, it puts the StoreWrite
 on the queue and the loop settles it. `snapshot_ack` is when a turn is acknowledged: "written"
-(the default) replies once its snapshot is on disk, the handler waiting as for a prefill (the
+(the default) replies once its snapshot is on disk, the op waiting as for a prefill (the
 loop goes on with the others; a failed write is the request's error, `store`, and the turn is
 undone: the session stays resident, its unsaved state written by its next snapshot); "queued"
 replies at once, a failed write then only logged and written again at the session's next snapshot.
@@ -41,7 +43,6 @@ replies at once, a failed write then only logged and written again at the sessio
 from __future__ import annotations
 
 import concurrent.futures
-import inspect
 import logging
 import queue
 import threading
@@ -57,6 +58,7 @@ from ellmd.runtime.ops import RUNTIME_OPS
 from ellmd.runtime.residency import Residency
 from ellmd.runtime.scheduler import DecodeStep, Policy, PrefillChunk
 from ellmd.runtime.session import GENERATING, IDLE, PREFILLING, WRITING
+from ellmd.runtime.steps import Then, wait
 from ellmd.runtime.store.base import SessionStore, StoreError
 from ellmd.runtime.turns import Acknowledge, Encode, Prefill, Turns
 from ellmd.runtime.store.writer import StoreWrite
@@ -131,7 +133,7 @@ class Runtime:
         self.encoding: list[Encode] = []  # texts the text thread renders and tokenizes (their sessions busy)
         self.deferred: dict[str, list[Request]] = {}  # session id -> requests queued behind its prefill or write
         self.compiling: list[Request] = []  # requests that reached the loop before their constraint compiled
-        self.awaiting: dict[StoreWrite, list[tuple]] = {}  # write -> (request, handler, session marked busy) waiting for it
+        self.awaiting: dict[StoreWrite, list[tuple]] = {}  # write -> (request, step, session marked busy) waiting for it
         self.replies_after: dict[StoreWrite, list[tuple]] = {}  # write -> generations' (request, result, session, restore)
         self.started = time.time()
         self._thread = threading.Thread(target=self.run, name="engine", daemon=True)
@@ -304,13 +306,10 @@ class Runtime:
             self.compiling.append(request)
             return
         try:
-            result = self.ops[request.op].handler(self, request, **request.args)
+            step = self.ops[request.op].handler(self, request, **request.args)
         except Exception as e:
             return self._failed(request, e)
-        if inspect.isgenerator(result):  # a handler that prefills
-            self._resume(request, result, result.send, None)
-        elif result is not None:
-            reply(request, result)
+        self._run(request, step)
 
     def _blocked(self, session_id: str) -> bool:
         """Do requests naming this session wait? (while it prefills, or a write of its is awaited,
@@ -345,44 +344,56 @@ class Runtime:
             for request in self.deferred.pop(session_id, []):
                 self._handle(request)  # in order; each may wait again behind a new prefill
 
-    def _resume(self, request: Request, handler, step, value) -> None:
-        """Run a handler on to its next job record: an Encode (to the text thread), a Prefill
-        (queued), an Acknowledge (its turn's snapshot, waited for with ack "written"), a StoreWrite
-        (waited for); or to its end: its reply's result, or a Generation it started."""
-        while True:
-            try:
-                job = step(value)
-            except StopIteration as stop:
-                if isinstance(stop.value, Generation):
-                    self._generating(stop.value)
-                elif stop.value is not None:
-                    reply(request, stop.value)
-                return
-            except Exception as e:
-                return self._failed(request, e)
-            if isinstance(job, Acknowledge):
-                step, value, job = self._acknowledge(handler, job)
-                if job is None:
-                    continue
-            if isinstance(job, StoreWrite):
-                return self._await(request, handler, job)
-            job.handler = handler
-            if isinstance(job, Encode):
-                return self._encode(job)
-            job.session.state = PREFILLING  # no other request changes it, nor evicts it, until the job ends
-            self.prefills.append(job)
-            return
+    def _run(self, request: Request, step) -> None:
+        """Run an op's steps (steps.py) on to the first job that waits: an Encode (to the text
+        thread), a Prefill (queued), a StoreWrite (waited for), an Acknowledge (its turn's snapshot,
+        waited for with ack "written", else gone on from at once); or to their end: the reply's
+        result, or a Generation the op started."""
+        try:
+            while isinstance(step, Then) and isinstance(step.job, Acknowledge):
+                write, error = self._acknowledge(step.job)
+                if write is not None:
+                    step = Then(write, step.then, step.fail)
+                    break
+                step = step.resume(error=error)
+        except Exception as e:
+            return self._failed(request, e)
+        if isinstance(step, Then):
+            self._wait(request, step)
+        elif isinstance(step, Generation):
+            self._generating(step)
+        elif step is not None:
+            reply(request, step)
 
-    def _acknowledge(self, handler, job: Acknowledge) -> tuple:
-        """Snapshot a finished turn per the policy: (step, value) to resume its handler with at
-        once, or the write to wait for first (ack "written")."""
+    def _resume(self, request: Request, step: Then, outcome=None, error: Exception | None = None) -> None:
+        """Give an op the outcome (or the error) of the job it waited for, and run its next steps."""
+        try:
+            step = step.resume(outcome, error)
+        except Exception as e:
+            return self._failed(request, e)
+        self._run(request, step)
+
+    def _wait(self, request: Request, step: Then) -> None:
+        """Hand out the job an op's step waits for; `_resume` takes the op on when it ends."""
+        job = step.job
+        if isinstance(job, StoreWrite):
+            return self._await(request, step, job)
+        job.waiter = step
+        if isinstance(job, Encode):
+            return self._encode(job)
+        job.session.state = PREFILLING  # no other request changes it, nor evicts it, until the job ends
+        self.prefills.append(job)
+
+    def _acknowledge(self, job: Acknowledge) -> tuple:
+        """Snapshot a finished turn per the policy: (the write to wait for first (ack "written"),
+        None), or (None, the error that stops it: None once it is acknowledged)."""
         try:
             write = self.snapshot_turn(job.session)
         except Exception as e:  # nothing was queued: the turn cannot be acknowledged
-            return handler.throw, e, None
+            return None, e
         if write is not None and self.snapshot_ack == "written":
-            return None, None, write
-        return handler.send, None, None
+            return write, None
+        return None, None
 
     def _failed(self, request: Request, e: Exception) -> None:
         if isinstance(e, SlotsBusy):
@@ -469,13 +480,10 @@ class Runtime:
         return chunk.ride
 
     def _end_prefill(self, job: Prefill, logits=None, error: Exception | None = None) -> None:
-        """Hand a finished job's logits (or its error, which puts the session back) to its handler."""
+        """Hand a finished job's logits (or its error, which puts the session back) to its op."""
         self.prefills.remove(job)
         job.session.state = IDLE
-        if error is None:
-            self._resume(job.request, job.handler, job.handler.send, logits)
-        else:
-            self._resume(job.request, job.handler, job.handler.throw, error)
+        self._resume(job.request, job.waiter, logits, error)
         if not self._closed:
             for request in self.deferred.pop(job.session.session_id, []):
                 self._handle(request)  # in order; each may wait again behind a new prefill
@@ -488,21 +496,18 @@ class Runtime:
         job.future.add_done_callback(lambda _: self.queue.put(job))
 
     def _encoded(self, job: Encode, error: Exception | None = None) -> None:
-        """Resume a handler with its token ids (or the text's error), then the requests deferred
+        """Take an op on with its token ids (or the text's error), then the requests deferred
         behind its session. A job ended already (at shutdown) is ignored."""
         if job not in self.encoding:
             return
         self.encoding.remove(job)
         job.session.state = IDLE
         error = error or job.future.exception()
-        if error is None:
-            self._resume(job.request, job.handler, job.handler.send, job.future.result())
-        else:
-            self._resume(job.request, job.handler, job.handler.throw, error)
+        self._resume(job.request, job.waiter, None if error is not None else job.future.result(), error)
         self._run_deferred(job.session.session_id)
 
-    def _await(self, request: Request, handler, write: StoreWrite) -> None:
-        """Park a handler until the writer is done with `write` (_written resumes it). Its session
+    def _await(self, request: Request, step: Then, write: StoreWrite) -> None:
+        """Park an op's step until the writer is done with `write` (_written resumes it). Its session
         is busy meanwhile (not evicted; requests naming it wait), unless it was already."""
         residency = self.residency
         session = residency.sessions.get(write.session_id) or next(  # a session being opened is not listed yet
@@ -510,11 +515,11 @@ class Runtime:
         marked = session if session is not None and not session.busy else None
         if marked is not None:
             marked.state = WRITING
-        self.awaiting.setdefault(write, []).append((request, handler, marked))
+        self.awaiting.setdefault(write, []).append((request, step, marked))
 
     def _written(self, write: StoreWrite) -> None:
         """The writer is done with a write: settle it, send the replies that waited for it, resume
-        the handlers that did (its error thrown in), then the requests deferred behind them."""
+        the ops' steps that did (with its result or its error), then the requests deferred behind them."""
         self.residency.settle(write)
         for request, result, session, restore in self.replies_after.pop(write, ()):
             session.state = IDLE
@@ -523,13 +528,10 @@ class Runtime:
             else:  # not on disk: not acknowledged, so not kept
                 self.turns.restore(session, restore)
                 reply(request, error=StoreError(f"{write.error}; the turn is undone"))
-        for request, handler, marked in self.awaiting.pop(write, ()):
+        for request, step, marked in self.awaiting.pop(write, ()):
             if marked is not None:
                 marked.state = IDLE
-            if write.error is None:
-                self._resume(request, handler, handler.send, write.result)
-            else:
-                self._resume(request, handler, handler.throw, write.error)
+            self._resume(request, step, write.result, write.error)
         self._run_deferred(write.session_id)
 
     def _drain(self) -> None:
@@ -592,16 +594,25 @@ class Runtime:
         """The snapshot policy: a finished turn's snapshot, queued (None: none is taken)."""
         return self.snapshot(session) if self.snapshot_every_turn else None
 
+    def acknowledged(self, write: StoreWrite):
+        """The step an op takes before its reply, per the ack policy: wait for `write` (ack
+        "written"), or nothing (None)."""
+        return wait(write) if self.snapshot_ack == "written" else None
+
     def stored(self, session):
-        """In a handler (generator): wait until the store holds the session as it is now (its
-        pending writes, then a snapshot of what they left unsaved; that one's failure raises);
-        returns the snapshot's result."""
-        for write in self.residency.pending_writes(session.session_id):
-            try:
-                yield write
-            except StoreError:  # settled: what it left unsaved is in the snapshot below
-                pass
+        """The steps that wait until the store holds the session as it is now: its pending writes,
+        then a snapshot of what they left unsaved (that one's failure is the op's); their result
+        is the snapshot's."""
+        return self._stored(session, self.residency.pending_writes(session.session_id))
+
+    def _stored(self, session, pending: list[StoreWrite]):
+        if pending:
+            def settled(error):  # what it left unsaved is in the snapshot taken after
+                if not isinstance(error, StoreError):
+                    raise error
+                return self._stored(session, pending[1:])
+            return Then(pending[0], lambda _: self._stored(session, pending[1:]), settled)
         write = self.snapshot(session)
         if write is None:
             return {"chunks_written": 0, "bytes_written": 0, "stored_tokens": session.stored_tokens}
-        return (yield write)
+        return wait(write)

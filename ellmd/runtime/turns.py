@@ -1,11 +1,11 @@
 """Turns: appending to a session (rendering a fragment, prefilling it, logging the turn) and
 putting a session back as it was when an op fails.
 
-Nothing slow runs here: appending is a generator that yields job records to the engine loop
-(Runtime._resume) and gets their outcome back (or their error thrown in): an `Encode` (the text
+Nothing slow runs here: appending returns steps (steps.py) whose jobs the engine loop runs
+(Runtime._run), giving each outcome (or its error) to the step's function: an `Encode` (the text
 thread renders and tokenizes a text: the token ids), a `Prefill` (the loop runs its chunks between
 decode steps: the logits), an `Acknowledge` (the loop snapshots the finished turn per its policy and
-resumes once the turn is acknowledged). Ops that append are generators too (`yield from`).
+goes on once the turn is acknowledged). Ops that append chain on them (`steps.after`).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from ellmd.errors import CapacityError
 from ellmd.runtime.errors import ProtocolError, SlotsBusy, busy
 from ellmd.runtime.session import Session, tally
+from ellmd.runtime.steps import Then, after, guarded
 
 
 @dataclass
@@ -31,7 +32,7 @@ class Prefill:
     tokens: list[int]
     need_logits: bool
     done: int = 0  # tokens prefilled so far
-    handler: object = None  # the op's generator that yielded the job, resumed when it ends
+    waiter: Then | None = None  # the op's step that waits for the job, resumed with the logits
 
     @property
     def left(self) -> int:
@@ -61,7 +62,7 @@ class Prefill:
 @dataclass(frozen=True)
 class Acknowledge:
     """A finished turn of `session`: the loop snapshots it (Runtime.snapshot_turn), and with ack
-    "written" resumes the handler once it is on disk (a failed write is thrown in)."""
+    "written" goes on with the op once it is on disk (a failed write is the op's error)."""
 
     session: Session
 
@@ -91,7 +92,7 @@ class Encode:
     messages: list | None = None
     tools: list | None = None
     generation_prompt: bool = False
-    handler: object = None  # the op's generator that yielded the job, resumed with the token ids
+    waiter: Then | None = None  # the op's step that waits for the job, resumed with the token ids
     future: object = None  # of `run`, on the text thread
 
     def run(self, engine) -> list[int]:
@@ -121,21 +122,21 @@ class Turns:
         return role or self.context_role
 
     def append_message(self, request, session: Session, message, kind="message", name=None, snapshot=True):
-        """Render a message as a fragment of the session's conversation and append it (generator)."""
+        """Render a message as a fragment of the session's conversation and append it (steps)."""
         if self.engine.chat_template is None:
             raise ProtocolError("bad_request", "this model has no chat template: append text or tokens")
         if session.busy:
             raise busy(session.session_id)
-        tokens = yield self.encode(request, session, messages=[message], tools=session.tools)
-        return (yield from self.append(request, session, kind, tokens, role=message["role"], name=name,
-                                       message=message, snapshot=snapshot))
+        return Then(self.encode(request, session, messages=[message], tools=session.tools),
+                    lambda tokens: self.append(request, session, kind, tokens, role=message["role"], name=name,
+                                               message=message, snapshot=snapshot))
 
     def append_text(self, request, session: Session, text: str):
-        """Tokenize a text and append it (generator)."""
+        """Tokenize a text and append it (steps)."""
         if session.busy:
             raise busy(session.session_id)
-        tokens = yield self.encode(request, session, text=text)
-        return (yield from self.append(request, session, "text", tokens))
+        return Then(self.encode(request, session, text=text),
+                    lambda tokens: self.append(request, session, "text", tokens))
 
     def encode(self, request, session: Session, text: str | None = None, messages: list | None = None,
                generation_prompt: bool = False, tools=None) -> Encode:
@@ -147,28 +148,37 @@ class Turns:
 
     def append(self, request, session: Session, kind: str, tokens: list[int], role=None, name=None, message=None,
                snapshot=True):
-        """Prefill a turn's tokens and log the turn (generator); returns the reply's result. snapshot:
+        """Prefill a turn's tokens and log the turn (steps); their result is the reply's. snapshot:
         False when the turn is the first half of a request whose end is snapshotted (a chat's message)."""
         if session.busy:
             raise busy(session.session_id)
         start, messages_before = session.length, len(session.messages)
-        before = snapshot_of(session)
-        try:
-            yield from self.prefill(request, session, tokens, need_logits=False)
+
+        def logged(_):
             if message is not None:
                 session.messages.append(message)
             session.add_turn(kind, start, role=role, name=name, messages=messages_before)
-            if snapshot:
-                yield Acknowledge(session)
-        except SlotsBusy:
-            raise
-        except BaseException:  # a turn that reports an error has not been appended
-            self.restore(session, before)
-            raise
-        return {"tokens_appended": len(tokens), "tokens": session.length, "usage": usage(request, session)}
+            return Then(Acknowledge(session), lambda _: None) if snapshot else None
+
+        appended = guarded(lambda: after(self.prefill(request, session, tokens, need_logits=False), logged),
+                           self.undo(session))  # a turn that reports an error has not been appended
+        return after(appended, lambda _: {"tokens_appended": len(tokens), "tokens": session.length,
+                                          "usage": usage(request, session)})
+
+    def undo(self, session: Session, before: tuple | None = None):
+        """The failure handler (steps.guarded) of an op that changes a session: the session goes back
+        to `before` (default: as it is now) and the error is the op's. One waiting for a slot
+        (SlotsBusy) is left: the op runs again once a slot may be free."""
+        before = before or snapshot_of(session)
+
+        def undo(error):
+            if not isinstance(error, SlotsBusy):
+                self.restore(session, before)
+            raise error
+        return undo
 
     def prefill(self, request, session: Session, new_tokens: list[int], need_logits: bool):
-        """Append tokens (after the session's pending ones) to its KV (generator); returns the
+        """Append tokens (after the session's pending ones) to its KV (steps); their result is the
         last position's logits when asked, else None."""
         sequence_length = self.engine.kv.sequence_length
         if session.length + len(new_tokens) > sequence_length:  # before it takes a slot
@@ -189,13 +199,15 @@ class Turns:
             # Nothing new: recompute the last position's logits by running its token again.
             tokens = [session.tokens.pop()]
             self.engine.rewind(slot, len(session.tokens))
-        kept, logits = len(session.tokens), None
-        if tokens:
-            logits = yield Prefill(request, session, tokens, need_logits)
-            session.tokens.extend(tokens)
-            session.pending = []
-        self.log(request, session, Prefilled(found, kept, shared, len(tokens)))
-        return logits
+        kept = len(session.tokens)
+
+        def prefilled(logits):
+            if tokens:
+                session.tokens.extend(tokens)
+                session.pending = []
+            self.log(request, session, Prefilled(found, kept, shared, len(tokens)))
+            return logits
+        return Then(Prefill(request, session, tokens, need_logits), prefilled) if tokens else prefilled(None)
 
     def log(self, request, session: Session, prefilled: Prefilled) -> None:
         """Keep what a prefill did in its request's log (its usage) and count it, for the daemon and
@@ -206,18 +218,22 @@ class Turns:
               shared=prefilled.shared, prefilled=prefilled.ran)
 
     def prefill_prompt(self, request, session: Session, prompt):
-        """Prefill the generation prompt (rendered, or the given tokens) (generator); returns the
-        logits of its last position."""
+        """Prefill the generation prompt (rendered, or the given tokens) (steps); their result is
+        the logits of its last position."""
         if prompt is None and self.engine.chat_template is not None and session.messages:
-            prompt = yield self.encode(request, session, messages=[], generation_prompt=True, tools=session.tools)
-        prompt = prompt or []
+            return Then(self.encode(request, session, messages=[], generation_prompt=True, tools=session.tools),
+                        lambda tokens: self.prefill_tokens(request, session, tokens))
+        return self.prefill_tokens(request, session, prompt or [])
+
+    def prefill_tokens(self, request, session: Session, prompt: list[int]):
+        """Prefill a generation prompt's tokens (steps), refused if no room is left to generate."""
         sequence_length = self.engine.kv.sequence_length
         if session.length + len(prompt) + 1 > sequence_length:
             raise CapacityError(
                 f"session {session.session_id} holds {session.length} tokens: no room left to generate "
                 f"within the sequence length {sequence_length}"
             )
-        return (yield from self.prefill(request, session, prompt, need_logits=True))
+        return self.prefill(request, session, prompt, need_logits=True)
 
     def restore(self, session: Session, before: tuple) -> None:
         """Put a session back as it was before a failed op (`snapshot_of`): a cut, no recompute."""

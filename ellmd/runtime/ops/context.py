@@ -13,6 +13,7 @@ from pathlib import Path
 from ellmd.runtime import schemas as s
 from ellmd.runtime.errors import ProtocolError
 from ellmd.runtime.ops.base import APPENDED, INDEX, TURN, Op
+from ellmd.runtime.steps import after
 from ellmd.runtime.turns import usage
 
 
@@ -30,9 +31,11 @@ def skill_load(rt, request, session_id, name, force=False, role=None, file=None)
         return {"skill": skill.name, "file": file, "loaded": False, "tokens_appended": 0,
                 "tokens": session.length, "usage": usage(request, session)}
     message = {"role": rt.turns.role(role), "content": skill.message(file)}
-    result = yield from rt.turns.append_message(request, session, message, kind="skill", name=key)
-    session.skills.append(key)
-    return {"skill": skill.name, "file": file, "loaded": True, **result}
+
+    def loaded(result):
+        session.skills.append(key)
+        return {"skill": skill.name, "file": file, "loaded": True, **result}
+    return after(rt.turns.append_message(request, session, message, kind="skill", name=key), loaded)
 
 
 def rag_library(rt):
@@ -70,8 +73,8 @@ def rag_inject(rt, request, session_id, documents=None, query=None, k=None, inde
                     for d in documents]
     body = "\n\n".join(f"[{i + 1}] {d.get('source') or 'document'}\n{d['text'].strip()}" for i, d in enumerate(passages))
     message = {"role": rt.turns.role(role), "content": "Context passages:\n\n" + body}
-    result = yield from rt.turns.append_message(request, session, message, kind="rag", name=query)
-    return {"passages": passages, **result}
+    return after(rt.turns.append_message(request, session, message, kind="rag", name=query),
+                 lambda result: {"passages": passages, **result})
 
 
 OPS = (

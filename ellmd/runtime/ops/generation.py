@@ -1,8 +1,8 @@
 """Ops that generate: session.generate, session.chat, completion, session.continue, and
 session.point (the named points a generation leaves, which continue starts from).
 
-Handlers as in ops/sessions.py; one that generates returns the Generation it started, whose reply
-comes when it ends (Generations, Runtime._settle).
+Handlers as in ops/sessions.py; one that generates returns steps ending in the Generation it
+started, whose reply comes when it ends (Generations, Runtime._settle).
 """
 
 from __future__ import annotations
@@ -11,16 +11,17 @@ import copy
 
 from ellmd.errors import CapacityError
 from ellmd.runtime import schemas as s
-from ellmd.runtime.errors import ProtocolError, SlotsBusy, not_found
+from ellmd.runtime.errors import ProtocolError, not_found
 from ellmd.runtime.ops.base import GENERATION, NAMED, TURN, Op, idle
 from ellmd.runtime.session import Session, common_prefix
+from ellmd.runtime.steps import Then, after, guarded
 from ellmd.runtime.turns import Acknowledge, snapshot_of, usage
 
 ANONYMOUS = "anonymous"  # the tag of sessions made by completion requests that named none
 
 
 def session_generate(rt, request, session_id, **sampling):
-    return (yield from generate(rt, request, rt.residency.session(session_id, request.owner), sampling))
+    return generate(rt, request, rt.residency.session(session_id, request.owner), sampling)
 
 
 def session_chat(rt, request, session_id, content=None, message=None, **sampling):
@@ -28,8 +29,8 @@ def session_chat(rt, request, session_id, content=None, message=None, **sampling
     before = snapshot_of(session)
     message = message if message is not None else {"role": "user", "content": content}
     # one snapshot, after the reply's turn: the message and the reply are acknowledged, or undone, together
-    yield from rt.turns.append_message(request, session, message, snapshot=False)
-    return (yield from generate(rt, request, session, sampling, restore=before))
+    return after(rt.turns.append_message(request, session, message, snapshot=False),
+                 lambda _: generate(rt, request, session, sampling, restore=before))
 
 
 def completion(rt, request, tokens, session_id=None, messages=None, tools=None, name=None, tag=None, **sampling):
@@ -71,7 +72,7 @@ def completion(rt, request, tokens, session_id=None, messages=None, tools=None, 
     session.messages, session.tools = list(messages or []), tools
     if request.emit and sampling.get("stream", True):  # the caller may not know which session it got
         request.emit("session", {"session_id": session.session_id})
-    return (yield from generate(rt, request, session, sampling, prompt=tokens[keep:], name=name))
+    return generate(rt, request, session, sampling, prompt=tokens[keep:], name=name)
 
 
 def session_continue(rt, request, session_id, after, messages, tools=None, forced="", name=None, **sampling):
@@ -95,14 +96,16 @@ def session_continue(rt, request, session_id, after, messages, tools=None, force
     rt.residency.resident(session)  # before anything changes: SlotsBusy runs the op again later
     if session.session_id not in rt.residency.sessions:  # a new branch (a fleet replica leases it)
         rt.residency.adopt(session)
-    prompt = yield rt.turns.encode(request, session, text=forced, messages=messages, generation_prompt=True,
-                                   tools=tools)
-    before = snapshot_of(session)
-    session.messages.extend(messages)
-    session.tools = tools
-    if request.emit and sampling.get("stream", True):
-        request.emit("session", {"session_id": session.session_id})
-    return (yield from generate(rt, request, session, sampling, prompt=prompt, restore=before, name=name))
+
+    def encoded(prompt):
+        before = snapshot_of(session)
+        session.messages.extend(messages)
+        session.tools = tools
+        if request.emit and sampling.get("stream", True):
+            request.emit("session", {"session_id": session.session_id})
+        return generate(rt, request, session, sampling, prompt=prompt, restore=before, name=name)
+    return Then(rt.turns.encode(request, session, text=forced, messages=messages, generation_prompt=True,
+                                tools=tools), encoded)
 
 
 def session_point(rt, request, session_id, name, note=None, forget=False):
@@ -120,19 +123,23 @@ def session_point(rt, request, session_id, name, note=None, forget=False):
         found.pop("note", None)
         if (kept := rt.residency.note(session.session_id, name)) is not None:
             found["note"] = kept
-    if note is not None or forget:
-        write = rt.residency.put_note(session.session_id, name, note)
-        if rt.snapshot_ack == "written":
-            yield write
-    if forget:
+
+    def forgotten(_):
+        if not forget:
+            return None
         rt.residency.resident(session)  # the change is stored with a snapshot, which takes a resident session
         turn["name"] = None
         turn.pop("note", None)
         session.touch()
-        yield Acknowledge(session)
-    first = session.messages[0] if session.messages else {}
-    return {"session_id": session_id, "turn": found, "tools": session.tools,
-            "system": first.get("content") if first.get("role") == "system" else None}
+        return Then(Acknowledge(session), lambda _: None)
+
+    def point(_):
+        first = session.messages[0] if session.messages else {}
+        return {"session_id": session_id, "turn": found, "tools": session.tools,
+                "system": first.get("content") if first.get("role") == "system" else None}
+    noted = rt.acknowledged(rt.residency.put_note(session.session_id, name, note)) if note is not None or forget \
+        else None
+    return after(after(noted, forgotten), point)
 
 
 def branch(rt, source: Session, at: int) -> Session:
@@ -148,8 +155,8 @@ def branch(rt, source: Session, at: int) -> Session:
 
 
 def generate(rt, request, session: Session, sampling: dict, prompt=None, restore: tuple | None = None, name=None):
-    """Prefill the generation prompt (rendered, or the given tokens) and start decoding (generator);
-    returns the Generation; `name` names the generation's turn.
+    """Prefill the generation prompt (rendered, or the given tokens) and start decoding (steps);
+    their result is the Generation; `name` names the generation's turn.
 
     restore: the session before the op (turns.snapshot_of); if the generation fails, from its
     prompt to its last token, the session goes back to it (default: as it is now).
@@ -157,14 +164,9 @@ def generate(rt, request, session: Session, sampling: dict, prompt=None, restore
     idle(session)
     restore = restore or snapshot_of(session)
     start = session.length  # the turn opens with the generation prompt
-    try:
-        logits = yield from rt.turns.prefill_prompt(request, session, prompt)
-    except SlotsBusy:
-        raise
-    except BaseException:
-        rt.turns.restore(session, restore)
-        raise
-    return rt.generations.start(request, session, sampling, start, logits, usage(request, session), restore, name)
+    return after(guarded(lambda: rt.turns.prefill_prompt(request, session, prompt), rt.turns.undo(session, restore)),
+                 lambda logits: rt.generations.start(request, session, sampling, start, logits,
+                                                     usage(request, session), restore, name))
 
 
 def bound_session(rt, session_id: str, owner: str | None) -> Session:

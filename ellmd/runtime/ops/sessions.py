@@ -2,9 +2,9 @@
 grant, info, list, export, import.
 
 A handler is `handler(rt, request, **args)` with the arguments its schema let through. It returns
-the reply's result. A handler that prefills, or waits for a write to the store, is a generator: it
-yields job records (turns.Encode, turns.Prefill, turns.Acknowledge, writer.StoreWrite) to the
-engine loop, which resumes it with their outcome (see Runtime._resume).
+the reply's result. A handler that prefills, or waits for a write to the store, returns steps
+instead (steps.py): a job record (turns.Encode, turns.Prefill, turns.Acknowledge, writer.StoreWrite)
+for the engine loop to run and the function that takes its outcome on (see Runtime._run).
 """
 
 from __future__ import annotations
@@ -17,45 +17,49 @@ from ellmd.runtime.errors import ProtocolError
 from ellmd.runtime.ops.base import APPENDED, NAMED, SESSION_INFO, TURN, Op, idle, timed
 from ellmd.runtime.residency import visible
 from ellmd.runtime.session import Session
+from ellmd.runtime.steps import Then, after, guarded, wait
 from ellmd.runtime.turns import Acknowledge, with_text
 
 
 def session_open(rt, request, title=None, tags=None, system=None, tools=None):
     session = Session.new(rt.fingerprint, title or "", tags, tools, owner=request.owner)
     session.tokens = []
-    try:
-        if system is not None:  # may wait for a slot (SlotsBusy): register the session only after
-            yield from rt.turns.append_message(request, session, {"role": "system", "content": system})
-        else:
-            yield Acknowledge(session)
-    except BaseException:  # no ghost: a session that failed to open holds no slot
+
+    def first_turn():  # may wait for a slot (SlotsBusy): register the session only after
+        if system is not None:
+            return rt.turns.append_message(request, session, {"role": "system", "content": system})
+        return wait(Acknowledge(session))
+
+    def ghost(error):  # no ghost: a session that failed to open holds no slot
         rt.residency.release(session)
-        raise
-    rt.residency.adopt(session)
-    return session.info(resident=session.slot is not None)
+        raise error
+
+    def opened(_):
+        rt.residency.adopt(session)
+        return session.info(resident=session.slot is not None)
+    return after(guarded(first_turn, ghost), opened)
 
 
 def session_append(rt, request, session_id, message=None, text=None, tokens=None):
     session = rt.residency.session(session_id, request.owner)
     if message is not None:
-        return (yield from rt.turns.append_message(request, session, message))
+        return rt.turns.append_message(request, session, message)
     if text is not None:
-        return (yield from rt.turns.append_text(request, session, text))
-    return (yield from rt.turns.append(request, session, "tokens", tokens))
+        return rt.turns.append_text(request, session, text)
+    return rt.turns.append(request, session, "tokens", tokens)
 
 
 def session_fork(rt, request, session_id, title=None):
     source = idle(rt.residency.session(session_id, request.owner))
-    if source.slot is not None:
-        yield from rt.stored(source)  # the copy takes the source as stored
-    fork = Session.new(rt.fingerprint, title or f"fork of {source.title or source.session_id}",
-                       source.tags, source.tools, owner=source.owner)
-    for name in ("pending", "turns", "messages", "skills"):
-        setattr(fork, name, copy.deepcopy(getattr(source, name)))
-    write = rt.residency.fork(source, fork)
-    if rt.snapshot_ack == "written":
-        yield write
-    return fork.info(resident=False)
+
+    def copied(_):
+        fork = Session.new(rt.fingerprint, title or f"fork of {source.title or source.session_id}",
+                           source.tags, source.tools, owner=source.owner)
+        for name in ("pending", "turns", "messages", "skills"):
+            setattr(fork, name, copy.deepcopy(getattr(source, name)))
+        return after(rt.acknowledged(rt.residency.fork(source, fork)), lambda _: fork.info(resident=False))
+    # the copy takes the source as stored
+    return after(rt.stored(source) if source.slot is not None else None, copied)
 
 
 def session_rewind(rt, request, session_id, turn=None, tokens=None):
@@ -71,15 +75,14 @@ def session_rewind(rt, request, session_id, turn=None, tokens=None):
     slot = rt.residency.resident(session)
     session.truncate(length)
     rt.engine.rewind(slot, len(session.tokens))
-    yield Acknowledge(session)
-    return session.info(resident=True)
+    return Then(Acknowledge(session), lambda _: session.info(resident=True))
 
 
 def session_snapshot(rt, request, session_id):
     session = rt.residency.session(session_id, request.owner)
     began = time.perf_counter()
     session.dirty = True  # an explicit snapshot always rewrites the metadata
-    return {**(yield from rt.stored(session)), "ms": timed(began)}  # on disk, whatever the ack policy
+    return after(rt.stored(session), lambda stored: {**stored, "ms": timed(began)})  # on disk, whatever the ack policy
 
 
 def session_resume(rt, request, session_id):
@@ -92,12 +95,15 @@ def session_resume(rt, request, session_id):
 def session_close(rt, request, session_id):
     session = idle(rt.residency.session(session_id, request.owner))
     snapshotted = session.slot is not None
-    if snapshotted:
-        yield from rt.stored(session)  # before its slot goes, as for an eviction
+    # stored before its slot goes, as for an eviction
+    return after(after(rt.stored(session) if snapshotted else None, lambda _: forget(rt, session)),
+                 lambda _: {"session_id": session_id, "snapshotted": snapshotted})
+
+
+def forget(rt, session: Session):
+    """Drop a session from memory (steps): a fleet replica's lease is back before the reply."""
     released = rt.residency.forget(session)
-    if released is not None:  # a fleet replica: its lease is back before the reply
-        yield released
-    return {"session_id": session_id, "snapshotted": snapshotted}
+    return wait(released) if released is not None else None
 
 
 def session_release(rt, request, session_id):
@@ -107,19 +113,16 @@ def session_release(rt, request, session_id):
     if session is None or not visible(session.owner, request.owner):
         return {"session_id": session_id, "tokens": None, "released": False}
     idle(session)
-    yield from rt.stored(session)  # whatever the ack policy
-    tokens = session.length
-    released = rt.residency.forget(session)
-    if released is not None:
-        yield released
-    return {"session_id": session_id, "tokens": tokens, "released": True}
+
+    def stored(_):
+        tokens = session.length
+        return after(forget(rt, session), lambda _: {"session_id": session_id, "tokens": tokens, "released": True})
+    return after(rt.stored(session), stored)  # whatever the ack policy
 
 
 def session_delete(rt, request, session_id):
     write = rt.residency.delete(idle(rt.residency.session(session_id, request.owner)))
-    if rt.snapshot_ack == "written":
-        yield write
-    return {"session_id": session_id}
+    return after(rt.acknowledged(write), lambda _: {"session_id": session_id})
 
 
 def session_grant(rt, request, session_id, key=None):
@@ -133,8 +136,7 @@ def session_grant(rt, request, session_id, key=None):
     rt.residency.resident(session)  # the change is stored with a snapshot, which takes a resident session
     session.owner = rt.key_owners.get(key)
     session.touch()
-    yield Acknowledge(session)
-    return {"session_id": session_id, "key": key}
+    return Then(Acknowledge(session), lambda _: {"session_id": session_id, "key": key})
 
 
 def session_info(rt, request, session_id):
@@ -148,11 +150,12 @@ def session_list(rt, request):
 
 def session_export(rt, request, session_id):
     session = rt.residency.session(session_id, request.owner)
-    if session.slot is not None:
-        yield from rt.stored(session)
-    stored = rt.residency.stored_meta(session_id)  # a busy session is exported as of its last turn
-    return {"session_id": session_id, "tokens": stored["tokens"] + len(stored["pending"]),
-            "blob": rt.residency.export(session_id)}
+
+    def exported(_):
+        stored = rt.residency.stored_meta(session_id)  # a busy session is exported as of its last turn
+        return {"session_id": session_id, "tokens": stored["tokens"] + len(stored["pending"]),
+                "blob": rt.residency.export(session_id)}
+    return after(rt.stored(session) if session.slot is not None else None, exported)
 
 
 def session_import(rt, request, data):
