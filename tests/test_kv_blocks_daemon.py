@@ -1,0 +1,44 @@
+"""A q8_0 KV cache under the real daemon: snapshots, resume and fork move the blocks as they are
+(the same continuation as a session never evicted), and a daemon of another KV format refuses them."""
+
+from __future__ import annotations
+
+import pytest
+from ellm.errors import EllmError
+
+from daemon import Daemon
+
+PROMPT = [(7 * i) % 40000 + 100 for i in range(300)]
+
+
+def greedy(session, n=8):
+    return session.generate(max_tokens=n, temperature=0).token_ids
+
+
+def test_q8_0_sessions_move_as_held_and_another_format_refuses_them(tmp_path):
+    daemon = Daemon(tmp_path, slots=1, extra=("--kv-dtype", "q8_0")).start()
+    try:
+        with daemon.client() as client:
+            assert client.stats()["kv_bytes_per_token"] == 23_040 * 34 // 64  # SmolLM2-135M: 12,240
+            never_evicted = client.open_session()
+            never_evicted.append(tokens=PROMPT)
+            want = greedy(never_evicted)
+            a = client.open_session()
+            a.append(tokens=PROMPT)  # evicts never_evicted: one slot
+            fork = a.fork()
+            b = client.open_session()
+            b.append(tokens=list(range(1000, 1400)))  # evicts a: its q8_0 blocks go to the store
+            assert not a.info()["resident"]
+            assert greedy(a) == want  # resumed from its snapshot: no forward pass over the prompt
+            assert greedy(fork) == want
+            stored_id = a.id
+    finally:
+        assert daemon.stop() == 0
+    bf16 = Daemon(tmp_path, slots=1).start()
+    try:
+        with bf16.client() as client:
+            with pytest.raises(EllmError, match=r"another kv \(q8_0:30x3x64 != bf16:30x3x64\)"):
+                client.session(stored_id).resume()
+            assert client.stats()["kv_bytes_per_token"] == 23_040  # and it keeps serving
+    finally:
+        assert bf16.stop() == 0
