@@ -39,9 +39,18 @@ def test_hadamard_is_orthogonal_and_its_own_inverse(rng):
 
 
 def test_unrotated_blocks_are_ggufs(rng):
-    x = randn(rng, 5, 64)
+    """q4_0 is GGUF's Q4_0; q8_0 is GGUF's Q8_0 rule, over 64 values a block where head_dim allows."""
+    x = randn(rng, 5, 96)
     assert kv_blocks.quantize_ref(x, Q8_0).tobytes() == quant.quantize(x, "Q8_0").tobytes()
     assert kv_blocks.quantize_ref(x, Q4_0_PLAIN).tobytes() == quant.quantize(x, "Q4_0").tobytes()
+    x = np.clip(randn(rng, 5, 128), -3.9, 3.9)
+    x[:, ::32] = 4.0  # every 32 values share GGUF's scale 4 / 127, so its codes are ours
+    blocks = kv_blocks.quantize_ref(x, Q8_0)
+    assert blocks.dtype.itemsize == 66 and blocks.shape == (5, 2)
+    raw = blocks.view(np.uint8).reshape(5, 2, 66)
+    gguf = quant.quantize(x, "Q8_0").view(np.uint8).reshape(5, 4, 34)
+    assert raw[:, :, :2].tobytes() == gguf[:, ::2, :2].tobytes()
+    assert raw[:, :, 2:].tobytes() == np.concatenate([gguf[:, ::2, 2:], gguf[:, 1::2, 2:]], axis=-1).tobytes()
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -113,7 +122,7 @@ def test_rotation_spreads_an_outlier(rng):
     assert errors[Q4_0] < 0.5 * errors[Q4_0_PLAIN]
 
 
-@pytest.mark.parametrize("fmt,ratio", [(Q8_0, 34 / 64), (Q4_0, 18 / 64)])
+@pytest.mark.parametrize("fmt,ratio", [(Q8_0, 66 / 128), (Q4_0, 18 / 64)])
 def test_bytes_per_token(fmt, ratio):
     """SmolLM2-135M's shape: 30 layers, 3 kv heads, head_dim 64."""
     bf16 = KVCache(30, 1, 3, 8, 64, 1)

@@ -15,11 +15,28 @@ def greedy(session, n=8):
     return session.generate(max_tokens=n, temperature=0).token_ids
 
 
+def assert_capacity(stats):
+    """The budget per KV format: tokens per GiB, sessions of the configured length in this KV memory
+    and on the store's disk."""
+    assert stats["kv_dtype"] == "q8_0"
+    formats = stats["kv_capacity"]
+    assert {name: c["bytes_per_token"] for name, c in formats.items()} == {"bf16": 23_040, "q8_0": 11_880, "q4_0": 6_480}
+    memory = stats["kv_bytes_used"] + stats["kv_bytes_free"]
+    for c in formats.values():
+        session = c["bytes_per_token"] * stats["sequence_length"]
+        assert c["tokens_per_gib"] == 2**30 // c["bytes_per_token"]
+        assert c["sessions_in_memory"] == memory // session
+        assert c["sessions_on_disk"] > 0
+    assert formats["q4_0"]["sessions_in_memory"] >= 3 * formats["bf16"]["sessions_in_memory"]
+
+
 def test_q8_0_sessions_move_as_held_and_another_format_refuses_them(tmp_path):
     daemon = Daemon(tmp_path, slots=1, extra=("--kv-dtype", "q8_0")).start()
     try:
         with daemon.client() as client:
-            assert client.stats()["kv_bytes_per_token"] == 23_040 * 34 // 64  # SmolLM2-135M: 12,240
+            stats = client.stats()
+            assert stats["kv_bytes_per_token"] == 23_040 * 66 // 128  # SmolLM2-135M: 11,880
+            assert_capacity(stats)
             never_evicted = client.open_session()
             never_evicted.append(tokens=PROMPT)
             want = greedy(never_evicted)
