@@ -26,8 +26,8 @@ WeightDtype = typer.Option(
     "(float weights quantized at load; q4_k falls back to q5_0 for widths 256 does not divide) "
     "[default: the checkpoint's own; a GGUF keeps its blocks]",
 )
-KvDtype = typer.Option("bf16", help="KV cache format: bf16, f16, f32, q8_0, q4_0 (Hadamard-rotated), "
-                        "q8_0-rotated or q4_0-plain")
+KvDtype = typer.Option("bf16", help="KV cache format: bf16, f16, f32, q8_0 or q4_0 (Hadamard-rotated), "
+                        "q8_0-plain or q4_0-plain (not rotated)")
 Threads = typer.Option(None, help="Kernel and BLAS threads [default: all cores]")
 ChunkSize = typer.Option(512, help="Tokens per forward pass in prefill (activation buffers are sized for it)")
 
@@ -301,7 +301,7 @@ def start(
                    "[default: 1.0]"),
     sequence_length: Optional[int] = typer.Option(None, help="KV capacity of each slot, in tokens [default: 8192]"),
     batch_size: Optional[int] = typer.Option(None, help="KV slots: sessions resident at once [default: 4]"),
-    kv_dtype: Optional[str] = typer.Option(None, help="KV cache format: bf16, f16, f32, q8_0, q4_0 (rotated), q8_0-rotated, q4_0-plain [default: bf16]"),
+    kv_dtype: Optional[str] = typer.Option(None, help="KV cache format: bf16, f16, f32, q8_0, q4_0 (rotated), q8_0-plain, q4_0-plain [default: bf16]"),
     weight_dtype: Optional[str] = WeightDtype,
     threads: Optional[int] = Threads,
     socket: Optional[str] = SocketPath,

@@ -37,9 +37,9 @@ from ellmd.kernels.quant import _f16_at, _row_q4_0, as_bytes
 
 BLOCK = 32  # values of a q4_0 block, and of a q8_0 block where head_dim is no multiple of 64
 Q8_0, Q8_0_ROTATED, Q4_0, Q4_0_PLAIN = 3, 4, 5, 6
-# --kv-dtype names: q8_0 keeps values as they are (its 8 bits need no rotation: measured in
-# docs/engine.md), q4_0 is rotated by default.
-KV_DTYPES = {**FORMAT_NAMES, "q8_0": Q8_0, "q8_0-rotated": Q8_0_ROTATED, "q4_0": Q4_0, "q4_0-plain": Q4_0_PLAIN}
+# --kv-dtype names: both are rotated by default (q8_0's 64-value scale left one near tie of the
+# SmolLM2 greedy prompts to another token without it: docs/engine.md), "-plain" without.
+KV_DTYPES = {**FORMAT_NAMES, "q8_0": Q8_0_ROTATED, "q8_0-plain": Q8_0, "q4_0": Q4_0, "q4_0-plain": Q4_0_PLAIN}
 _BLOCK_OF = {Q8_0: ("Q8_0", False), Q8_0_ROTATED: ("Q8_0", True), Q4_0: ("Q4_0", True), Q4_0_PLAIN: ("Q4_0", False)}
 
 
