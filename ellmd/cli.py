@@ -27,7 +27,8 @@ WeightDtype = typer.Option(
     "(float weights quantized at load; q4_k falls back to q5_0 for widths 256 does not divide) "
     "[default: the checkpoint's own; a GGUF keeps its blocks]",
 )
-KvDtype = typer.Option("bf16", help="KV cache precision: bf16, f16 or f32")
+KvDtype = typer.Option("bf16", help="KV cache format: bf16, f16, f32, q8_0 or q4_0 (Hadamard-rotated), "
+                        "q8_0-plain or q4_0-plain (not rotated)")
 Threads = typer.Option(None, help="Kernel and BLAS threads [default: all cores]")
 ChunkSize = typer.Option(512, help="Tokens per forward pass in prefill (activation buffers are sized for it)")
 
@@ -66,9 +67,9 @@ def load_engine(model_path, *, weight_dtype, kv_dtype, sequence_length, batch_si
 
 
 def format_name(fmt: int) -> str:
-    from ellmd.kernels.formats import FORMAT_NAMES
+    from ellmd.kernels.kv_blocks import format_name
 
-    return {v: k for k, v in FORMAT_NAMES.items()}[fmt]
+    return format_name(fmt)
 
 
 def describe_engine(engine) -> str:
@@ -81,10 +82,22 @@ def describe_engine(engine) -> str:
         f"memory    weights {budget['weights'] / mib:.1f} MiB ({by_format}) + "
         f"KV {budget['kv'] / mib:.1f} MiB ({budget['kv_bytes_per_token']} B/token x {kv.sequence_length} tokens "
         f"x {kv.slots} slots, {format_name(kv.fmt)}) + workspace {budget['workspace'] / mib:.1f} MiB\n"
+        f"{describe_capacity(engine)}\n"
         f"start-up  load {engine.timings['load']:.1f}s, KV commit {engine.timings['kv_commit']:.1f}s, "
         f"kernel compile {engine.timings['compile']:.1f}s, {engine.threads} threads\n"
         f"kernels   {engine.describe_kernels()}"
     )
+
+
+def describe_capacity(engine) -> str:
+    """Tokens per GiB and sessions of the configured length that this KV memory would hold, per KV format."""
+    from ellmd.engine.kvcache import capacity
+
+    spec, kv = engine.spec, engine.kv
+    formats = capacity(spec.num_hidden_layers, spec.num_key_value_heads, spec.head_dim, kv.sequence_length, kv.nbytes)
+    return "capacity  " + "; ".join(
+        f"{name} {c['tokens_per_gib']:,} tokens/GiB, {c['sessions_in_memory']} x {kv.sequence_length}"
+        for name, c in formats.items()) + " (sessions in this KV memory)"
 
 
 @app.command()
@@ -289,7 +302,7 @@ def start(
                    "[default: 1.0]"),
     sequence_length: Optional[int] = typer.Option(None, help="KV capacity of each slot, in tokens [default: 8192]"),
     batch_size: Optional[int] = typer.Option(None, help="KV slots: sessions resident at once [default: 4]"),
-    kv_dtype: Optional[str] = typer.Option(None, help="KV cache precision: bf16, f16 or f32 [default: bf16]"),
+    kv_dtype: Optional[str] = typer.Option(None, help="KV cache format: bf16, f16, f32, q8_0, q4_0 (rotated), q8_0-plain, q4_0-plain [default: bf16]"),
     weight_dtype: Optional[str] = WeightDtype,
     threads: Optional[int] = Threads,
     socket: Optional[str] = SocketPath,
@@ -426,7 +439,10 @@ def status(socket: Optional[str] = SocketPath, config: Optional[Path] = ConfigFi
         ("model", f"{stats['model']} ({stats['model_type']})"),
         ("capacity", f"{stats['slots']} slots x {stats['sequence_length']} tokens"),
         ("KV", f"{stats['kv_bytes_used'] / mib:.1f} MiB used, {stats['kv_bytes_free'] / mib:.1f} MiB free "
-               f"({stats['kv_bytes_per_token']} B/token)"),
+               f"({stats['kv_bytes_per_token']} B/token, {stats.get('kv_dtype', 'bf16')})"),
+        *[(f"KV {name}", f"{c['tokens_per_gib']:,} tokens/GiB; sessions of {stats['sequence_length']} tokens: "
+                         f"{c['sessions_in_memory']} in this memory, {c['sessions_on_disk']} on the store's disk")
+          for name, c in stats.get("kv_capacity", {}).items()],
         ("sessions", f"{stats['sessions_resident']} resident, {stats['sessions_stored']} stored, "
                      f"{stats['generating']} generating"),
         ("uptime", f"{stats['uptime_s']:.0f}s"),

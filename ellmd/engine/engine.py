@@ -18,7 +18,7 @@ from ellmd.engine.kvcache import KVCache, available_memory
 from ellmd.engine.plan import Plan
 from ellmd.engine.sampling import Sampler, SamplingParams
 from ellmd.errors import BadRequest, CapacityError, EllmError, InvariantError, ModelError
-from ellmd.kernels import bf16, cpu, formats, quant, quant_int
+from ellmd.kernels import bf16, cpu, formats, kv_blocks, quant, quant_int
 from ellmd.kernels.matmul import PREFILL_MIN_ROWS
 from ellmd.model import FAMILIES
 from ellmd.model.weights import GGUFCheckpoint, RandomCheckpoint, open_checkpoint
@@ -81,7 +81,7 @@ class Engine:
         else:
             self.model_path = Path(model_path) if model_path else builtin_model_path()
         for name, value, choices in (
-            ("weight dtype", weight_dtype, WEIGHT_DTYPES), ("kv dtype", kv_dtype, formats.FORMAT_NAMES)
+            ("weight dtype", weight_dtype, WEIGHT_DTYPES), ("kv dtype", kv_dtype, kv_blocks.KV_DTYPES)
         ):
             if value is not None and value not in choices:
                 raise ModelError(f"unknown {name} {value!r} (choose from {', '.join(choices)})")
@@ -99,7 +99,7 @@ class Engine:
         # fmt: the float format of weights that are not in blocks
         self.fmt = formats.FORMAT_NAMES.get(weight_dtype, checkpoint.native_format())
         blocks = None if weight_dtype in formats.FORMAT_NAMES else BLOCK_WEIGHT_DTYPES.get(weight_dtype, "keep")
-        self.kv_fmt = formats.FORMAT_NAMES[kv_dtype]
+        self.kv_fmt = kv_blocks.KV_DTYPES[kv_dtype]
         self.weights_digest = checkpoint.digest() + (f":{blocks}" if blocks not in (None, "keep") else "")
         self.tokenizer = load_tokenizer(checkpoint)
         has_template = self.tokenizer is not None and self.tokenizer.chat_template
@@ -107,9 +107,13 @@ class Engine:
         if not spec.eos_token_id and self.tokenizer:
             spec.eos_token_id = sorted(self.tokenizer.eos_token_ids)
 
-        kv_bytes = KVCache.nbytes_for(
-            spec.num_hidden_layers, batch_size, spec.num_key_value_heads, sequence_length, spec.head_dim, self.kv_fmt
-        )
+        try:
+            kv_bytes = KVCache.nbytes_for(
+                spec.num_hidden_layers, batch_size, spec.num_key_value_heads, sequence_length, spec.head_dim,
+                self.kv_fmt
+            )
+        except ValueError as e:  # a head_dim the KV blocks do not divide
+            raise ModelError(str(e)) from None
         free = available_memory()
         if kv_bytes > free:
             raise CapacityError(

@@ -2,6 +2,7 @@
 
 Shapes:
   K, V   [layers, slots, kv_heads, sequence_length, head_dim]   storage format (f32 | bf16 | f16 bits)
+         [layers, slots, kv_heads, sequence_length, head_dim / 32]  blocks (q8_0 | q4_0: kv_blocks.py)
   lengths [slots]                                               tokens held by each slot
 """
 
@@ -10,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from ellmd.errors import CapacityError, InvariantError
-from ellmd.kernels import formats
+from ellmd.kernels import formats, kv_blocks
 
 
 def available_memory() -> int:
@@ -22,6 +23,31 @@ def available_memory() -> int:
     raise OSError("MemAvailable not found in /proc/meminfo")
 
 
+def element(fmt: int, head_dim: int) -> tuple[np.dtype, int]:
+    """(dtype, elements) of one head's row of a token in KV format fmt."""
+    if kv_blocks.is_block_format(fmt):
+        return kv_blocks.storage(fmt, head_dim)
+    return formats.storage_dtype(fmt), head_dim
+
+
+def capacity(layers: int, kv_heads: int, head_dim: int, sequence_length: int, memory: int,
+             disk: int | None = None) -> dict[str, dict]:
+    """Per KV format (bf16, q8_0, q4_0): bytes per token, tokens per GiB, and how many sessions of
+    sequence_length tokens fit in `memory` bytes and in `disk` bytes (None: not asked)."""
+    out = {}
+    for name in ("bf16", "q8_0", "q4_0"):
+        fmt = kv_blocks.KV_DTYPES[name]
+        if kv_blocks.is_block_format(fmt) and head_dim % kv_blocks.BLOCK:
+            continue
+        per_token = KVCache.nbytes_for(layers, 1, kv_heads, 1, head_dim, fmt)
+        session = per_token * sequence_length
+        out[name] = {"bytes_per_token": per_token, "tokens_per_gib": 2**30 // per_token,
+                     "sessions_in_memory": memory // session}
+        if disk is not None:
+            out[name]["sessions_on_disk"] = disk // session
+    return out
+
+
 class KVCache:
     """K and V for every layer and slot, allocated once and never grown."""
 
@@ -30,13 +56,15 @@ class KVCache:
         self.shape = (layers, slots, kv_heads, sequence_length, head_dim)
         self.sequence_length = sequence_length
         self.slots = slots
-        self.k = np.empty(self.shape, formats.storage_dtype(fmt))
-        self.v = np.empty(self.shape, formats.storage_dtype(fmt))
+        dtype, self.row_elements = element(fmt, head_dim)
+        self.k = np.empty((*self.shape[:-1], self.row_elements), dtype)
+        self.v = np.empty((*self.shape[:-1], self.row_elements), dtype)
         self.lengths = np.zeros(slots, np.int64)
 
     @staticmethod
     def nbytes_for(layers, slots, kv_heads, sequence_length, head_dim, fmt) -> int:
-        return 2 * layers * slots * kv_heads * sequence_length * head_dim * formats.bytes_per_element(fmt)
+        dtype, count = element(fmt, head_dim)
+        return 2 * layers * slots * kv_heads * sequence_length * count * dtype.itemsize
 
     @property
     def nbytes(self) -> int:
@@ -44,14 +72,14 @@ class KVCache:
 
     @property
     def bytes_per_token(self) -> int:
-        layers, _, kv_heads, _, head_dim = self.shape
-        return 2 * layers * kv_heads * head_dim * formats.bytes_per_element(self.fmt)
+        layers, _, kv_heads, _, _ = self.shape
+        return 2 * layers * kv_heads * self.row_elements * self.k.dtype.itemsize
 
     def commit(self, progress=None) -> None:
         """Touch every page now, so the memory is really ours before the first request."""
         for layer in range(self.shape[0]):
-            self.k[layer].fill(0)
-            self.v[layer].fill(0)
+            self.k[layer].view(np.uint8).fill(0)
+            self.v[layer].view(np.uint8).fill(0)
             if progress:
                 progress(layer + 1, self.shape[0])
 
@@ -85,9 +113,9 @@ class KVCache:
         laid out [layers, kv_heads, tokens, head_dim]."""
         if not 0 <= start <= stop <= self.lengths[slot]:
             raise InvariantError(f"range [{start}, {stop}) is outside slot {slot}'s {self.lengths[slot]} tokens")
-        layers, _, kv_heads, _, head_dim = self.shape
+        layers, _, kv_heads, _, _ = self.shape
         out = np.empty((stop - start) * self.bytes_per_token, np.uint8)
-        halves = out.view(self.k.dtype).reshape(2, layers, kv_heads, stop - start, head_dim)
+        halves = out.view(self.k.dtype).reshape(2, layers, kv_heads, stop - start, self.row_elements)
         halves[0] = self.k[:, slot, :, start:stop]
         halves[1] = self.v[:, slot, :, start:stop]
         return out
@@ -95,7 +123,7 @@ class KVCache:
     def import_(self, slot: int, start: int, data) -> int:
         """Write exported bytes (any buffer: read in place) at `start` (which must not leave a gap);
         returns the new length."""
-        layers, _, kv_heads, _, head_dim = self.shape
+        layers, _, kv_heads, _, _ = self.shape
         per_token = self.bytes_per_token
         if len(data) % per_token:
             raise InvariantError(f"KV data of {len(data)} bytes is not a whole number of {per_token}-byte tokens")
@@ -104,7 +132,7 @@ class KVCache:
             raise InvariantError(f"import at {start} would leave a gap after slot {slot}'s {self.lengths[slot]} tokens")
         if start + count > self.sequence_length:
             raise CapacityError(f"{start + count} tokens exceed the sequence length {self.sequence_length}")
-        half = np.frombuffer(data, self.k.dtype).reshape(2, layers, kv_heads, count, head_dim)
+        half = np.frombuffer(data, self.k.dtype).reshape(2, layers, kv_heads, count, self.row_elements)
         self.k[:, slot, :, start : start + count] = half[0]
         self.v[:, slot, :, start : start + count] = half[1]
         self.lengths[slot] = start + count

@@ -44,7 +44,8 @@ emit wraparound checks that stop LLVM from vectorizing.
 
 import numba
 import numpy as np
-from numba import prange
+from numba import prange, types
+from numba.extending import overload
 
 from ellmd.kernels import bf16, cpu, gemm
 from ellmd.kernels.activations import FASTMATH_DIVIDES, exp_f32
@@ -73,6 +74,12 @@ def _round_up(x, m):
 
 @numba.njit(cache=True, nogil=True, fastmath=True)
 def _store(k_new, v_new, k_layer, v_layer, slots, positions):
+    """store_kv on kernel views: values converted, or rows quantized into blocks (kv_blocks.py)."""
+    _store_any(k_new, v_new, k_layer, v_layer, slots, positions)
+
+
+@numba.njit(cache=True, nogil=True, fastmath=True)
+def _store_values(k_new, v_new, k_layer, v_layer, slots, positions):
     # serial: a few values per token, memory-bound
     for i in range(k_new.shape[0]):
         for h in range(k_new.shape[1]):
@@ -236,7 +243,7 @@ def _decode_tile(qs, k_head, v_head, t0, nk, rows, st, m, l, acc, alpha, total, 
     sr = st.reshape((acc.shape[0], TILE_KEYS))
     score_rows = rows if rows < 3 else min(_round_up(rows, 4), acc.shape[0])
     linear_rows(qs[:score_rows], k_head[t0 : t0 + nk], sr[:score_rows, :nk], 0, nk)
-    if vt.shape[0]:
+    if k_head.shape[1] % NR:
         _load_rows(v_head, t0, nk, vt)
         _row_step(sr, vt[:nk], rows, nk, m, l, acc, alpha, total)
     else:
@@ -244,29 +251,32 @@ def _decode_tile(qs, k_head, v_head, t0, nk, rows, st, m, l, acc, alpha, total, 
 
 
 @numba.njit(cache=True, nogil=True, fastmath=True)
-def _segment(qs, k_head, v_head, t_lo, t_hi, limit, g, rows, st, m, l, acc, m_new, alpha, total, vt, panel,
+def _segment(qs, k_head, v_head, t_lo, t_hi, limit, g, rows, st, m, l, acc, m_new, alpha, total, kt, vt, panel,
              every_key=False):
     """The partial softmax m, l: [Rp] and acc: [Rp, hdv] of `rows` query rows over keys [t_lo, t_hi)
     (one segment), from a fresh start; row r sees key t when r // g >= t - limit.
 
-    qs: [Rp, hd] pre-scaled queries; k_head, v_head: [S, hd] storage; st: [KBp, Rp]; values in
-    float32 tiles vt: [KB, hdv] when vt has rows (hdv = hd rounded up to NR), else read as stored
-    (hd a multiple of NR, hdv = hd); panel: _tile_scores' scratch.
+    qs: [Rp, hd] pre-scaled queries (rotated for rotated blocks: _rotate_rows); k_head, v_head:
+    [S, hd] storage or [S, nb] blocks; st: [KBp, Rp]; kt, vt: [KB, hdp] float32 tiles: blocks
+    converted (_tile_rows), or values padded when hd is not a multiple of NR (hdv = hdp), else
+    values read as stored (hdv = hd); panel: _tile_scores' scratch.
     """
     m[:] = _NO_MAX
     l[:] = np.float32(0.0)
     acc[:] = np.float32(0.0)
     for t0 in range(t_lo, t_hi, TILE_KEYS):
         nk = min(TILE_KEYS, t_hi - t0)
+        keys, values, o = _tile_rows(k_head, v_head, t0, nk, kt, vt)  # the tile's keys at o..o+nk
         if every_key:  # decode: every row sees every key
-            _decode_tile(qs, k_head, v_head, t0, nk, rows, st, m, l, acc, alpha, total, vt)
+            _decode_tile(qs, keys, values, o, nk, rows, st, m, l, acc, alpha, total, vt)
             continue
-        _tile_scores(qs, k_head[t0 : t0 + nk], rows, st, panel)
-        if vt.shape[0]:
-            _load_rows(v_head, t0, nk, vt)
+        _tile_scores(qs, keys[o : o + nk], rows, st, panel)
+        if keys.shape[1] % NR:
+            _load_rows(values, o, nk, vt)
             _tile_step(st, vt[:nk], rows, nk, limit - t0, g, m, l, acc, m_new, alpha, total)
         else:
-            _tile_step(st, v_head[t0 : t0 + nk], rows, nk, limit - t0, g, m, l, acc, m_new, alpha, total)
+            _tile_step(st, values[o : o + nk], rows, nk, limit - t0, g, m, l, acc, m_new, alpha, total)
+    _rotate_rows(k_head, acc, rows)  # rotated blocks: the values' sums back to the model's basis
 
 
 @numba.njit(cache=True, nogil=True, fastmath=True)
@@ -301,35 +311,38 @@ def _segments(length):
 @numba.njit(cache=True, nogil=True, fastmath=True)
 def _task_buffers(rows, hd):
     """A prefill task's arrays: qs [Rp, hd], st [KBp, Rp], acc [Rp, hdp], m, l, m_new, alpha, total
-    [Rp], vt [KB, hdp], panel [gemm.PANEL * hd] (Rp: rows rounded up to TALL_MR)."""
+    [Rp], kt, vt [KB, hdp], panel [gemm.PANEL * hd] (Rp: rows rounded up to TALL_MR)."""
     rows_p = _round_up(rows, TALL_MR)
     hdp = _round_up(hd, NR)
     return (np.zeros((rows_p, hd), np.float32), np.zeros((TILE_KEYS, rows_p), np.float32),
             np.zeros((rows_p, hdp), np.float32), np.empty(rows_p, np.float32), np.empty(rows_p, np.float32),
             np.empty(rows_p, np.float32), np.empty(rows_p, np.float32), np.empty(rows_p, np.float32),
-            np.zeros((TILE_KEYS, hdp), np.float32), np.empty(gemm.PANEL * hd, np.float32))
+            np.zeros((TILE_KEYS, hdp), np.float32), np.zeros((TILE_KEYS, hdp), np.float32),
+            np.empty(gemm.PANEL * hd, np.float32))
 
 
 @numba.njit(cache=True, nogil=True, fastmath=True)
 def _unit_partial(q, k_slot, v_slot, start, scale, h, q0, nq, seg, bufs):
     """The partial softmax of segment seg for queries q0..q0+nq of the g heads of kv head h (row
     r = qi * g + gi) into bufs' m, l, acc (bufs: _task_buffers, its qs filled by _fill_queries)."""
-    qs, st, acc, m, l, m_new, alpha, total, vt, panel = bufs
+    qs, st, acc, m, l, m_new, alpha, total, kt, vt, panel = bufs
     g = q.shape[1] // k_slot.shape[0]
     t_lo = seg * SEGMENT
     t_hi = min(start + q0 + nq, t_lo + SEGMENT)  # the unit's last query sees keys up to start + q0 + nq - 1
-    _segment(qs, k_slot[h], v_slot[h], t_lo, t_hi, start + q0, g, nq * g, st, m, l, acc, m_new, alpha, total, vt,
-             panel)
+    _segment(qs, k_slot[h], v_slot[h], t_lo, t_hi, start + q0, g, nq * g, st, m, l, acc, m_new, alpha, total, kt,
+             vt, panel)
 
 
 @numba.njit(cache=True, nogil=True, fastmath=True)
-def _fill_queries(q, h, g, q0, nq, scale, qs):
-    """qs[qi * g + gi] = q[q0 + qi, h * g + gi] * scale (the rows past nq * g stay as they are)."""
+def _fill_queries(q, h, g, q0, nq, scale, k_head, qs):
+    """qs[qi * g + gi] = q[q0 + qi, h * g + gi] * scale, rotated as k_head's keys are (the rows
+    past nq * g stay as they are)."""
     for qi in range(nq):
         for gi in range(g):
             src, dst = q[q0 + qi, h * g + gi], qs[qi * g + gi]
             for d in range(src.shape[0]):
                 dst[d] = src[d] * np.float32(scale)
+    _rotate_rows(k_head, qs, nq * g)
 
 
 @numba.njit(cache=True, nogil=True, fastmath=True)
@@ -348,7 +361,7 @@ def _prefill_unit(q, k_slot, v_slot, start, scale, h, q0, nq, out):
     g, hd = q.shape[1] // k_slot.shape[0], q.shape[2]
     rows = nq * g
     bufs = _task_buffers(rows, hd)
-    _fill_queries(q, h, g, q0, nq, scale, bufs[0])
+    _fill_queries(q, h, g, q0, nq, scale, k_slot[h], bufs[0])
     acc, m, l = bufs[2], bufs[3], bufs[4]
     state_m = np.full(rows, _NO_MAX, np.float32)
     state_l = np.zeros(rows, np.float32)
@@ -395,7 +408,7 @@ def _prefill(q, k_slot, v_slot, start, scale, out, threads):
         if seg >= _segments(start + q0 + nq):
             continue  # past the unit's keys: the fold below skips it too
         bufs = _task_buffers(nq * g, hd)
-        _fill_queries(q, h, g, q0, nq, scale, bufs[0])
+        _fill_queries(q, h, g, q0, nq, scale, k_slot[h], bufs[0])
         _unit_partial(q, k_slot, v_slot, start, scale, h, q0, nq, seg, bufs)
         rows = nq * g
         pm[u, seg, :rows] = bufs[3][:rows]
@@ -673,7 +686,7 @@ def decode_scratch_shapes(max_batch, H, hd, threads, sequence_length):
     segment of each row (sequence_length bounds the segments), and each thread's tile scratch."""
     rows_p = _round_up(H, 12)  # bounds the padded group size (to MR, or to TALL_MR past 2 * MR)
     hdp = _round_up(hd, NR)
-    tile = rows_p * (hd + TILE_KEYS + hdp + 5) + TILE_KEYS * hdp + (gemm.PANEL * hd if H > FEW_ROWS else 0)
+    tile = rows_p * (hd + TILE_KEYS + hdp + 5) + 2 * TILE_KEYS * hdp + (gemm.PANEL * hd if H > FEW_ROWS else 0)
     segments = (sequence_length + SEGMENT - 1) // SEGMENT
     return {
         "partial_m": (segments, max_batch, H),
@@ -684,25 +697,26 @@ def decode_scratch_shapes(max_batch, H, hd, threads, sequence_length):
 
 
 @numba.njit(cache=True, nogil=True, fastmath=True)
-def _carve(tile, g, hd, padded):
+def _carve(tile, g, hd):
     """The _segment arrays of a decode task, views of its thread's tile scratch: qs [Rp, hd],
-    st [KB, Rp], acc [Rp, hdv], m, l, m_new, alpha, total [Rp], vt [KB, hdp] or no rows, panel."""
+    st [KB, Rp], acc [Rp, hdp], m, l, m_new, alpha, total [Rp], kt, vt [KB, hdp], panel."""
     rows_p = _round_up(g, TALL_MR) if g > 2 * MR else _round_up(g, MR)
     hdp = _round_up(hd, NR)
-    hdv = hdp if padded else hd
     o = 0
     qs = tile[o : o + rows_p * hd].reshape((rows_p, hd))
     o += rows_p * hd
     st = tile[o : o + TILE_KEYS * rows_p].reshape((TILE_KEYS, rows_p))
     o += TILE_KEYS * rows_p
-    acc = tile[o : o + rows_p * hdv].reshape((rows_p, hdv))
-    o += rows_p * hdv
+    acc = tile[o : o + rows_p * hdp].reshape((rows_p, hdp))
+    o += rows_p * hdp
     vec = tile[o : o + 5 * rows_p].reshape((5, rows_p))
     o += 5 * rows_p
-    vt = tile[o : o + (TILE_KEYS * hdp if padded else 0)].reshape((-1, hdp))
+    kt = tile[o : o + TILE_KEYS * hdp].reshape((TILE_KEYS, hdp))
+    o += kt.size
+    vt = tile[o : o + TILE_KEYS * hdp].reshape((TILE_KEYS, hdp))
     o += vt.size
     panel = tile[o : o + (gemm.PANEL * hd if g > FEW_ROWS else 0)]
-    return qs, st, acc, vec[0], vec[1], vec[2], vec[3], vec[4], vt, panel
+    return qs, st, acc, vec[0], vec[1], vec[2], vec[3], vec[4], kt, vt, panel
 
 
 @numba.njit(cache=True, nogil=True, fastmath=True)
@@ -710,16 +724,13 @@ def _decode_task(q, k_head, v_head, b, h, length, seg, scale, m_out, l_out, acc_
     """Segment seg of batch row b's keys [0, length) for the g query heads of kv head h: its partial
     softmax into m_out, l_out: [g] and acc_out: [g, hd], computed as prefill computes it."""
     g, hd = acc_out.shape
-    qs, st, acc, m, l, m_new, alpha, total, vt, panel = _carve(tile, g, hd, hd % NR != 0)
+    qs, st, acc, m, l, m_new, alpha, total, kt, vt, panel = _carve(tile, g, hd)
     qs[:] = np.float32(0.0)
     st[:] = np.float32(0.0)
-    for r in range(g):
-        src = q[b, h * g + r]
-        for d in range(hd):
-            qs[r, d] = src[d] * np.float32(scale)
+    _fill_queries(q, h, g, b, 1, scale, k_head, qs)
     t_lo = seg * SEGMENT
     t_hi = min(length, t_lo + SEGMENT)
-    _segment(qs, k_head, v_head, t_lo, t_hi, t_hi, g, g, st, m, l, acc, m_new, alpha, total, vt, panel, True)
+    _segment(qs, k_head, v_head, t_lo, t_hi, t_hi, g, g, st, m, l, acc, m_new, alpha, total, kt, vt, panel, True)
     for r in range(g):
         m_out[r] = m[r]
         l_out[r] = l[r]
@@ -803,3 +814,58 @@ def attention_decode_ref(q, k_layer, v_layer, fmt, slots, lengths, scale, out, p
             scores = keys[hq // g] @ q[b, hq].astype(np.float64) * scale  # [T]
             p = np.exp(scores - scores.max())
             out[b, hq] = (p @ values[hq // g] / p.sum()).astype(np.float32)
+
+
+# ---- KV held in blocks (kv_blocks.py): the kernels above pick its code by the KV's type ----------
+
+
+def _held_in_blocks(kv):
+    return isinstance(kv.dtype, types.Record)
+
+
+def _store_any(k_new, v_new, k_layer, v_layer, slots, positions):
+    raise NotImplementedError("numba only")
+
+
+@overload(_store_any, jit_options={"nogil": True})
+def _store_any_overload(k_new, v_new, k_layer, v_layer, slots, positions):
+    if _held_in_blocks(k_layer):
+        from ellmd.kernels.kv_blocks import store_blocks as store
+    else:
+        store = _store_values
+    return lambda k_new, v_new, k_layer, v_layer, slots, positions: store(k_new, v_new, k_layer, v_layer, slots,
+                                                                          positions)
+
+
+def _tile_rows(k_head, v_head, t0, nk, kt, vt):
+    """(keys, values, o): a tile's keys and values are rows o..o+nk of these arrays: the stored
+    heads themselves (o = t0), or blocks converted to float32 into kt and vt (o = 0)."""
+    raise NotImplementedError("numba only")
+
+
+@overload(_tile_rows, jit_options={"nogil": True, "fastmath": True})
+def _tile_rows_overload(k_head, v_head, t0, nk, kt, vt):
+    if not _held_in_blocks(k_head):
+        return lambda k_head, v_head, t0, nk, kt, vt: (k_head, v_head, t0)
+    from ellmd.kernels.kv_blocks import dequantize_rows
+
+    def impl(k_head, v_head, t0, nk, kt, vt):
+        dequantize_rows(k_head, t0, nk, kt)
+        dequantize_rows(v_head, t0, nk, vt)
+        return kt, vt, 0
+
+    return impl
+
+
+def _rotate_rows(k_head, x, rows):
+    """x[:rows] rotated as k_head's rows are stored (kv_blocks.rotate_rows); nothing for values."""
+    raise NotImplementedError("numba only")
+
+
+@overload(_rotate_rows, jit_options={"nogil": True, "fastmath": True})
+def _rotate_rows_overload(k_head, x, rows):
+    if not _held_in_blocks(k_head):
+        return lambda k_head, x, rows: None
+    from ellmd.kernels.kv_blocks import rotate_rows
+
+    return lambda k_head, x, rows: rotate_rows(k_head, x, rows)

@@ -23,6 +23,7 @@ import dataclasses
 import hashlib
 import logging
 import queue
+import shutil
 import time
 
 from ellmd.errors import EllmError, InvariantError
@@ -411,7 +412,23 @@ class Residency:
             "kv_bytes_free": kv.nbytes - used * kv.bytes_per_token,
             "sessions_resident": len(self.resident_sessions()), "sessions_stored": self.store.count(),
             "store": self.store.stats(), "replica": self.leases.holder.replica if self.leases else None,
+            **kv_capacity(self.engine, self.store.stats().get("path")),
         }
+
+
+def kv_capacity(engine, store_path: str | None) -> dict:
+    """The KV format, and per format the tokens per GiB and the sessions of the configured length
+    that the KV memory and the store's free disk space would hold."""
+    from ellmd.engine.kvcache import capacity
+    from ellmd.kernels.kv_blocks import format_name
+
+    spec, kv = engine.spec, engine.kv
+    try:
+        disk = shutil.disk_usage(store_path).free if store_path else 0
+    except OSError:
+        disk = 0
+    return {"kv_dtype": format_name(kv.fmt), "kv_capacity": capacity(
+        spec.num_hidden_layers, spec.num_key_value_heads, spec.head_dim, kv.sequence_length, kv.nbytes, disk)}
 
 
 def visible(stored_owner: str | None, owner: str | None) -> bool:
@@ -436,6 +453,7 @@ def check_fingerprint(ours: dict, meta: dict) -> None:
 def model_fingerprint(engine) -> dict:
     """What a session's KV depends on: model and weight precision, tokenizer, template, KV layout."""
     from ellmd.kernels.formats import FORMAT_NAMES
+    from ellmd.kernels.kv_blocks import format_name
 
     names = {v: k for k, v in FORMAT_NAMES.items()}
     spec = engine.spec
@@ -445,5 +463,5 @@ def model_fingerprint(engine) -> dict:
         "model": model.hexdigest()[:16],
         "tokenizer": engine.tokenizer.fingerprint()[:16] if engine.tokenizer else "none",
         "template": hashlib.sha256(template.encode()).hexdigest()[:16],
-        "kv": f"{names[engine.kv.fmt]}:{spec.num_hidden_layers}x{spec.num_key_value_heads}x{spec.head_dim}",
+        "kv": f"{format_name(engine.kv.fmt)}:{spec.num_hidden_layers}x{spec.num_key_value_heads}x{spec.head_dim}",
     }

@@ -16,7 +16,8 @@ from ellmd.runtime.ops.base import Op
 
 PROTOCOL_VERSION = 1
 STATS = ("model", "model_type", "slots", "sequence_length", "kv_bytes", "kv_bytes_per_token", "kv_bytes_used",
-         "kv_bytes_free", "sessions_resident", "sessions_stored", "store", "replica", "generating", "uptime_s",
+         "kv_bytes_free", "kv_dtype", "kv_capacity", "sessions_resident", "sessions_stored", "store", "replica",
+         "generating", "uptime_s",
          "counters", "scheduler")
 
 

@@ -1,0 +1,318 @@
+"""The KV cache held in blocks: q8_0 and q4_0, optionally Hadamard-rotated over head_dim.
+
+Shape legend:
+  hd       head_dim (a multiple of 32); nb = hd // bv blocks of one key (or value) row of a head,
+           bv = block_values(fmt, hd) values each
+  n        tokens written; B decode rows; H, kvh query / kv heads; g = H // kvh
+  k_layer, v_layer  [slots, kvh, S, nb] blocks        head: [S, nb] blocks of one slot's kv head
+  kt, vt   [KB, hd] float32 tiles (attention.py's TILE_KEYS)
+
+Layout: GGUF's Q8_0 and Q4_0 blocks (an f16 scale, then the codes): q4_0 is GGUF's byte for byte
+(32 values, 18 bytes: 0.28125x bf16); q8_0 has 64 values a block where head_dim is a multiple of
+64 (66 bytes: 0.516x bf16; SmolLM2's and Qwen3's 64 and 128), else GGUF's 32 (34 bytes: 0.531x).
+The KV tensor keeps its shape [layers, slots, kvh, S, nb] with one block record per element, so
+a slot's tokens are still contiguous per head, and copying, exporting and storing KV moves these
+bytes as they are. Writing a token quantizes its rows once (store_blocks); attention converts a
+tile of KB keys (and of values) to float32 in L1 and runs the float32 kernels of attention.py on
+it, the same tiles in prefill and decode.
+
+Rotation: H = the normalised Walsh-Hadamard matrix over groups of P = the largest power of two
+dividing hd (64 or 128 for the supported models). H is orthogonal and its own inverse, so a key
+row stored as H k gives q . k = (H q) . (H k), and values stored as H v give the output H^-1
+(sum p v') = H (sum p v'). A large value of k is spread over all P coordinates, so no block's
+scale is set by one outlier. Attention (prefill and decode alike: one arithmetic per token)
+rotates each scaled query row once, computes scores and the values' sums on the rows as stored,
+and rotates each segment's accumulator back before the segments are merged. A rotated cache's
+blocks name their scale "dr" (block_dtype), so the kernels know the rotation from the type, as
+every format is known inside kernels (formats.py).
+"""
+
+import numba
+import numpy as np
+from numba.extending import overload
+
+from ellmd.kernels import quant
+from ellmd.kernels.formats import F32, FORMAT_NAMES, f32_to_f16
+from ellmd.kernels.quant import _row_q4_0, as_bytes, f16_at
+
+BLOCK = 32  # values of a q4_0 block, and of a q8_0 block where head_dim is no multiple of 64
+Q8_0, Q8_0_ROTATED, Q4_0, Q4_0_PLAIN = 3, 4, 5, 6
+# --kv-dtype names: both are rotated by default (q8_0's 64-value scale left one near tie of the
+# SmolLM2 greedy prompts to another token without it: docs/engine.md), "-plain" without.
+KV_DTYPES = {**FORMAT_NAMES, "q8_0": Q8_0_ROTATED, "q8_0-plain": Q8_0, "q4_0": Q4_0, "q4_0-plain": Q4_0_PLAIN}
+_BLOCK_OF = {Q8_0: ("Q8_0", False), Q8_0_ROTATED: ("Q8_0", True), Q4_0: ("Q4_0", True), Q4_0_PLAIN: ("Q4_0", False)}
+
+
+def block_dtype(name: str, values: int, rotate: bool) -> np.dtype:
+    """The record of one block: an f16 scale ("dr" when the rows are rotated, so that kernels know
+    it from the type) and `values` codes (q8_0: int8 each, q4_0: two to a byte)."""
+    codes = ("i1", (values,)) if name == "Q8_0" else ("u1", (values // 2,))
+    return np.dtype([("dr" if rotate else "d", "<u2"), ("qs", *codes)])
+
+
+def block_values(fmt: int, head_dim: int) -> int:
+    """Values of a block along head_dim: q8_0 takes 64 where head_dim allows (one scale for 64
+    values: 0.516x bf16's bytes, where 32 give 0.531x), q4_0 32 (its 4 bits need the finer scale)."""
+    return 64 if _BLOCK_OF[fmt][0] == "Q8_0" and head_dim % 64 == 0 else BLOCK
+
+
+# every block record the KV can hold -> (GGUF type of its codes, values, rotated), for the kernels
+_LAYOUTS = {numba.from_dtype(block_dtype(name, values, rotate)): (name, values, rotate)
+            for name, values in (("Q8_0", 32), ("Q8_0", 64), ("Q4_0", 32)) for rotate in (False, True)}
+
+
+def format_name(fmt: int) -> str:
+    """The --kv-dtype name of a KV format id."""
+    return {v: k for k, v in KV_DTYPES.items()}[fmt]
+
+
+def is_block_format(fmt: int) -> bool:
+    return fmt in _BLOCK_OF
+
+
+def rotated(fmt: int) -> bool:
+    return _BLOCK_OF.get(fmt, ("", False))[1]
+
+
+def storage(fmt: int, head_dim: int) -> tuple[np.dtype, int]:
+    """(dtype, elements) of one key row of a head in block format fmt; a clear error when head_dim
+    does not split into blocks."""
+    if head_dim % BLOCK:
+        raise ValueError(f"KV dtype {format_name(fmt)} needs a head_dim that is a multiple of {BLOCK}, "
+                         f"this model's is {head_dim}")
+    name, rotate = _BLOCK_OF[fmt]
+    values = block_values(fmt, head_dim)
+    return block_dtype(name, values, rotate), head_dim // values
+
+
+# ---- numpy references --------------------------------------------------------------------
+
+
+def hadamard_matrix(hd: int) -> np.ndarray:
+    """[hd, hd] float64: block-diagonal normalised Walsh-Hadamard over groups of P (see above)."""
+    p = hd & -hd
+    h = np.ones((1, 1))
+    while h.shape[0] < p:
+        h = np.block([[h, h], [h, -h]])
+    return np.kron(np.eye(hd // p), h / np.sqrt(p))
+
+
+def _quantize_q8_ref(x: np.ndarray, values: int) -> np.ndarray:
+    """float32 [..., hd] -> bytes [..., hd / values, 2 + values]: gguf's Q8_0 rule (scale
+    max|x| / 127, codes rounded half away from zero) over blocks of `values`."""
+    y = x.reshape(*x.shape[:-1], -1, values)
+    d = np.abs(y).max(axis=-1, keepdims=True) / np.float32(127)
+    with np.errstate(divide="ignore"):
+        inv = np.where(d == 0, np.float32(0), np.float32(1) / d)
+    a = np.abs(y * inv)
+    whole = np.floor(a)
+    codes = (np.sign(y) * (whole + np.floor(np.float32(2) * (a - whole)))).astype(np.int8)  # gguf's np_roundf
+    return np.concatenate([d.astype(np.float16).view(np.uint8), codes.view(np.uint8)], axis=-1)
+
+
+def quantize_ref(x: np.ndarray, fmt: int) -> np.ndarray:
+    """float32 [..., hd] -> blocks [..., nb] of fmt (gguf's quantizer, after the rotation)."""
+    name, rotate = _BLOCK_OF[fmt]
+    x = np.asarray(x, np.float32)
+    dtype, _ = storage(fmt, x.shape[-1])
+    if rotate:
+        x = (x.astype(np.float64) @ hadamard_matrix(x.shape[-1]).T).astype(np.float32)
+    if name == "Q8_0":
+        return np.ascontiguousarray(_quantize_q8_ref(x, block_values(fmt, x.shape[-1]))).view(dtype)[..., 0]
+    return quant.quantize(x, name).view(dtype)
+
+
+def dequantize_ref(blocks: np.ndarray, fmt: int) -> np.ndarray:
+    """blocks [..., nb] -> float32 [..., hd]: the values attention sees (rotated back)."""
+    name, rotate = _BLOCK_OF[fmt]
+    raw = np.ascontiguousarray(blocks).view(np.uint8).reshape(*blocks.shape, -1)  # [..., nb, bytes]
+    if name == "Q8_0":
+        d = raw[..., :2].copy().view(np.float16).astype(np.float32)  # [..., nb, 1]
+        x = (d * raw[..., 2:].view(np.int8)).reshape(*blocks.shape[:-1], -1)
+    else:
+        x = quant.dequantize(raw.reshape(*blocks.shape[:-1], -1).view(quant.BLOCK_DTYPES[name]))
+    if rotate:
+        x = (x.astype(np.float64) @ hadamard_matrix(x.shape[-1])).astype(np.float32)
+    return x
+
+
+def as_f32(kv: np.ndarray, fmt: int) -> tuple[np.ndarray, int]:
+    """A KV array of any format as (float32 values, F32): what the attention references take."""
+    return (dequantize_ref(kv, fmt), F32) if is_block_format(fmt) else (kv, fmt)
+
+
+def store_blocks_ref(k_new, v_new, k_layer, v_layer, fmt, slots, positions):
+    """numpy reference of store_blocks (leaves k_new and v_new as they are)."""
+    for i in range(k_new.shape[0]):
+        k_layer[slots[i], :, positions[i]] = quantize_ref(k_new[i], fmt)
+        v_layer[slots[i], :, positions[i]] = quantize_ref(v_new[i], fmt)
+
+
+# ---- numba --------------------------------------------------------------------------------
+
+
+def _is_rotated(a):
+    """True (a compile-time constant) when block array a holds rotated rows."""
+    raise NotImplementedError("numba only")
+
+
+@overload(_is_rotated)
+def _is_rotated_overload(a):
+    flag = _LAYOUTS[a.dtype][2]
+    return lambda a: flag
+
+
+def _row_values(a):
+    """Values of a row of block array a (a compile-time constant times its blocks)."""
+    raise NotImplementedError("numba only")
+
+
+@overload(_row_values)
+def _row_values_overload(a):
+    values = _LAYOUTS[a.dtype][1]
+    return lambda a: a.shape[-1] * values
+
+
+@numba.njit(cache=True, nogil=True, fastmath=True)
+def hadamard(x):
+    """x = H x in place (x: [hd] float32): the fast Walsh-Hadamard transform, P log P adds a group."""
+    hd = x.shape[0]
+    p = hd & -hd
+    norm = np.float32(1.0 / np.sqrt(p))
+    for g0 in range(0, hd, p):
+        y = x[g0 : g0 + p]
+        h = 1
+        while h < p:
+            for i in range(0, p, 2 * h):
+                for j in range(i, i + h):
+                    a, b = y[j], y[j + h]
+                    y[j] = a + b
+                    y[j + h] = a - b
+            h *= 2
+        for j in range(p):
+            y[j] *= norm
+
+
+@numba.njit(cache=True, nogil=True)
+def _round_away(v):
+    """gguf's np_roundf: round half away from zero."""
+    a = abs(v)
+    f = np.floor(a)
+    r = f + np.floor(np.float32(2.0) * (a - f))
+    return -r if v < 0 else r
+
+
+@numba.njit(cache=True, nogil=True)
+def _put_scale(b, o, d):
+    bits = f32_to_f16(d)
+    b[o] = np.uint8(bits & np.uint16(0xFF))
+    b[o + 1] = np.uint8(bits >> np.uint16(8))
+
+
+# no fastmath: the same float32 rounding as gguf's quantizers (a reciprocal would move codes)
+@numba.njit(cache=True, nogil=True)
+def _quantize_q8_0(x, b, values):
+    """Bytes b [nb * (2 + values)] = the Q8_0 blocks of `values` values of x [hd]."""
+    for blk in range(x.shape[0] // values):
+        o, y = blk * (2 + values), blk * values
+        amax = np.float32(0.0)
+        for l in range(values):
+            amax = max(amax, abs(x[y + l]))
+        d = amax / np.float32(127.0)
+        inv = np.float32(1.0) / d if d != 0 else np.float32(0.0)
+        _put_scale(b, o, d)
+        for l in range(values):
+            b[o + 2 + l] = np.uint8(np.int32(_round_away(x[y + l] * inv)) & 0xFF)
+
+
+@numba.njit(cache=True, nogil=True, fastmath=True)
+def _dequantize_q8_0(b, out, values):
+    """out [hd] = the Q8_0 blocks of `values` values in bytes b (quant._row_q8_0's arithmetic)."""
+    for blk in range(out.shape[0] // values):
+        o, y = blk * (2 + values), blk * values
+        d = f16_at(b, o)
+        for l in range(values):
+            out[y + l] = d * np.float32(np.int8(b[o + 2 + l]))
+
+
+@numba.njit(cache=True, nogil=True)
+def _quantize_q4_0(x, b):
+    """Bytes b [nb * 18] = the Q4_0 blocks of x [hd]: the value of largest magnitude maps to -8."""
+    for blk in range(x.shape[0] // BLOCK):
+        o, y = blk * 18, blk * BLOCK
+        big = np.float32(0.0)
+        for l in range(BLOCK):
+            if abs(x[y + l]) > abs(big):
+                big = x[y + l]
+        d = big / np.float32(-8.0)
+        inv = np.float32(1.0) / d if d != 0 else np.float32(0.0)
+        _put_scale(b, o, d)
+        for l in range(BLOCK // 2):
+            lo = min(15, np.int32(x[y + l] * inv + np.float32(8.5)))
+            hi = min(15, np.int32(x[y + 16 + l] * inv + np.float32(8.5)))
+            b[o + 2 + l] = np.uint8(lo | (hi << 4))
+
+
+def _quantize_row(x, row):
+    raise NotImplementedError("numba only")
+
+
+@overload(_quantize_row, jit_options={"nogil": True})
+def _quantize_row_overload(x, row):
+    name, values, _ = _LAYOUTS[row.dtype]
+    if name == "Q8_0":
+        return lambda x, row: _quantize_q8_0(x, as_bytes(row), values)
+    return lambda x, row: _quantize_q4_0(x, as_bytes(row))
+
+
+def _dequantize_row(row, out):
+    raise NotImplementedError("numba only")
+
+
+@overload(_dequantize_row, jit_options={"nogil": True, "fastmath": True})
+def _dequantize_row_overload(row, out):
+    name, values, _ = _LAYOUTS[row.dtype]
+    if name == "Q8_0":
+        return lambda row, out: _dequantize_q8_0(as_bytes(row), out, values)
+    return lambda row, out: _row_q4_0(as_bytes(row), out)
+
+
+@numba.njit(cache=True, nogil=True)
+def _store_row(src, dst):
+    """dst (blocks [nb]) = src [hd] quantized, rotated first (in place) where dst's dtype says."""
+    if _is_rotated(dst):
+        hadamard(src)
+    _quantize_row(src, dst)
+
+
+@numba.njit(cache=True, nogil=True)
+def store_blocks(k_new, v_new, k_layer, v_layer, slots, positions):
+    """Quantize each token's keys and values into the cache at (slot, head, position).
+
+    k_new, v_new: [n, kvh, hd] float32, rotated in place for a rotated cache (they are the
+    forward pass's scratch: nothing reads them after the store, and a decode step allocates
+    nothing); k_layer, v_layer: blocks."""
+    for i in range(k_new.shape[0]):
+        for h in range(k_new.shape[1]):
+            _store_row(k_new[i, h], k_layer[slots[i], h, positions[i]])
+            _store_row(v_new[i, h], v_layer[slots[i], h, positions[i]])
+
+
+@numba.njit(cache=True, nogil=True, fastmath=True)
+def dequantize_rows(head, k0, nk, dst):
+    """dst[:nk, :hd] = positions k0..k0+nk of one head as float32, as stored (rotated or not).
+
+    head: [S, nb] blocks; dst: [KB, >=hd] float32 (attention's key and value tiles)."""
+    hd = _row_values(head)
+    for j in range(nk):
+        _dequantize_row(head[k0 + j], dst[j, :hd])
+
+
+@numba.njit(cache=True, nogil=True, fastmath=True)
+def rotate_rows(head, x, rows):
+    """x[r, :hd] = H x[r, :hd] for r < rows when head's blocks are rotated (H is its own inverse:
+    it rotates queries into the stored keys' basis and an accumulator of stored values back)."""
+    if _is_rotated(head):
+        hd = _row_values(head)
+        for r in range(rows):
+            hadamard(x[r, :hd])

@@ -1,0 +1,137 @@
+"""The KV cache held in blocks (q8_0, q4_0, rotated or not): kernels against their numpy references,
+and the rotation's point (outliers spread over the blocks)."""
+
+import numpy as np
+import pytest
+
+from ellmd.engine.kvcache import KVCache
+from ellmd.kernels import attention, kv_blocks, quant
+from ellmd.kernels.kv_blocks import Q4_0, Q4_0_PLAIN, Q8_0, Q8_0_ROTATED
+
+FORMATS = [Q8_0, Q8_0_ROTATED, Q4_0, Q4_0_PLAIN]
+TOL = dict(rtol=1e-5, atol=1e-5)
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng(7)
+
+
+def randn(rng, *shape):
+    return rng.standard_normal(shape).astype(np.float32)
+
+
+def stored(rng, fmt, *shape):
+    """Random values quantized by the reference: [..., hd] -> blocks."""
+    return kv_blocks.quantize_ref(randn(rng, *shape), fmt)
+
+
+def test_hadamard_is_orthogonal_and_its_own_inverse(rng):
+    for hd in (64, 96, 128):
+        h = kv_blocks.hadamard_matrix(hd)
+        np.testing.assert_allclose(h @ h.T, np.eye(hd), atol=1e-12)
+        x = randn(rng, hd)
+        y = x.copy()
+        kv_blocks.hadamard(y)
+        np.testing.assert_allclose(y, h @ x, rtol=1e-5, atol=1e-5)
+        kv_blocks.hadamard(y)
+        np.testing.assert_allclose(y, x, rtol=1e-5, atol=1e-5)
+
+
+def test_unrotated_blocks_are_ggufs(rng):
+    """q4_0 is GGUF's Q4_0; q8_0 is GGUF's Q8_0 rule, over 64 values a block where head_dim allows."""
+    x = randn(rng, 5, 96)
+    assert kv_blocks.quantize_ref(x, Q8_0).tobytes() == quant.quantize(x, "Q8_0").tobytes()
+    assert kv_blocks.quantize_ref(x, Q4_0_PLAIN).tobytes() == quant.quantize(x, "Q4_0").tobytes()
+    x = np.clip(randn(rng, 5, 128), -3.9, 3.9)
+    x[:, ::32] = 4.0  # every 32 values share GGUF's scale 4 / 127, so its codes are ours
+    blocks = kv_blocks.quantize_ref(x, Q8_0)
+    assert blocks.dtype.itemsize == 66 and blocks.shape == (5, 2)
+    raw = blocks.view(np.uint8).reshape(5, 2, 66)
+    gguf = quant.quantize(x, "Q8_0").view(np.uint8).reshape(5, 4, 34)
+    assert raw[:, :, :2].tobytes() == gguf[:, ::2, :2].tobytes()
+    assert raw[:, :, 2:].tobytes() == np.concatenate([gguf[:, ::2, 2:], gguf[:, 1::2, 2:]], axis=-1).tobytes()
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("hd", [64, 128, 96])
+def test_store_blocks(rng, fmt, hd):
+    """Writing tokens quantizes them exactly as gguf's quantizer does (after the rotation)."""
+    kvh, slots, seq, n = 3, 2, 16, 5
+    dtype, nb = kv_blocks.storage(fmt, hd)
+    k_new, v_new = randn(rng, n, kvh, hd), randn(rng, n, kvh, hd)
+    slot_ids = np.array([0, 1, 1, 0, 1], np.int64)
+    positions = np.array([3, 0, 7, 15, 2], np.int64)
+    got = [np.zeros((slots, kvh, seq, nb), dtype) for _ in range(2)]
+    want = [np.zeros((slots, kvh, seq, nb), dtype) for _ in range(2)]
+    attention.store_kv(k_new.copy(), v_new.copy(), *got, fmt, slot_ids, positions)  # rotated in place
+    kv_blocks.store_blocks_ref(k_new, v_new, *want, fmt, slot_ids, positions)
+    for g, w in zip(got, want):
+        if not kv_blocks.rotated(fmt):
+            assert g.tobytes() == w.tobytes()
+        else:  # float32 butterflies against the float64 matrix: a rare code one step apart
+            assert np.mean(g.view(np.uint8) != w.view(np.uint8)) < 0.01
+    # what attention reads back is the value within the format's step
+    back = kv_blocks.dequantize_ref(got[0][slot_ids, :, positions], fmt)
+    step = 0.25 if fmt in (Q4_0, Q4_0_PLAIN) else 0.02
+    assert np.abs(back - k_new).max() < step * np.abs(k_new).max()
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("lengths,kvh,group,hd", [([1, 70, 2100], 2, 3, 64), ([300], 1, 2, 128), ([65, 9], 2, 1, 96),
+                                                  ([5000], 2, 4, 64)])
+def test_attention_decode_blocks(rng, fmt, lengths, kvh, group, hd):
+    heads, batch, slots, seq = kvh * group, len(lengths), 4, 5000
+    q = randn(rng, batch, heads, hd)
+    k, v = stored(rng, fmt, slots, kvh, seq, hd), stored(rng, fmt, slots, kvh, seq, hd)
+    slot_ids = rng.permutation(slots)[:batch].astype(np.int64)
+    lengths = np.array(lengths, np.int64)
+    shapes = attention.decode_scratch_shapes(batch + 2, heads, hd, 2, seq)
+    scratch = [np.full(shapes[name], np.nan, np.float32) for name in ("partial_m", "partial_l", "partial_acc", "tile")]
+    got, want = np.empty_like(q), np.empty_like(q)
+    attention.attention_decode(q, k, v, fmt, slot_ids, lengths, hd**-0.5, got, *scratch)
+    k32, f32 = kv_blocks.as_f32(k, fmt)
+    v32, _ = kv_blocks.as_f32(v, fmt)
+    attention.attention_decode_ref(q, k32, v32, f32, slot_ids, lengths, hd**-0.5, want, *scratch)
+    np.testing.assert_allclose(got, want, **TOL)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("n,start,kvh,group,hd", [(1, 0, 2, 3, 64), (37, 100, 1, 4, 128), (200, 0, 2, 2, 96)])
+def test_attention_prefill_blocks(rng, fmt, n, start, kvh, group, hd):
+    seq = start + n + 10
+    q = randn(rng, n, kvh * group, hd)
+    k, v = stored(rng, fmt, kvh, seq, hd), stored(rng, fmt, kvh, seq, hd)
+    got, want = np.empty_like(q), np.empty_like(q)
+    attention.attention_prefill(q, k, v, fmt, start, hd**-0.5, got)
+    k32, f32 = kv_blocks.as_f32(k, fmt)
+    v32, _ = kv_blocks.as_f32(v, fmt)
+    attention.attention_prefill_ref(q, k32, v32, f32, start, hd**-0.5, want)
+    np.testing.assert_allclose(got, want, **TOL)
+
+
+def test_rotation_spreads_an_outlier(rng):
+    """A key with one large channel (as real models' keys have): q4_0 loses the rest of its block
+    unless rotated."""
+    x = randn(rng, 200, 64)
+    x[:, 5] *= 30.0
+    errors = {}
+    for fmt in (Q4_0, Q4_0_PLAIN):
+        back = kv_blocks.dequantize_ref(kv_blocks.quantize_ref(x, fmt), fmt)
+        errors[fmt] = np.sqrt(np.mean((back - x)[:, :32] ** 2))
+    assert errors[Q4_0] < 0.5 * errors[Q4_0_PLAIN]
+
+
+@pytest.mark.parametrize("fmt,ratio", [(Q8_0, 66 / 128), (Q4_0, 18 / 64)])
+def test_bytes_per_token(fmt, ratio):
+    """SmolLM2-135M's shape: 30 layers, 3 kv heads, head_dim 64."""
+    bf16 = KVCache(30, 1, 3, 8, 64, 1)
+    blocks = KVCache(30, 1, 3, 8, 64, fmt)
+    assert bf16.bytes_per_token == 23_040
+    assert blocks.bytes_per_token == 23_040 * ratio
+    assert blocks.nbytes == KVCache.nbytes_for(30, 1, 3, 8, 64, fmt) == 8 * blocks.bytes_per_token
+
+
+def test_head_dim_not_in_blocks_is_refused():
+    with pytest.raises(ValueError, match="head_dim that is a multiple of 32"):
+        KVCache(2, 1, 1, 8, 80, Q8_0)

@@ -1,0 +1,61 @@
+"""A q8_0 KV cache under the real daemon: snapshots, resume and fork move the blocks as they are
+(the same continuation as a session never evicted), and a daemon of another KV format refuses them."""
+
+from __future__ import annotations
+
+import pytest
+from ellm.errors import EllmError
+
+from daemon import Daemon
+
+PROMPT = [(7 * i) % 40000 + 100 for i in range(300)]
+
+
+def greedy(session, n=8):
+    return session.generate(max_tokens=n, temperature=0).token_ids
+
+
+def assert_capacity(stats):
+    """The budget per KV format: tokens per GiB, sessions of the configured length in this KV memory
+    and on the store's disk."""
+    assert stats["kv_dtype"] == "q8_0"
+    formats = stats["kv_capacity"]
+    assert {name: c["bytes_per_token"] for name, c in formats.items()} == {"bf16": 23_040, "q8_0": 11_880, "q4_0": 6_480}
+    memory = stats["kv_bytes_used"] + stats["kv_bytes_free"]
+    for c in formats.values():
+        session = c["bytes_per_token"] * stats["sequence_length"]
+        assert c["tokens_per_gib"] == 2**30 // c["bytes_per_token"]
+        assert c["sessions_in_memory"] == memory // session
+        assert c["sessions_on_disk"] > 0
+    assert formats["q4_0"]["sessions_in_memory"] >= 3 * formats["bf16"]["sessions_in_memory"]
+
+
+def test_q8_0_sessions_move_as_held_and_another_format_refuses_them(tmp_path):
+    daemon = Daemon(tmp_path, slots=1, extra=("--kv-dtype", "q8_0")).start()
+    try:
+        with daemon.client() as client:
+            stats = client.stats()
+            assert stats["kv_bytes_per_token"] == 23_040 * 66 // 128  # SmolLM2-135M: 11,880
+            assert_capacity(stats)
+            never_evicted = client.open_session()
+            never_evicted.append(tokens=PROMPT)
+            want = greedy(never_evicted)
+            a = client.open_session()
+            a.append(tokens=PROMPT)  # evicts never_evicted: one slot
+            fork = a.fork()
+            b = client.open_session()
+            b.append(tokens=list(range(1000, 1400)))  # evicts a: its q8_0 blocks go to the store
+            assert not a.info()["resident"]
+            assert greedy(a) == want  # resumed from its snapshot: no forward pass over the prompt
+            assert greedy(fork) == want
+            stored_id = a.id
+    finally:
+        assert daemon.stop() == 0
+    bf16 = Daemon(tmp_path, slots=1).start()
+    try:
+        with bf16.client() as client:
+            with pytest.raises(EllmError, match=r"another kv \(q8_0:30x3x64 != bf16:30x3x64\)"):
+                client.session(stored_id).resume()
+            assert client.stats()["kv_bytes_per_token"] == 23_040  # and it keeps serving
+    finally:
+        assert bf16.stop() == 0
