@@ -224,10 +224,13 @@ class FakeDaemon:
                               "end": start + count, "time": time.time()})
         info["tokens"] += count
         info["turn_count"] = len(info["turns"])
-        counters = ("reused", "prefilled", "generated", "drafted", "accepted") if kind == "generation" else \
-            ("reused", "prefilled")  # the session's usage has the counters the real one would have counted
-        for counter in counters:
-            info["usage"][counter] = info["usage"].get(counter, 0) + (count if counter == "prefilled" else 0)
+        # the session's usage has the counters the real one would have counted: those that counted
+        # (a generation's prompt reuses the session's tokens before it)
+        counts = {"prefilled": count, "reused": info["tokens"] - count, "generated": count} \
+            if kind == "generation" else {"prefilled": count}
+        for counter, amount in counts.items():
+            if amount:
+                info["usage"][counter] = info["usage"].get(counter, 0) + amount
 
     @staticmethod
     def usage(info: dict, prefilled: int, generated: int | None = None) -> dict:
@@ -382,6 +385,9 @@ class FakeDaemon:
         return {"model": "fake-model", "model_type": "llama", "slots": 4, "sequence_length": 8192,
                 "sessions_resident": resident, "sessions_stored": len(self.sessions), "generating": 0,
                 "kv_bytes": 1234, "kv_bytes_used": 234, "kv_bytes_free": 1000, "kv_bytes_per_token": 2,
+                "kv_dtype": "bf16", "kv_capacity": {name: {"bytes_per_token": 2, "tokens_per_gib": 1 << 29,
+                                                           "sessions_in_memory": 1, "sessions_on_disk": 9}
+                                                    for name in ("bf16", "q8_0", "q4_0")},
                 "counters": {"prefilled": 10, "reused": 5, "shared": 0, "generated": 3, "drafted": 0, "accepted": 0},
                 "scheduler": {"gap_ratio": 1.0, "decode_step_ms": 12.5, "prefill_token_ms": 3.1,
                               "riding_token_ms": None},
