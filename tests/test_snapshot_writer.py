@@ -201,3 +201,65 @@ def test_an_unknown_acknowledgement_point_is_refused(engine, tmp_path):
     with pytest.raises(EllmError, match="snapshot_ack must be one of written, queued, not 'sometimes'"):
         Runtime(engine, store, snapshot_ack="sometimes")
     store.close()
+
+
+def listed(rt) -> dict:
+    return {s["session_id"]: s for s in call(rt, "session.list")["sessions"]}
+
+
+def test_the_session_list_parses_each_stored_version_once_and_follows_every_change(start, monkeypatch):
+    """session.list keeps the stored sessions' list-info between calls (parsing 200 metadata on the
+    engine thread at every refresh of a console delayed the generating sessions): what changes in the
+    store after a listing shows in the next one, whoever wrote it, and a restart lists the same."""
+    from ellmd.runtime import residency
+
+    rt = start("queued")
+    ids = [call(rt, "session.open", title=f"s{i}", system="Be brief.")["session_id"] for i in range(3)]
+    for sid in ids:
+        call(rt, "session.close", session_id=sid)
+    parsed = []
+    real_parse = residency.parse_meta
+    monkeypatch.setattr(residency, "parse_meta", lambda sid, raw: parsed.append(sid) or real_parse(sid, raw))
+    first = listed(rt)
+    assert {sid: (s["title"], s["resident"], s["turn_count"]) for sid, s in first.items()} == \
+        {sid: (f"s{i}", False, 1) for i, sid in enumerate(ids)}
+    assert sorted(parsed) == sorted(ids)
+    parsed.clear()
+    assert listed(rt) == first and parsed == []  # nothing changed: nothing parsed
+
+    # A snapshot: resident, the list shows the session in memory; closed, as stored (not as cached).
+    a, b, c = ids
+    tokens = call(rt, "session.append", session_id=a, message={"role": "user", "content": "Hello."})["tokens"]
+    call(rt, "session.snapshot", session_id=a)
+    assert (listed(rt)[a]["tokens"], listed(rt)[a]["resident"]) == (tokens, True)
+    call(rt, "session.close", session_id=a)
+    assert (listed(rt)[a]["tokens"], listed(rt)[a]["turn_count"], listed(rt)[a]["resident"]) == (tokens, 2, False)
+    assert parsed == [a]  # the one that changed, once
+
+    # Another writer (a fleet replica) renames b in the store.
+    meta = rt.store.get_meta(b)
+    held = rt.store.load(b, lambda start, data: None, stop=0)[1]
+    rt.store.snapshot({**meta, "title": "renamed"}, held, None, len(held))
+    assert listed(rt)[b]["title"] == "renamed"
+
+    # A delete queued behind a held snapshot (acknowledged at once): the list waits for both.
+    gate = hold(rt, monkeypatch, c)
+    call(rt, "session.append", session_id=c, text=" More.")
+    assert gate.entered.wait(60)
+    call(rt, "session.delete", session_id=c)
+    listing = rt.submit("session.list", {})
+    time.sleep(0.3)
+    assert not listing.future.done()
+    gate.release.set()
+    assert set(s["session_id"] for s in listing.future.result(timeout=60)["sessions"]) == {a, b}
+
+    # An import, then a restart: listed as before.
+    blob = call(rt, "session.export", session_id=a)["blob"]
+    call(rt, "session.delete", session_id=a)
+    assert set(listed(rt)) == {b}
+    imported = call(rt, "session.import", data=blob)["session_id"]
+    before = listed(rt)
+    assert set(before) == {b, imported} and before[imported]["tokens"] == tokens
+    stop(rt)
+    rt = start("queued")
+    assert listed(rt) == before
