@@ -23,14 +23,13 @@ tokens reused; `--json PATH` writes every turn. The servers run with ELLMD_* var
 config files out of the way (`--ellm-args`, `--llama-args` add flags).
 
 The measurement (docs/benchmarks.md, "Agent work"; the ratio is llama-server's trace time over
-ellm's), on a quiet machine, llama-server built first by scripts/llama_native.py: 12 agents over
-4 slots, shuffled, a restart halfway, 120 turns per server: about 11 minutes in all on a 2-thread
-Zen 3 (154 s of trace for ellm, 451 s for llama-server, and the servers' starts). A run of 2
-agents x 2 turns only proves the setup works (about 6 minutes on a busy machine):
+ellm's), on a quiet machine, with llama-server from $LLAMA_NATIVE or ~/.cache/ellm/llama-native
+(built by scripts/llama_native.py): 12 agents over 4 slots, shuffled, a restart halfway, 120 turns
+per server: about 11 minutes in all on a 2-thread Zen 3 (154 s of trace for ellm, 451 s for
+llama-server, and the servers' starts). A run of 2 agents x 2 turns only proves the setup works
+(about 6 minutes on a busy machine):
 
-    export LLAMA_NATIVE=~/.cache/ellm/llama-native
-    .venv/bin/python scripts/bench_agent_trace.py --agents 12 --slots 4 --turns 10 --shuffle 0 \
-        --restart-at 0.5 --json agent-trace.json
+    .venv/bin/python scripts/bench_agent_trace.py --agents 12 --slots 4 --turns 10 --shuffle 0 --restart-at 0.5
     .venv/bin/python scripts/bench_agent_trace.py --agents 4 --turns 30    # every agent resident
     .venv/bin/python scripts/bench_agent_trace.py --agents 2 --turns 2 --restart-at 0.5    # a smoke run
 """
