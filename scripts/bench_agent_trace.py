@@ -22,9 +22,16 @@ time, the mean TTFT in each quarter of the turns and after the restart, and the 
 tokens reused; `--json PATH` writes every turn. The servers run with ELLMD_* variables and user
 config files out of the way (`--ellm-args`, `--llama-args` add flags).
 
-    export LLAMA_NATIVE=~/.cache/ellm/llama-native    # built by scripts/llama_native.py
-    .venv/bin/python scripts/bench_agent_trace.py --agents 4 --turns 30
-    .venv/bin/python scripts/bench_agent_trace.py --agents 12 --slots 4 --shuffle 0 --restart-at 0.5
+The measurement (docs/benchmarks.md, "Agent work"; the ratio is llama-server's trace time over
+ellm's), on a quiet machine, with llama-server from $LLAMA_NATIVE or ~/.cache/ellm/llama-native
+(built by scripts/llama_native.py): 12 agents over 4 slots, shuffled, a restart halfway, 120 turns
+per server: about 11 minutes in all on a 2-thread Zen 3 (154 s of trace for ellm, 451 s for
+llama-server, and the servers' starts). A run of 2 agents x 2 turns only proves the setup works
+(about 6 minutes on a busy machine):
+
+    .venv/bin/python scripts/bench_agent_trace.py --agents 12 --slots 4 --turns 10 --shuffle 0 --restart-at 0.5
+    .venv/bin/python scripts/bench_agent_trace.py --agents 4 --turns 30    # every agent resident
+    .venv/bin/python scripts/bench_agent_trace.py --agents 2 --turns 2 --restart-at 0.5    # a smoke run
 """
 
 from __future__ import annotations
@@ -329,7 +336,7 @@ def report(console: Console, results: dict, args, context: int) -> None:
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--agents", type=int, default=4)
     parser.add_argument("--turns", type=int, default=30, help="turns of each agent")
     parser.add_argument("--slots", type=int,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -57,3 +58,64 @@ def use_kernels(monkeypatch):
 
     return use
 
+
+
+# ---- the Runtime in process ------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def engine():
+    """The built-in SmolLM2 engine (2 slots of 512 tokens), shared by a module's Runtimes."""
+    from ellmd.engine import Engine
+    from ellmd.engine.engine import builtin_model_path
+
+    return Engine(builtin_model_path(), sequence_length=512, batch_size=2, chunk_size=64, threads=2)
+
+
+class Runtimes:
+    """start(**options) -> a Runtime over `engine` (its slots emptied) and the store in `path`, its
+    engine loop running on a thread of its own; `stop(rt)` ends it (as shutdown does) and closes its
+    store, and every one still running is stopped after the test."""
+
+    def __init__(self, engine, path: Path):
+        self.engine, self.path, self.running = engine, path, []
+
+    def __call__(self, **options):
+        from ellmd.runtime.runtime import Runtime
+        from ellmd.runtime.store.lmdb import Store
+
+        for slot in range(self.engine.kv.slots):
+            self.engine.rewind(slot, 0)
+        rt = Runtime(self.engine, Store(self.path), **options)
+        thread = threading.Thread(target=rt.run, name="engine-test", daemon=True)
+        thread.start()
+        self.running.append((rt, thread))
+        return rt
+
+    def stop(self, rt) -> None:
+        if not rt._stopped.is_set():
+            rt.stop(timeout=60)
+            rt.store.close()
+
+    def stop_all(self) -> None:
+        for rt, thread in self.running:
+            self.stop(rt)
+            thread.join(60)
+
+
+@pytest.fixture
+def start(engine, tmp_path):
+    """Runtimes on tmp_path/store (see Runtimes)."""
+    runtimes = Runtimes(engine, tmp_path / "store")
+    yield runtimes
+    runtimes.stop_all()
+
+
+@pytest.fixture
+def runtime(start, tmp_path):
+    """A running Runtime, its skill library holding one skill (git)."""
+    from ellmd.runtime.context.skills import SkillLibrary
+
+    (tmp_path / "skills" / "git").mkdir(parents=True)
+    (tmp_path / "skills" / "git" / "SKILL.md").write_text("---\nname: git\ndescription: Use git.\n---\nCommit.\n")
+    return start(skills=SkillLibrary([tmp_path / "skills"], plugins=False))

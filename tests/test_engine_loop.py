@@ -13,32 +13,12 @@ import threading
 import numpy as np
 import pytest
 
-from ellmd.engine import Engine
-from ellmd.engine.engine import builtin_model_path
 from ellmd.engine.sampling import Sampler, SamplingParams
 from ellmd.errors import EllmError
 from ellmd.runtime.ops import Op
 from ellmd.runtime.schemas import NoArgs
 from ellmd.runtime.runtime import ProtocolError, Request, Runtime
 from ellmd.runtime.store.lmdb import Store, StoreError
-
-
-@pytest.fixture(scope="module")
-def engine():
-    return Engine(builtin_model_path(), sequence_length=512, batch_size=2, chunk_size=64, threads=2)
-
-
-@pytest.fixture
-def runtime(engine, tmp_path):
-    for slot in range(engine.kv.slots):
-        engine.rewind(slot, 0)
-    rt = Runtime(engine, Store(tmp_path / "store"))
-    thread = threading.Thread(target=rt.run, name="engine-test", daemon=True)
-    thread.start()
-    yield rt
-    rt.stop(timeout=60)
-    thread.join(60)
-    rt.store.close()
 
 
 def call(rt, op, **args):

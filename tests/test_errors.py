@@ -6,20 +6,14 @@ from __future__ import annotations
 import ast
 import logging
 import re
-import threading
 from pathlib import Path
 
 import pytest
 
-from ellmd.engine import Engine
-from ellmd.engine.engine import builtin_model_path
 from ellmd.errors import CODES, EllmError, InvariantError
-from ellmd.runtime.context.skills import SkillLibrary
 from ellmd.runtime.errors import ProtocolError
 from ellmd.runtime.ops import OPS
-from ellmd.runtime.runtime import Runtime
 from ellmd.runtime.session import GENERATING, IDLE
-from ellmd.runtime.store.lmdb import Store
 from ellmd.server.http.errors import ApiError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -81,26 +75,6 @@ def test_http_answers_each_code_from_the_table(code):
 
 
 # ---- a broken invariant ---------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def engine():
-    return Engine(builtin_model_path(), sequence_length=512, batch_size=2, chunk_size=64, threads=2)
-
-
-@pytest.fixture
-def runtime(engine, tmp_path):
-    for slot in range(engine.kv.slots):
-        engine.rewind(slot, 0)
-    (tmp_path / "skills" / "git").mkdir(parents=True)
-    (tmp_path / "skills" / "git" / "SKILL.md").write_text("---\nname: git\ndescription: Use git.\n---\nCommit.\n")
-    rt = Runtime(engine, Store(tmp_path / "store"), skills=SkillLibrary([tmp_path / "skills"], plugins=False))
-    thread = threading.Thread(target=rt.run, name="engine-test", daemon=True)
-    thread.start()
-    yield rt
-    rt.stop(timeout=60)
-    thread.join(60)
-    rt.store.close()
 
 
 def call(rt, op, **args):

@@ -297,21 +297,6 @@ def test_gemm_tile(rng, fmt, transpose_a, tall):
         np.testing.assert_allclose(c, want, rtol=1e-5, atol=1e-4)
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
-def test_store_kv(rng, fmt):
-    n, kvh, hd, slots, seq = 5, 3, 64, 4, 40
-    k_new, v_new = randn(rng, n, kvh, hd), randn(rng, n, kvh, hd)
-    slot_ids = rng.integers(0, slots, n).astype(np.int64)
-    positions = rng.permutation(seq)[:n].astype(np.int64)
-    dtype = formats.storage_dtype(fmt)
-    got = [np.zeros((slots, kvh, seq, hd), dtype) for _ in range(2)]
-    want = [np.zeros((slots, kvh, seq, hd), dtype) for _ in range(2)]
-    attention.store_kv(k_new, v_new, got[0], got[1], fmt, slot_ids, positions)
-    attention.store_kv_ref(k_new, v_new, want[0], want[1], fmt, slot_ids, positions)
-    np.testing.assert_array_equal(got[0], want[0])
-    np.testing.assert_array_equal(got[1], want[1])
-
-
 @pytest.mark.parametrize(
     "fmt,n,start,kvh,group,hd",
     [

@@ -13,44 +13,12 @@ import time
 
 import pytest
 
-from ellmd.engine import Engine
-from ellmd.engine.engine import builtin_model_path
 from ellmd.errors import EllmError
 from ellmd.runtime.runtime import ProtocolError, Runtime
 from ellmd.runtime.store.lmdb import CHUNK_TOKENS, Store, StoreError
 
 GREEDY = {"max_tokens": 8, "temperature": 0, "ignore_eos": True}
 NEXT = {"max_tokens": 1, "temperature": 0, "logprobs": 5}
-
-
-@pytest.fixture(scope="module")
-def engine():
-    return Engine(builtin_model_path(), sequence_length=512, batch_size=2, chunk_size=64, threads=2)
-
-
-@pytest.fixture
-def start(engine, tmp_path):
-    """start(ack) -> a running Runtime on tmp_path/store; stopped (and its store closed) after the test."""
-    running = []
-
-    def start(ack: str) -> Runtime:
-        for slot in range(engine.kv.slots):
-            engine.rewind(slot, 0)
-        rt = Runtime(engine, Store(tmp_path / "store"), snapshot_ack=ack)
-        thread = threading.Thread(target=rt.run, name="engine-test", daemon=True)
-        thread.start()
-        running.append((rt, thread))
-        return rt
-
-    yield start
-    for rt, thread in running:
-        stop(rt, thread)
-
-
-def stop(rt, thread=None) -> None:
-    if not rt._stopped.is_set():
-        rt.stop(timeout=60)
-        rt.store.close()
 
 
 def call(rt, op, **args):
@@ -94,7 +62,7 @@ def stored_kv(store, session_id: str) -> bytes:
 
 
 def test_a_decode_goes_on_while_another_sessions_snapshot_is_held(start, monkeypatch):
-    rt = start("written")
+    rt = start(snapshot_ack="written")
     a = call(rt, "session.open")["session_id"]
     b = call(rt, "session.open", system="Be brief.")["session_id"]
     call(rt, "session.append", session_id=b, message={"role": "user", "content": "Count to five."})
@@ -122,7 +90,7 @@ def test_a_decode_goes_on_while_another_sessions_snapshot_is_held(start, monkeyp
 
 
 def test_fork_and_delete_come_after_the_pending_write(start, monkeypatch):
-    rt = start("written")
+    rt = start(snapshot_ack="written")
     a = call(rt, "session.open")["session_id"]
     call(rt, "session.append", session_id=a, text="The first turn, stored.")
     gate = hold(rt, monkeypatch, a)
@@ -154,7 +122,7 @@ def test_fork_and_delete_come_after_the_pending_write(start, monkeypatch):
 
 
 def test_queued_acks_eviction_waits_and_a_restart_resumes_bit_for_bit(start, monkeypatch):
-    rt = start("queued")
+    rt = start(snapshot_ack="queued")
     prompt = [(7 * i) % 40000 + 100 for i in range(260)]  # a partial second chunk
     expected = computed(rt, prompt)  # from scratch: nobody holds these tokens yet
     a = call(rt, "session.open")["session_id"]
@@ -190,8 +158,8 @@ def test_queued_acks_eviction_waits_and_a_restart_resumes_bit_for_bit(start, mon
     kv_b = b"".join(rt.engine.export_kv(slot, start, min(start + CHUNK_TOKENS, tokens_b)).tobytes()
                     for start in range(0, tokens_b, CHUNK_TOKENS))
 
-    stop(rt)  # shutdown flushes every pending write
-    rt = start("queued")
+    start.stop(rt)  # shutdown flushes every pending write
+    rt = start(snapshot_ack="queued")
     assert rt.store.get_meta(b)["tokens"] == tokens_b and stored_kv(rt.store, b) == kv_b
     assert call(rt, "session.generate", session_id=a, **NEXT)["logprobs"] == expected
 
@@ -201,3 +169,65 @@ def test_an_unknown_acknowledgement_point_is_refused(engine, tmp_path):
     with pytest.raises(EllmError, match="snapshot_ack must be one of written, queued, not 'sometimes'"):
         Runtime(engine, store, snapshot_ack="sometimes")
     store.close()
+
+
+def listed(rt) -> dict:
+    return {s["session_id"]: s for s in call(rt, "session.list")["sessions"]}
+
+
+def test_the_session_list_parses_each_stored_version_once_and_follows_every_change(start, monkeypatch):
+    """session.list keeps the stored sessions' list-info between calls (parsing 200 metadata on the
+    engine thread at every refresh of a console delayed the generating sessions): what changes in the
+    store after a listing shows in the next one, whoever wrote it, and a restart lists the same."""
+    from ellmd.runtime import residency
+
+    rt = start(snapshot_ack="queued")
+    ids = [call(rt, "session.open", title=f"s{i}", system="Be brief.")["session_id"] for i in range(3)]
+    for sid in ids:
+        call(rt, "session.close", session_id=sid)
+    parsed = []
+    real_parse = residency.parse_meta
+    monkeypatch.setattr(residency, "parse_meta", lambda sid, raw: parsed.append(sid) or real_parse(sid, raw))
+    first = listed(rt)
+    assert {sid: (s["title"], s["resident"], s["turn_count"]) for sid, s in first.items()} == \
+        {sid: (f"s{i}", False, 1) for i, sid in enumerate(ids)}
+    assert sorted(parsed) == sorted(ids)
+    parsed.clear()
+    assert listed(rt) == first and parsed == []  # nothing changed: nothing parsed
+
+    # A snapshot: resident, the list shows the session in memory; closed, as stored (not as cached).
+    a, b, c = ids
+    tokens = call(rt, "session.append", session_id=a, message={"role": "user", "content": "Hello."})["tokens"]
+    call(rt, "session.snapshot", session_id=a)
+    assert (listed(rt)[a]["tokens"], listed(rt)[a]["resident"]) == (tokens, True)
+    call(rt, "session.close", session_id=a)
+    assert (listed(rt)[a]["tokens"], listed(rt)[a]["turn_count"], listed(rt)[a]["resident"]) == (tokens, 2, False)
+    assert set(parsed) == {a}  # only the one that changed
+
+    # Another writer (a fleet replica) renames b in the store.
+    meta = rt.store.get_meta(b)
+    held = rt.store.load(b, lambda start, data: None, stop=0)[1]
+    rt.store.snapshot({**meta, "title": "renamed"}, held, None, len(held))
+    assert listed(rt)[b]["title"] == "renamed"
+
+    # A delete queued behind a held snapshot (acknowledged at once): the list waits for both.
+    gate = hold(rt, monkeypatch, c)
+    call(rt, "session.append", session_id=c, text=" More.")
+    assert gate.entered.wait(60)
+    call(rt, "session.delete", session_id=c)
+    listing = rt.submit("session.list", {})
+    time.sleep(0.3)
+    assert not listing.future.done()
+    gate.release.set()
+    assert set(s["session_id"] for s in listing.future.result(timeout=60)["sessions"]) == {a, b}
+
+    # An import, then a restart: listed as before.
+    blob = call(rt, "session.export", session_id=a)["blob"]
+    call(rt, "session.delete", session_id=a)
+    assert set(listed(rt)) == {b}
+    imported = call(rt, "session.import", data=blob)["session_id"]
+    before = listed(rt)
+    assert set(before) == {b, imported} and before[imported]["tokens"] == tokens
+    start.stop(rt)
+    rt = start(snapshot_ack="queued")
+    assert listed(rt) == before

@@ -31,7 +31,7 @@ from ellmd.runtime.errors import ProtocolError, SlotsBusy, not_found
 from ellmd.runtime.store.leases import Leases
 from ellmd.runtime.schemas import UNSTORABLE, unstorable
 from ellmd.runtime.session import SCOPE, Session, common_prefix, scoped_id
-from ellmd.runtime.store.base import CHUNK_TOKENS, SessionStore, StoreError
+from ellmd.runtime.store.base import CHUNK_TOKENS, SessionStore, StoreError, checksum, parse_meta
 from ellmd.runtime.store.writer import StoreWrite, StoreWriter
 
 log = logging.getLogger("ellmd.runtime")
@@ -51,6 +51,7 @@ class Residency:
         self.sessions: dict[str, Session] = {}
         self.slots: list[Session | None] = [None] * engine.kv.slots
         self.unsaved: dict[str, StoreError] = {}  # session id -> the error of its last snapshot, until one succeeds
+        self.listing = StoredListing()  # the stored sessions as `list` shows them
 
     # ---- finding sessions ----------------------------------------------------------------
 
@@ -388,16 +389,13 @@ class Residency:
                                       bytes_per_token=kv.bytes_per_token, owner=owner)
 
     def list(self, owner: str | None) -> list[dict]:
-        """Every session visible to `owner`: stored ones, then the newer state of those in memory."""
+        """Every session visible to `owner`: stored ones (as `listing` keeps them: parsed once per
+        version), then the newer state of those in memory."""
         for session_id in self.writer.pending_ids():  # closed or deleted: read the store as they left it
             if session_id not in self.sessions:
                 self.wait_for_writes(session_id)
-        listed = {}
-        for meta in self.store.list_meta():
-            if visible(meta.get("owner"), owner):
-                info = Session.from_stored(meta, []).info(resident=False, with_turns=False)
-                info["tokens"] = meta["tokens"] + len(meta.get("pending", []))
-                listed[meta["session_id"]] = info
+        listed = {info["session_id"]: dict(info) for info in self.listing.read(self.store)
+                  if visible(info["owner"], owner)}
         for session in self.sessions.values():
             if session.tokens is not None and visible(session.owner, owner):
                 listed[session.session_id] = session.info(resident=session.slot is not None, with_turns=False)
@@ -414,6 +412,37 @@ class Residency:
             "store": self.store.stats(), "replica": self.leases.holder.replica if self.leases else None,
             **kv_capacity(self.engine, self.store.stats().get("path")),
         }
+
+
+class StoredListing:
+    """The list-info of every stored session, each parsed once per version of its metadata: a
+    listing costs a read of the store's raw metadata, or nothing while no write was committed
+    (the store's version, which every process writing it moves)."""
+
+    def __init__(self):
+        self.version = None
+        self.infos: dict[str, tuple[bytes, dict | None]] = {}  # id -> (digest of its metadata, list-info; None: damaged)
+
+    def read(self, store: SessionStore) -> list[dict]:
+        version = store.version()  # taken before reading: a write committed meanwhile is read next time
+        if version is None or version != self.version:
+            self.infos = {session_id: self.parsed(session_id, raw) for session_id, raw in store.raw_metas()}
+            self.version = version
+        return [info for _, info in self.infos.values() if info is not None]
+
+    def parsed(self, session_id: str, raw: bytes) -> tuple[bytes, dict | None]:
+        digest = checksum(raw)
+        cached = self.infos.get(session_id)
+        if cached is not None and cached[0] == digest:
+            return cached
+        try:
+            meta = parse_meta(session_id, raw)
+        except StoreError as e:
+            log.error("not listed: %s", e)
+            return digest, None
+        info = Session.from_stored(meta, []).info(resident=False, with_turns=False)
+        info["tokens"] = meta["tokens"] + len(meta.get("pending", []))
+        return digest, info
 
 
 def kv_capacity(engine, store_path: str | None) -> dict:

@@ -108,8 +108,24 @@ class SessionStore(abc.ABC):
         """Sessions in the store, without reading them (the metrics scrape this)."""
 
     @abc.abstractmethod
+    def raw_metas(self) -> list[tuple[str, bytes]]:
+        """(session id, its metadata as stored, unparsed) of every stored session; an entry that
+        cannot be read is logged and left out, not fatal."""
+
+    def version(self) -> object | None:
+        """A value that changes whenever a write is committed, by any process (None: the backend
+        cannot tell; a reader then compares each session's metadata)."""
+        return None
+
     def list_meta(self) -> list[dict]:
         """Every stored session's metadata; a damaged entry is logged and left out, not fatal."""
+        listed = []
+        for session_id, raw in self.raw_metas():
+            try:
+                listed.append(parse_meta(session_id, raw))
+            except StoreError as e:
+                log.error("not listed: %s", e)
+        return listed
 
     @abc.abstractmethod
     def load(self, session_id: str, write_chunk, bytes_per_token: int | None = None,

@@ -210,16 +210,16 @@ class DirectoryStore(SessionStore):
     def count(self) -> int:
         return sum((self._folder(i) / "meta").exists() for i in self._ids())
 
-    def list_meta(self) -> list[dict]:
+    def raw_metas(self) -> list[tuple[str, bytes]]:
         listed = []
         for session_id in self._ids():
             try:
-                meta = self.get_meta(session_id)
+                envelope = self._envelope(session_id)
             except StoreError as e:
                 log.error("not listed: %s", e)
                 continue
-            if meta is not None:  # None: deleted meanwhile, or a crash's leftover
-                listed.append(meta)
+            if envelope is not None:  # None: deleted meanwhile, or a crash's leftover
+                listed.append((session_id, envelope["meta"]))
         return listed
 
     def load(self, session_id: str, write_chunk, bytes_per_token: int | None = None,

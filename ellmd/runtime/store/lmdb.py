@@ -21,7 +21,6 @@ are the user's alone (0600, directory 0700).
 from __future__ import annotations
 
 import concurrent.futures
-import logging
 import os
 import struct
 import uuid
@@ -36,8 +35,6 @@ from ellmd.runtime.store.base import (CHECKSUM_BYTES, CHUNK_TOKENS, DROP, KEEP, 
  check_chunk, checked_record, chunk_count, chunk_tokens,
                                       deliver_chunks, disk_full, exported_chunk, first_changed, full, loaded_tokens,
                                       lock, note_key, pack, parse_meta, private_dir, snapshot_bytes, unpack)
-
-log = logging.getLogger("ellmd.store")
 
 LEASES_MAP_SIZE = 1 << 30
 
@@ -219,15 +216,13 @@ class Store(SessionStore):
         with self.env.begin() as txn:
             return txn.stat(self.meta)["entries"]
 
-    def list_meta(self) -> list[dict]:
-        listed = []
+    def raw_metas(self) -> list[tuple[str, bytes]]:
         with self.env.begin() as txn:
-            for key, value in txn.cursor(db=self.meta):
-                try:
-                    listed.append(parse_meta(bytes(key).decode(errors="replace"), value))
-                except StoreError as e:
-                    log.error("not listed: %s", e)
-        return listed
+            return [(bytes(key).decode(errors="replace"), value) for key, value in txn.cursor(db=self.meta)]
+
+    def version(self) -> int:
+        """The last committed transaction's id (the environment's, shared by every process using it)."""
+        return self.env.info()["last_txnid"]
 
     def load(self, session_id: str, write_chunk, bytes_per_token: int | None = None,
              stop: int | None = None) -> tuple[dict, list[int]]:
