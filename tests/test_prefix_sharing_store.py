@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import io
 
+from ellmd.runtime.donors import BLOCK_TOKENS, PrefixIndex
+
 from daemon import Daemon
 from test_owners import ALICE, BOB, cached, start
 from test_security import http
@@ -16,6 +18,34 @@ PARENT = list(range(1000, 1300))  # a parent agent's context: 300 tokens
 OWN = list(range(3000, 3030))  # the parent's own turn after it
 TASK = list(range(5000, 5040))  # a sub-agent's task, after the parent's context
 GREEDY = {"max_tokens": 8, "temperature": 0, "logprobs": 5}
+
+
+def share(client) -> int:
+    """Tokens a new session appending PARENT + TASK shares (the session is deleted after)."""
+    session = client.open_session(title="a sub-agent")
+    usage = session.append(tokens=PARENT + TASK)["usage"]
+    session.delete()
+    assert usage["prefilled_tokens"] == len(PARENT) + len(TASK) - usage["shared_tokens"]
+    return usage["shared_tokens"]
+
+
+def test_the_index_finds_the_stored_session_sharing_the_most_whole_blocks_of_the_same_owner():
+    index = PrefixIndex()
+    index.put("short", "alice", PARENT[:100])
+    index.put("long", "alice", PARENT + OWN)
+    index.put("bob's", "bob", PARENT + TASK)
+    assert index.find("alice", PARENT + TASK, exclude="") == ("long", 288)  # 9 whole blocks of 32
+    assert index.find("alice", PARENT[:70] + TASK, exclude="") == ("long", 64)
+    assert index.find("alice", PARENT + TASK, exclude="long") == ("short", 96)
+    assert index.find(None, PARENT + TASK, exclude="") == (None, 0)  # the operator's: nobody's here
+    assert index.find("alice", PARENT[:BLOCK_TOKENS - 1], exclude="") == (None, 0)  # no whole block
+    index.put("long", "alice", PARENT[:40])  # rewound
+    assert index.find("alice", PARENT + TASK, exclude="") == ("short", 96)
+    index.remove("short")
+    assert index.find("alice", PARENT + TASK, exclude="") == ("long", 32)
+    index.remove("long")
+    index.remove("bob's")
+    assert len(index) == 0 and index.find("bob", PARENT + TASK, exclude="") == (None, 0)
 
 
 def test_a_stored_session_donates_its_prefix_across_a_restart(tmp_path):
@@ -58,18 +88,19 @@ def test_a_stored_session_donates_its_prefix_across_a_restart(tmp_path):
             assert info["resident"] is False
             assert (info["tokens"], info["turns"], info["updated"]) == (stored["tokens"], stored["turns"], stored["updated"])
 
+            # rewound and stored again, it donates what it holds now
+            child.delete()
+            donor.rewind(tokens=100)
+            donor.close()
+            assert share(client) == 100
+
             # deleted, it donates nothing; imported again, it does
             blob = io.BytesIO()
             donor.export(blob)
             donor.delete()
-            child.delete()
-            other = client.open_session(title="after the delete")
-            usage = other.append(tokens=PARENT + TASK)["usage"]
-            assert (usage["shared_tokens"], usage["prefilled_tokens"]) == (0, len(PARENT) + len(TASK))
-            other.delete()
+            assert share(client) == 0
             imported = client.import_session(blob.getvalue())
-            usage = client.open_session(title="after the import").append(tokens=PARENT + TASK)["usage"]
-            assert (usage["shared_tokens"], usage["prefilled_tokens"]) == (len(PARENT), len(TASK))
+            assert share(client) == 100
             assert imported.info()["resident"] is False
     finally:
         assert second.stop() == 0
@@ -97,3 +128,8 @@ def test_only_a_stored_session_of_the_same_owner_donates(tmp_path):
         assert cached(body) == body["usage"]["prompt_tokens"] - 1  # all but the token whose logits start the reply
     finally:
         assert second.stop() == 0
+    third = start(tmp_path, extra=("--kv-dtype", "q8_0"))  # Alice's sessions hold bf16 KV: no donors of q8_0 KV
+    try:
+        assert cached(ask(third, ALICE, "child-q8_0")) == 0
+    finally:
+        assert third.stop() == 0
