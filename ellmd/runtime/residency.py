@@ -53,9 +53,7 @@ class Residency:
         self.slots: list[Session | None] = [None] * engine.kv.slots
         self.unsaved: dict[str, StoreError] = {}  # session id -> the error of its last snapshot, until one succeeds
         self.donors = PrefixIndex()  # the stored sessions a new session may take its first tokens' KV from
-        for meta in store.list_meta():
-            if fingerprint_mismatch(self.fingerprint, meta) is None:
-                self.reindex(meta["session_id"])
+        self.index_store()
 
     # ---- finding sessions ----------------------------------------------------------------
 
@@ -237,6 +235,13 @@ class Residency:
             shared = 0  # the store holds another version of it: prefill instead
         self.engine.rewind(slot, shared)
         return shared
+
+    def index_store(self) -> None:
+        """Index every stored session made under this daemon's fingerprint as a donor (at start:
+        their token ids are read, not their KV)."""
+        for meta in self.store.list_meta():
+            if fingerprint_mismatch(self.fingerprint, meta) is None:
+                self.reindex(meta["session_id"])
 
     def reindex(self, session_id: str) -> None:
         """Index a session as the store holds it as a donor (donors.py): not at all if the store
