@@ -30,8 +30,8 @@ MAX_CONNECTIONS = 6  # per key
 QUESTION = {"messages": [{"role": "user", "content": "Hello."}], "max_tokens": 2, "temperature": 0}
 
 
-def start(tmp, keys: bool = True) -> Daemon:
-    extra = ["--http-max-connections", str(MAX_CONNECTIONS)]
+def start(tmp, keys: bool = True, extra=()) -> Daemon:
+    extra = ["--http-max-connections", str(MAX_CONNECTIONS), *extra]
     if keys:
         (tmp / "keys").write_text(KEY_FILE)
         extra += ["--api-key-file", str(tmp / "keys")]

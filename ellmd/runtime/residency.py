@@ -27,6 +27,7 @@ import shutil
 import time
 
 from ellmd.errors import EllmError, InvariantError
+from ellmd.runtime.donors import PrefixIndex
 from ellmd.runtime.errors import ProtocolError, SlotsBusy, not_found
 from ellmd.runtime.store.leases import Leases
 from ellmd.runtime.schemas import UNSTORABLE, unstorable
@@ -52,6 +53,8 @@ class Residency:
         self.slots: list[Session | None] = [None] * engine.kv.slots
         self.unsaved: dict[str, StoreError] = {}  # session id -> the error of its last snapshot, until one succeeds
         self.listing = StoredListing()  # the stored sessions as `list` shows them
+        self.donors = PrefixIndex()  # the stored sessions a new session may take its first tokens' KV from
+        self.index_store()
 
     # ---- finding sessions ----------------------------------------------------------------
 
@@ -180,12 +183,27 @@ class Residency:
         (at most `limit`) that another session of the same owner holds, copied instead of
         prefilled; returns its length (0: nothing shared).
 
-        Donors: the resident sessions (a copy between slots), else the sessions this daemon
-        evicted, whose KV is on disk (read back from the store up to the prefix: a session
-        evicted to make room for this one is among them). The KV of a prefix depends only on its
-        tokens, so the copy is what a prefill would have computed.
+        Donors: the sessions in memory (a resident one's KV copied between slots, an evicted
+        one's read back from the store), and every stored session of this daemon's fingerprint,
+        found through the index of their leading blocks (donors.py) and read from the store up to
+        the prefix, left there as it is (not resumed, not leased). The KV of a prefix depends only
+        on its tokens, so the copy is what a prefill would have computed.
         """
-        slot = session.slot
+        best, shared = self.memory_donor(session, tokens, limit)
+        stored, indexed = self.donors.find(session.owner, tokens[:limit], exclude=session.session_id)
+        if indexed > shared:  # a stored session holds more whole blocks of it
+            copied = self.read_prefix(stored, session, tokens, limit)
+            if copied >= shared:
+                return copied
+        if not shared:
+            return 0
+        if best.slot is None:
+            return self.read_prefix(best.session_id, session, tokens, shared)
+        self.engine.copy_slot(best.slot, session.slot, shared)
+        return shared
+
+    def memory_donor(self, session: Session, tokens: list[int], limit: int) -> tuple[Session | None, int]:
+        """The session in memory holding the longest prefix of `tokens` (at most `limit`), and its length."""
         best, shared = None, 0
         for other in {id(s): s for s in [*self.resident_sessions(), *self.sessions.values()]}.values():
             if other is session or not other.tokens or other.owner != session.owner or other.tokens[0] != tokens[0]:
@@ -195,24 +213,47 @@ class Residency:
             # at equal length, a resident donor (a copy between slots) beats a read from the store
             if length > shared or (length == shared and shared and best.slot is None and other.slot is not None):
                 best, shared = other, length
-        if not shared:
-            return 0
-        if best.slot is not None:
-            self.engine.copy_slot(best.slot, slot, shared)
-            return shared
-        self.wait_for_writes(best.session_id)
+        return best, shared
+
+    def read_prefix(self, donor_id: str, session: Session, tokens: list[int], limit: int) -> int:
+        """Read into the session's empty slot the KV of the longest prefix of `tokens` (at most
+        `limit`) that the store holds of session `donor_id` (same owner, same fingerprint): only the
+        chunks covering it. Returns its length; 0 if it holds none, or is damaged (logged)."""
+        slot, per_token = session.slot, self.engine.kv.bytes_per_token
+        self.wait_for_writes(donor_id)
+        shared = 0
         try:
-            _, stored = self.store.load(best.session_id, lambda start, data: self.engine.import_kv(slot, start, data),
-                                        bytes_per_token=self.engine.kv.bytes_per_token, stop=shared)
+            meta, held = self.store.load(donor_id, lambda start, data: None, stop=0)
+            if meta.get("owner") == session.owner and fingerprint_mismatch(self.fingerprint, meta) is None:
+                shared = min(common_prefix(held, tokens), limit)
+            if shared:
+                _, held = self.store.load(donor_id, lambda start, data: self.engine.import_kv(slot, start, data),
+                                          bytes_per_token=per_token, stop=shared)
         except StoreError as e:  # the donor's snapshot is damaged: prefill instead, the error logged
             log.error("prefix sharing: %s", e)
-            self.engine.rewind(slot, 0)
-            return 0
-        if int(self.engine.kv.lengths[slot]) < shared or common_prefix(stored, tokens) < shared:
-            self.engine.rewind(slot, 0)  # the store holds another version of it: prefill instead
-            return 0
+            held, shared = [], 0
+        if int(self.engine.kv.lengths[slot]) < shared or common_prefix(held, tokens) < shared:
+            shared = 0  # the store holds another version of it: prefill instead
         self.engine.rewind(slot, shared)
         return shared
+
+    def index_store(self) -> None:
+        """Index every stored session made under this daemon's fingerprint as a donor (at start:
+        their token ids are read, not their KV)."""
+        for meta in self.store.list_meta():
+            if fingerprint_mismatch(self.fingerprint, meta) is None:
+                self.reindex(meta["session_id"])
+
+    def reindex(self, session_id: str) -> None:
+        """Index a session as the store holds it as a donor (donors.py): not at all if the store
+        holds none, or one made under another fingerprint."""
+        self.donors.remove(session_id)
+        try:
+            meta, tokens = self.store.load(session_id, lambda start, data: None, stop=0)
+        except StoreError:  # gone, or damaged (resuming it says so): no donor
+            return
+        if fingerprint_mismatch(self.fingerprint, meta) is None:
+            self.donors.put(session_id, meta.get("owner"), tokens)
 
     def bind(self, session: Session, slot: int) -> None:
         session.slot = slot
@@ -302,6 +343,7 @@ class Residency:
                            stored_tokens=stored)
         session.stored_tokens = len(tokens)
         session.dirty = upto is not None  # the busy turn is still to be written
+        self.donors.put(session_id, meta.get("owner"), tokens)  # as the store holds it once written (settle, if not)
         return self.writer.submit(write)
 
     def settle(self, write: StoreWrite) -> None:
@@ -313,6 +355,9 @@ class Residency:
         write.settled = True
         if write.kind == "delete" or (write.kind == "snapshot" and write.error is None):
             self.unsaved.pop(write.session_id, None)
+        indexed = write.kind == "copy" or (write.error is not None and write.kind in ("snapshot", "delete"))
+        if indexed and not self.pending_writes(write.session_id):
+            self.reindex(write.session_id)  # a fork's copy as stored; a failed write left the store as it was
         if write.error is None:
             if write.kind == "snapshot":
                 self.policy.observe_swap("write", write.result["bytes_written"] // self.engine.kv.bytes_per_token,
@@ -351,6 +396,7 @@ class Residency:
         """Queue a session's removal from the store and forget it (its lease goes after the removal)."""
         session_id = session.session_id
         write = self.writer.submit(StoreWrite("delete", session_id, lambda store: store.delete(session_id)))
+        self.donors.remove(session_id)
         self.forget(session)
         return write
 
@@ -385,8 +431,10 @@ class Residency:
 
     def import_blob(self, data: bytes, owner: str | None) -> dict:
         kv = self.engine.kv
-        return self.store.import_blob(data, check=self.check_fingerprint, vocab_size=self.engine.spec.vocab_size,
+        meta = self.store.import_blob(data, check=self.check_fingerprint, vocab_size=self.engine.spec.vocab_size,
                                       bytes_per_token=kv.bytes_per_token, owner=owner)
+        self.reindex(meta["session_id"])
+        return meta
 
     def list(self, owner: str | None) -> list[dict]:
         """Every session visible to `owner`: stored ones (as `listing` keeps them: parsed once per
@@ -469,14 +517,19 @@ def visible(stored_owner: str | None, owner: str | None) -> bool:
 
 def check_fingerprint(ours: dict, meta: dict) -> None:
     """Refuse a stored session whose KV was made under another model, tokenizer, template or layout."""
+    part = fingerprint_mismatch(ours, meta)
+    if part is not None:
+        raise ProtocolError(
+            "fingerprint",
+            f"session {meta['session_id']} was made under another {part} "
+            f"({meta.get('fingerprint', {}).get(part)} != {ours[part]}); it cannot be resumed by this daemon",
+        )
+
+
+def fingerprint_mismatch(ours: dict, meta: dict) -> str | None:
+    """The first part of a stored session's fingerprint that is not ours (None: its KV is ours to use)."""
     theirs = meta.get("fingerprint", {})
-    for part in ("model", "tokenizer", "template", "kv"):
-        if theirs.get(part) != ours[part]:
-            raise ProtocolError(
-                "fingerprint",
-                f"session {meta['session_id']} was made under another {part} "
-                f"({theirs.get(part)} != {ours[part]}); it cannot be resumed by this daemon",
-            )
+    return next((part for part in ("model", "tokenizer", "template", "kv") if theirs.get(part) != ours[part]), None)
 
 
 def model_fingerprint(engine) -> dict:
