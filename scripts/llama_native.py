@@ -100,14 +100,14 @@ def quantize(root: Path, src: Path, dst: Path, qtype: str, allow_requantize: boo
 
 
 def bench(root: Path, gguf: Path, *, threads: int, prompts: list[int], decode: int, depth: int, repetitions: int,
-          flash_attn: bool, repack: bool = True, appends=()) -> list[dict]:
+          flash_attn: bool, repack: bool = True, appends=(), cache_type: str = "f16") -> list[dict]:
     """llama-bench on gguf: pp N into an empty cache for each N, pp N after C tokens for each (N, C) of
-    appends, tg `decode` after `depth` tokens.
+    appends, tg `decode` after `depth` tokens; the KV cache in cache_type (-ctk and -ctv: f16, q8_0, ...).
 
     Returns llama-bench's JSON records (avg_ts, samples_ts, n_prompt, n_gen, n_depth, ...), one per test.
     """
     common = ["-m", str(gguf), "-t", str(threads), "-r", str(repetitions), "-fa", "on" if flash_attn else "off",
-              "--repack", str(int(repack)), "-o", "json"]
+              "--repack", str(int(repack)), "-ctk", cache_type, "-ctv", cache_type, "-o", "json"]
     runs = []
     if prompts:
         runs.append(["-p", ",".join(map(str, prompts)), "-n", "0", "-d", "0"])

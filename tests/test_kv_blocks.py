@@ -1,6 +1,7 @@
 """The KV cache held in blocks (q8_0, q4_0, rotated or not): kernels against their numpy references,
 and the rotation's point (outliers spread over the blocks)."""
 
+import numba
 import numpy as np
 import pytest
 
@@ -75,6 +76,25 @@ def test_store_blocks(rng, fmt, hd):
     back = kv_blocks.dequantize_ref(got[0][slot_ids, :, positions], fmt)
     step = 0.25 if fmt in (Q4_0, Q4_0_PLAIN) else 0.02
     assert np.abs(back - k_new).max() < step * np.abs(k_new).max()
+
+
+@numba.njit
+def _tile(head, k0, nk, dst):
+    kv_blocks.dequantize_rows(head, k0, nk, dst)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("hd", [32, 64, 96, 128])
+def test_tile_conversion_is_scale_times_code(rng, fmt, hd):
+    """Attention's tile of keys in float32 is each block's scale times its codes, bit for bit (the
+    values as stored: rotated ones stay rotated), whatever the tile's place in the head."""
+    head = stored(rng, fmt, 300, hd)
+    plain = {Q8_0_ROTATED: Q8_0, Q4_0: Q4_0_PLAIN}.get(fmt, fmt)  # the same bytes, read without the rotation
+    want = kv_blocks.dequantize_ref(head.view(kv_blocks.storage(plain, hd)[0]), plain)
+    dst = np.full((64, hd + 16), np.nan, np.float32)  # wider than a row, as attention's padded tiles
+    for k0, nk in ((0, 64), (64, 64), (250, 50), (299, 1)):
+        _tile(head, k0, nk, dst)
+        np.testing.assert_array_equal(dst[:nk, :hd], want[k0 : k0 + nk])
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
