@@ -162,7 +162,7 @@ def test_a_row_wider_than_a_depth_chunk_is_the_same_in_prefill_and_decode(rng, u
         matmul.matmul(x[i : i + 1], w, F32, alone, None)
         assert np.array_equal(rows[i], alone[0]), f"row {i}"
     xq = np.zeros(x.shape, np.int8 if "vnni" in cpu.ENABLED else np.int16)
-    xd, xs = np.zeros((70, k // 32), np.float32), np.zeros((70, k // 16), np.int32)
+    xd, xs = np.zeros((70, k // 32), np.float32), np.zeros((70, k // 16), np.float32)
     quant.quantize_activations(x, xq, xd, xs)  # the kernel's codes (a tie may round apart in numpy's)
     want = np.zeros_like(rows)
     quant_int.rows_vnni_ref(xq, xd, xs, w, want, 0, 37)
@@ -197,7 +197,7 @@ def test_quantize_activations_matches_reference(rng, dtype):
     assert group == (256 if dtype == np.int16 else 32)
     x = rng.standard_normal((3, K)).astype(np.float32)
     x[1, :group] = 0.0  # an all-zero group: scale 0, codes 0
-    xq, xd, xs = np.zeros((3, K), dtype), np.zeros((3, K // 32), np.float32), np.zeros((3, K // 16), np.int32)
+    xq, xd, xs = np.zeros((3, K), dtype), np.zeros((3, K // 32), np.float32), np.zeros((3, K // 16), np.float32)
     quant.quantize_activations(x, xq, xd, xs)
     ref_q, ref_d, ref_s = quant.quantize_activations_ref(x, dtype)
     assert np.array_equal(xq, ref_q) and np.array_equal(xs, ref_s)

@@ -247,7 +247,7 @@ def _linear_int(x, w, out, xq, workers):
     n, k = x.shape
     m = w.shape[0]
     xd = np.empty((n, k // 32), np.float32)
-    xs = np.empty((n, k // 16), np.int32)
+    xs = np.empty((n, k // 16), np.float32)
     if n * m * k < 8 * PARALLEL_MIN:
         quant.quantize_activations(x, xq, xd, xs)
         quant_int.rows_vnni(xq, xd, xs, w, out, 0, m)

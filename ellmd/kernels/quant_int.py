@@ -258,7 +258,7 @@ def _k_row_scales(q, scales, mins, dxv, xsv):
         return b.fmul(scales, b.shuffle_vector(dxv, dxv, every)), None
     scales = b.fmul(scales, dxv)
     pairs = [b.shuffle_vector(xsv, xsv, ir.Constant(q.vec(q.i32, 8), list(range(h, 16, 2)))) for h in (0, 1)]
-    sums = b.sitofp(b.add(*pairs), q.vec(q.f32, 8))  # code sums per 32
+    sums = b.fadd(*pairs)  # code sums per 32 (exact)
     return b.shuffle_vector(scales, scales, every), b.fmul(b.fmul(mins, dxv), sums)
 
 
@@ -315,7 +315,7 @@ def _bias(q, xs_at, offset, a, m, wide):
         terms.append(b.fmul(a, ir.Constant(q.f32, -float(offset))))
     if not terms:
         return None
-    total = b.sitofp(b.add(b.load(xs_at(0)), b.load(xs_at(1))), q.f32)  # exact: |sum| < 2^21
+    total = b.fadd(b.load(xs_at(0)), b.load(xs_at(1)))  # exact: |sum| < 2^21
     return b.fmul(terms[0] if len(terms) == 1 else b.fadd(*terms), total)
 
 
@@ -454,8 +454,7 @@ def _rows_vnni_codegen(name, wide):
             mins16 = builder.shuffle_vector(lanes8, lanes8, every)  # xs holds two sums per block
             for row in rows:
                 at = builder.add(builder.mul(row.i, builder.udiv(k, c(16))), builder.mul(blk, c(2)))
-                xs = builder.load(builder.bitcast(builder.gep(xs_a.data, [at]), q.vec(q.i32, 16).as_pointer()), align=4)
-                xs = builder.sitofp(xs, q.vec(q.f32, 16))
+                xs = builder.load(builder.bitcast(builder.gep(xs_a.data, [at]), q.vec(q.f32, 16).as_pointer()), align=4)
                 if group_lanes == 16:
                     row.fma(row.group_accs[0], mins16, xs)
                 else:  # AVX2: the row's sums in 8 lanes
@@ -466,7 +465,7 @@ def _rows_vnni_codegen(name, wide):
             at = builder.add(builder.mul(row.i, builder.udiv(k, c(32))), builder.mul(blk, c(8)))
             dxv = builder.load(builder.bitcast(builder.gep(xd_a.data, [at]), q.vec(q.f32, 8).as_pointer()), align=4)
             xsv = builder.load(builder.bitcast(builder.gep(xs_a.data, [builder.mul(at, c(2))]),
-                                               q.vec(q.i32, 16).as_pointer()), align=4)
+                                               q.vec(q.f32, 16).as_pointer()), align=4)
             return dxv, xsv
 
         def super_block(rows, blk):
@@ -484,7 +483,7 @@ def _rows_vnni_codegen(name, wide):
                     row.fma(row.accs[g % 2], builder.sitofp(dot, f32v), builder.shuffle_vector(scales, scales, index))
             for row, (scales, bias), (_, xsv) in zip(rows, scaled, inputs):
                 if name == "Q6_K":  # the codes' offset 32, on int8 activations
-                    bias = builder.fmul(builder.fmul(scales, builder.sitofp(xsv, q.vec(q.f32, 16))),
+                    bias = builder.fmul(builder.fmul(scales, xsv),
                                         q.splat(ir.Constant(q.f32, -32.0), 16))
                 if bias is not None:
                     row.add(row.kbias, bias)
@@ -526,7 +525,6 @@ def _rows_vnni_codegen(name, wide):
                 total = row_sums[0] if chains == 1 else builder.add(*row_sums)
                 scaled = builder.fmul(builder.sitofp(total, q.vec(q.f32, width)), d)
                 if name != "Q6_K":  # the mins times the code sums per 16 of the activations
-                    xsv = builder.sitofp(xsv, f32v)
                     scaled = _fma(builder, mins, xsv, scaled) if width == 16 else builder.fadd(
                         scaled, tile.fold(builder, builder.fmul(mins, xsv)))
                 row.fma(row.accs[0], scaled, q.splat(builder.extract_element(dxv, ir.Constant(q.i32, 0)), width))
@@ -583,7 +581,7 @@ INT_DEPTH = 2048
 def rows_vnni(xq, xd, xs, w, out, j0, j1):
     """out[:, j0:j1] = x @ w[j0:j1].T for w in a VNNI_BLOCKS type, x given quantized
     (quantize_activations): xq [n, k] int8 (vpdpbusd) or int16 (vpdpwssd), xd [n, k/32] float32,
-    xs [n, k/16] int32, all C-contiguous; out: [n, m] float32, any layout. int8 needs
+    xs [n, k/16] float32, all C-contiguous; out: [n, m] float32, any layout. int8 needs
     AVX512-VNNI (the "vnni" path of cpu.py), int16 AVX512-VNNI or AVX2 (the "int16" path).
     Weight row by weight row (decode: each row streamed once)."""
     raise NotImplementedError("numba only")
