@@ -125,7 +125,7 @@ def main() -> None:
     path = ("vnni (int8)" if xq_dtype == np.int8 else "int16") if integer else "portable (float32)"
     rng = np.random.default_rng(0)
     x = rng.standard_normal((1, K)).astype(np.float32)
-    xq, xd, xs = np.zeros((1, K), xq_dtype), np.zeros((1, K // 32), np.float32), np.zeros((1, K // 16), np.int32)
+    xq, xd, xs = np.zeros((1, K), xq_dtype), np.zeros((1, K // 32), np.float32), np.zeros((1, K // 16), np.float32)
     table = Table(title=f"decode matmul, 1 x {K} input, {args.threads} thread(s), {path} kernels")
     for column in ("type", "from", "rows", "Gweights/s", "GB/s"):
         table.add_column(column, justify="left" if column in ("type", "from") else "right")

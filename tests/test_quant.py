@@ -143,6 +143,33 @@ def test_one_scale_blocks_on_int16_codes_at_either_activation_group(rng, use_ker
 
 
 @pytest.mark.parametrize("kernels", ["default", "vnni"])
+@pytest.mark.parametrize("name", ["Q8_0", "Q4_1", "Q4_K", "Q6_K"])
+def test_a_row_wider_than_a_depth_chunk_is_the_same_in_prefill_and_decode(rng, use_kernels, kernels, name):
+    # rows are summed by depth chunks (quant_int.INT_DEPTH values, then the chunks' totals added):
+    # the GEMM takes the chunks over its weight rows (depth first), decode row by row; a token's
+    # numbers must not depend on which, and both are the reference's
+    use_kernels(kernels)
+    if not matmul._integer_prefill(np.zeros((1, K), np.float32), blocks(rng, name, 1), F32):
+        pytest.skip("block prefill is not on the integer path on this CPU class (cpu.BLOCK_PREFILL)")
+    k = 2 * quant_int.INT_DEPTH + 256  # two whole chunks and a part
+    w = blocks(rng, name, 37, k)
+    x = rng.standard_normal((70, k)).astype(np.float32)
+    x[:, 7] *= 30.0
+    rows = np.full((70, 37), np.nan, np.float32)
+    matmul.matmul(x, w, F32, rows, np.zeros(matmul.prefill_scratch_size(37, k), np.float32))
+    for i in (0, 9, 69):
+        alone = np.zeros((1, 37), np.float32)
+        matmul.matmul(x[i : i + 1], w, F32, alone, None)
+        assert np.array_equal(rows[i], alone[0]), f"row {i}"
+    xq = np.zeros(x.shape, np.int8 if "vnni" in cpu.ENABLED else np.int16)
+    xd, xs = np.zeros((70, k // 32), np.float32), np.zeros((70, k // 16), np.float32)
+    quant.quantize_activations(x, xq, xd, xs)  # the kernel's codes (a tie may round apart in numpy's)
+    want = np.zeros_like(rows)
+    quant_int.rows_vnni_ref(xq, xd, xs, w, want, 0, 37)
+    assert_f32_close(rows, want)
+
+
+@pytest.mark.parametrize("kernels", ["default", "vnni"])
 @pytest.mark.parametrize("name", NAMES)
 def test_a_prefill_row_is_the_decode_row_to_the_bit(rng, use_kernels, kernels, name):
     # one arithmetic per token: prefills of several lengths, whole or in chunks of several sizes,
@@ -170,7 +197,7 @@ def test_quantize_activations_matches_reference(rng, dtype):
     assert group == (256 if dtype == np.int16 else 32)
     x = rng.standard_normal((3, K)).astype(np.float32)
     x[1, :group] = 0.0  # an all-zero group: scale 0, codes 0
-    xq, xd, xs = np.zeros((3, K), dtype), np.zeros((3, K // 32), np.float32), np.zeros((3, K // 16), np.int32)
+    xq, xd, xs = np.zeros((3, K), dtype), np.zeros((3, K // 32), np.float32), np.zeros((3, K // 16), np.float32)
     quant.quantize_activations(x, xq, xd, xs)
     ref_q, ref_d, ref_s = quant.quantize_activations_ref(x, dtype)
     assert np.array_equal(xq, ref_q) and np.array_equal(xs, ref_s)

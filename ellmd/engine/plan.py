@@ -74,7 +74,7 @@ class Workspace:
         self.xq8 = np.zeros(D * widest, np.int8)
         self.xq16 = np.zeros(D * widest, np.int16)
         self.xd = np.zeros(D * (widest // 32), f32)
-        self.xs = np.zeros(D * (widest // 16), np.int32)
+        self.xs = np.zeros(D * (widest // 16), f32)
         if spec.num_experts:
             E, k = spec.num_experts, spec.num_experts_per_tok
             self.router_logits = np.zeros((rows, E), f32)

@@ -11,7 +11,7 @@ W workers = kernel threads; L layers of the model):
   moe_out [n, h]; router logits [n, E]; expert weights, expert ids [n, k]
   k_cache, v_cache [L, slots, G, S, d] storage (compiled: kernel views, f16 as int16)
   acc             [W, quant_f32.acc_floats(n)] float32: each worker's dot_rows accumulator
-  xq, xd, xs      flat int8 or int16 [n*k], float32 [n*k/32], int32 [n*k/16]: activations
+  xq, xd, xs      flat int8 or int16 [n*k], float32 [n*k/32], float32 [n*k/16]: activations
                   quantized for the integer paths, one matmul input at a time
 
 `layer` is the sequence of blocks: rmsnorm -> qkv -> (Qwen3: q/k norm) -> rope -> store K, V ->

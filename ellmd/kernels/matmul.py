@@ -49,6 +49,11 @@ INPUT_BLOCK = 120  # input rows multiplied per packed panel pass (stay in L2; a 
 # over 64 inputs each weight row streamed them all from L2 (Xeon model 207, one-scale and
 # K-quant GEMMs at k = 2048: 1.2-1.5x; scripts/kernel_bench.py --prefill)
 INT_INPUT_BLOCK = quant_int.ROW_PASSES[0]
+# bytes of activation codes an integer prefill task keeps in L2 while it runs its weight rows over
+# them (a panel of input rows): over all 512 rows of a prompt (2 MB at k = 2,048, 6 MB at 6,144)
+# each block of weight rows streamed the codes from L3 (Xeon model 207: 256 KB-1 MB measured alike,
+# 1.1-1.15x at n = 512); the weight rows are streamed once per panel instead, a small cost
+INT_PANEL_BYTES = 1 << 19
 DEPTH_BLOCK = 128  # depth of one micro-kernel call: its panel slice (16 KiB) and rows of x stay in L1
 
 
@@ -234,14 +239,15 @@ def _linear(x, w, out):
 @numba.njit(cache=True, nogil=True, fastmath=True, parallel=True)
 def _linear_int(x, w, out, xq, workers):
     """out = x @ w.T on the integer path, decode and prefill: x quantized once (its rows split between
-    the workers), then each worker an equal run of ROW_BLOCK weight rows, each block over
-    INT_INPUT_BLOCK rows of x at a time, so that those inputs stay in L1 across the block's rows
-    while rows_vnni's pass unpacks each weight row once for them. A row is computed
-    alike whatever rows come with it (rows_vnni sums a row in one order whatever its pass)."""
+    the workers), then each worker an equal run of ROW_BLOCK weight rows, over one panel of input
+    rows (INT_PANEL_BYTES of codes, in L2) at a time, each block over INT_INPUT_BLOCK rows of the
+    panel at a time, so that those inputs stay in L1 across the block's rows while rows_vnni's
+    pass unpacks each weight row once for them. A row is computed alike whatever rows come with
+    it (rows_vnni sums a row in one order whatever its pass)."""
     n, k = x.shape
     m = w.shape[0]
     xd = np.empty((n, k // 32), np.float32)
-    xs = np.empty((n, k // 16), np.int32)
+    xs = np.empty((n, k // 16), np.float32)
     if n * m * k < 8 * PARALLEL_MIN:
         quant.quantize_activations(x, xq, xd, xs)
         quant_int.rows_vnni(xq, xd, xs, w, out, 0, m)
@@ -250,12 +256,15 @@ def _linear_int(x, w, out, xq, workers):
         r0, r1 = wk * n // workers, (wk + 1) * n // workers
         quant.quantize_activations(x[r0:r1], xq[r0:r1], xd[r0:r1], xs[r0:r1])
     blocks = (m + ROW_BLOCK - 1) // ROW_BLOCK
+    panel = max(1, INT_PANEL_BYTES // (k * xq.itemsize * INT_INPUT_BLOCK)) * INT_INPUT_BLOCK
     for wk in prange(workers):  # even shares of weight rows: each worker writes its own columns
-        for b in range(wk * blocks // workers, (wk + 1) * blocks // workers):
-            j0, j1 = b * ROW_BLOCK, min(m, b * ROW_BLOCK + ROW_BLOCK)
-            for i0 in range(0, n, INT_INPUT_BLOCK):
-                i1 = min(n, i0 + INT_INPUT_BLOCK)
-                quant_int.rows_vnni(xq[i0:i1], xd[i0:i1], xs[i0:i1], w, out[i0:i1], j0, j1)
+        for p0 in range(0, n, panel):
+            p1 = min(n, p0 + panel)
+            for b in range(wk * blocks // workers, (wk + 1) * blocks // workers):
+                j0, j1 = b * ROW_BLOCK, min(m, b * ROW_BLOCK + ROW_BLOCK)
+                for i0 in range(p0, p1, INT_INPUT_BLOCK):
+                    i1 = min(p1, i0 + INT_INPUT_BLOCK)
+                    quant_int.rows_vnni_depth_first(xq[i0:i1], xd[i0:i1], xs[i0:i1], w, out[i0:i1], j0, j1)
 
 
 @numba.njit(cache=True, nogil=True)

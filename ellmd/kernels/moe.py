@@ -112,7 +112,7 @@ class MoeScratch(NamedTuple):
     codes8: np.ndarray  # [rows*(h + I)] int8 codes ("vnni")
     codes16: np.ndarray  # [rows*(h + I)] int16 codes ("int16")
     scales: np.ndarray  # [rows*(h + I) / 32] float32: one per 32 values
-    sums: np.ndarray  # [rows*(h + I) / 16] int32: code sums per 16 values
+    sums: np.ndarray  # [rows*(h + I) / 16] float32: code sums per 16 values
 
 
 def moe_scratch(max_tokens, top_k, num_experts, hidden, inter):
@@ -137,7 +137,7 @@ def moe_scratch(max_tokens, top_k, num_experts, hidden, inter):
         codes8=np.zeros(codes, np.int8),
         codes16=np.zeros(codes, np.int16),
         scales=np.zeros(codes // 32 + 1, np.float32),
-        sums=np.zeros(codes // 16 + 1, np.int32),
+        sums=np.zeros(codes // 16 + 1, np.float32),
     )
 
 

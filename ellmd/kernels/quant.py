@@ -364,8 +364,9 @@ def activation_group(k, itemsize):
 @numba.njit(cache=True, nogil=True, fastmath=True)
 def quantize_activations(x, xq, xd, xs):
     """x [n, k] float32 -> xq [n, k] int8 or int16 codes, xd [n, k/32] float32 scales (one per 32
-    values, x ~ xq * xd; equal over each activation_group), xs [n, k/16] int32 sums of the codes
-    per 16 values."""
+    values, x ~ xq * xd; equal over each activation_group), xs [n, k/16] float32 sums of the codes
+    per 16 values (exact: |sum| < 2^20; converted here once, not by every weight row that takes
+    them)."""
     n, k = x.shape
     top = np.float32(127.0) if xq.itemsize == 1 else np.float32(32767.0)
     group = 256 if xq.itemsize == 2 and k % 256 == 0 else 32
@@ -396,4 +397,4 @@ def quantize_activations_ref(x, dtype=np.int8):
         inv = np.where(d > 0, np.float32(1.0) / d, np.float32(0.0)).astype(np.float32)
     q = np.rint(groups * inv[..., None]).astype(np.int32).reshape(n, k)
     d = np.repeat(d, group // 32, axis=1)
-    return q.astype(dtype), d.astype(np.float32), q.reshape(n, k // 16, 16).sum(axis=2).astype(np.int32)
+    return q.astype(dtype), d.astype(np.float32), q.reshape(n, k // 16, 16).sum(axis=2).astype(np.float32)

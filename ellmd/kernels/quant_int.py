@@ -7,8 +7,9 @@ vpdpwssd (AVX2: vpmaddwd + vpaddd) on the "int16" path (the default; one scale p
 unchanged), or, one scale per 32 values, to int8 with vpdpbusd on the "vnni" path (as
 llama.cpp's q8 x q8; ~1% of a product, which moves SmolLM2's logits by a few percent and changes
 some greedy answers, so it is asked for). rows_vnni serves decode and prefill alike
-(matmul._linear_int tiles prefill's rows over it), and sums an input row in one order whatever
-rows share its pass: a token's numbers do not depend on the chunk or the batch it comes in.
+(matmul._linear_int tiles prefill's rows over rows_vnni_depth_first, the same sums taken depth
+chunk by depth chunk), and sums an input row in one order whatever rows share its pass: a token's
+numbers do not depend on the chunk or the batch it comes in.
 The kernels are LLVM IR written at compile time (intrinsics): the instructions, the register
 blocking and the order of the sums are spelled out, not left to the vectorizer.
 """
@@ -257,7 +258,7 @@ def _k_row_scales(q, scales, mins, dxv, xsv):
         return b.fmul(scales, b.shuffle_vector(dxv, dxv, every)), None
     scales = b.fmul(scales, dxv)
     pairs = [b.shuffle_vector(xsv, xsv, ir.Constant(q.vec(q.i32, 8), list(range(h, 16, 2)))) for h in (0, 1)]
-    sums = b.sitofp(b.add(*pairs), q.vec(q.f32, 8))  # code sums per 32
+    sums = b.fadd(*pairs)  # code sums per 32 (exact)
     return b.shuffle_vector(scales, scales, every), b.fmul(b.fmul(mins, dxv), sums)
 
 
@@ -267,15 +268,16 @@ _INT_BLOCKS = {name: (BLOCK_DTYPES[name].itemsize, BLOCK_SIZES[name] // 32) for 
 
 def _make_rows_vnni(name):
     @intrinsic
-    def rows_vnni(typingctx, wb, xq, xd, xs, out, j):
-        """out[:, j] = block row wb (bytes) times every quantized activation row."""
+    def rows_vnni(typingctx, wb, xq, xd, xs, out, j, b0, b1, add):
+        """out[:, j] = (or, with add, +=) blocks [b0, b1) of block row wb (bytes) times every
+        quantized activation row."""
         if not (isinstance(wb, types.Array) and wb.dtype == types.uint8 and wb.ndim == 1):
             return None
         if not (isinstance(xq, types.Array) and xq.dtype in (types.int8, types.int16)):
             return None
         wide = xq.dtype == types.int16
         codegen = cpu.compiled_for("int16" if wide else "vnni", _rows_vnni_codegen(name, wide))
-        return types.void(wb, xq, xd, xs, out, types.intp), codegen
+        return types.void(wb, xq, xd, xs, out, types.intp, types.intp, types.intp, types.boolean), codegen
 
     return rows_vnni
 
@@ -313,7 +315,7 @@ def _bias(q, xs_at, offset, a, m, wide):
         terms.append(b.fmul(a, ir.Constant(q.f32, -float(offset))))
     if not terms:
         return None
-    total = b.sitofp(b.add(b.load(xs_at(0)), b.load(xs_at(1))), q.f32)  # exact: |sum| < 2^21
+    total = b.fadd(b.load(xs_at(0)), b.load(xs_at(1)))  # exact: |sum| < 2^21
     return b.fmul(terms[0] if len(terms) == 1 else b.fadd(*terms), total)
 
 
@@ -381,7 +383,7 @@ def _rows_vnni_codegen(name, wide):
         f32v = q.vec(q.f32, lanes)
         intp = context.get_value_type(types.intp)
         n, k = cgutils.unpack_tuple(builder, xq_a.shape)
-        nb = builder.udiv(cgutils.unpack_tuple(builder, w_a.shape)[0], ir.Constant(intp, size))
+        first, nb = args[6], builder.sub(args[7], args[6])  # the blocks summed: [first, first + nb)
 
         def c(v):
             return ir.Constant(intp, v)
@@ -425,23 +427,23 @@ def _rows_vnni_codegen(name, wide):
             """Blocks in pairs, one on each chain, whatever the pass (a row sums in one order)."""
             with cgutils.for_range(builder, builder.udiv(nb, c(2))) as pairs:
                 for h in (0, 1):
-                    group(rows, builder.add(builder.mul(pairs.index, c(2)), c(h)), h)
+                    group(rows, builder.add(first, builder.add(builder.mul(pairs.index, c(2)), c(h))), h)
             with builder.if_then(builder.icmp_unsigned("!=", builder.urem(nb, c(2)), c(0))):
-                group(rows, builder.sub(nb, c(1)), 0)
+                group(rows, builder.add(first, builder.sub(nb, c(1))), 0)
 
         def groups_of_256(rows):
             """As block_pairs, for int16 codes with one activation scale per 256 values: the scale
             multiplies a group's sums once, not each block's (the float steps per block, not the
             products, bounded the one-scale types)."""
             with cgutils.for_range(builder, builder.udiv(nb, c(8))) as groups_256:
-                first = builder.mul(groups_256.index, c(8))
-                mins = [group(rows, builder.add(first, c(h)), h % 2, shared_scale=True) for h in range(8)]
+                blk = builder.add(first, builder.mul(groups_256.index, c(8)))
+                mins = [group(rows, builder.add(blk, c(h)), h % 2, shared_scale=True) for h in range(8)]
                 if mins[0] is not None:
-                    group_mins(rows, first, mins)
+                    group_mins(rows, blk, mins)
                 for row in rows:
-                    row.close_group(dx_at(row, first))
+                    row.close_group(dx_at(row, blk))
 
-        def group_mins(rows, first, mins):
+        def group_mins(rows, blk, mins):
             """The 8 blocks' mins times the activations' code sums per 16 values (xs), one vector
             product per input row and group of 256 (a scalar product per block cost as much as the
             blocks' products)."""
@@ -451,9 +453,8 @@ def _rows_vnni_codegen(name, wide):
             every = ir.Constant(q.vec(q.i32, 16), [l // 2 for l in range(16)])
             mins16 = builder.shuffle_vector(lanes8, lanes8, every)  # xs holds two sums per block
             for row in rows:
-                at = builder.add(builder.mul(row.i, builder.udiv(k, c(16))), builder.mul(first, c(2)))
-                xs = builder.load(builder.bitcast(builder.gep(xs_a.data, [at]), q.vec(q.i32, 16).as_pointer()), align=4)
-                xs = builder.sitofp(xs, q.vec(q.f32, 16))
+                at = builder.add(builder.mul(row.i, builder.udiv(k, c(16))), builder.mul(blk, c(2)))
+                xs = builder.load(builder.bitcast(builder.gep(xs_a.data, [at]), q.vec(q.f32, 16).as_pointer()), align=4)
                 if group_lanes == 16:
                     row.fma(row.group_accs[0], mins16, xs)
                 else:  # AVX2: the row's sums in 8 lanes
@@ -464,7 +465,7 @@ def _rows_vnni_codegen(name, wide):
             at = builder.add(builder.mul(row.i, builder.udiv(k, c(32))), builder.mul(blk, c(8)))
             dxv = builder.load(builder.bitcast(builder.gep(xd_a.data, [at]), q.vec(q.f32, 8).as_pointer()), align=4)
             xsv = builder.load(builder.bitcast(builder.gep(xs_a.data, [builder.mul(at, c(2))]),
-                                               q.vec(q.i32, 16).as_pointer()), align=4)
+                                               q.vec(q.f32, 16).as_pointer()), align=4)
             return dxv, xsv
 
         def super_block(rows, blk):
@@ -482,7 +483,7 @@ def _rows_vnni_codegen(name, wide):
                     row.fma(row.accs[g % 2], builder.sitofp(dot, f32v), builder.shuffle_vector(scales, scales, index))
             for row, (scales, bias), (_, xsv) in zip(rows, scaled, inputs):
                 if name == "Q6_K":  # the codes' offset 32, on int8 activations
-                    bias = builder.fmul(builder.fmul(scales, builder.sitofp(xsv, q.vec(q.f32, 16))),
+                    bias = builder.fmul(builder.fmul(scales, xsv),
                                         q.splat(ir.Constant(q.f32, -32.0), 16))
                 if bias is not None:
                     row.add(row.kbias, bias)
@@ -524,7 +525,6 @@ def _rows_vnni_codegen(name, wide):
                 total = row_sums[0] if chains == 1 else builder.add(*row_sums)
                 scaled = builder.fmul(builder.sitofp(total, q.vec(q.f32, width)), d)
                 if name != "Q6_K":  # the mins times the code sums per 16 of the activations
-                    xsv = builder.sitofp(xsv, f32v)
                     scaled = _fma(builder, mins, xsv, scaled) if width == 16 else builder.fadd(
                         scaled, tile.fold(builder, builder.fmul(mins, xsv)))
                 row.fma(row.accs[0], scaled, q.splat(builder.extract_element(dxv, ir.Constant(q.i32, 0)), width))
@@ -543,12 +543,14 @@ def _rows_vnni_codegen(name, wide):
                 block_pairs(rows)
             else:
                 with cgutils.for_range(builder, nb) as blocks:
-                    (super_block_words if wide else super_block)(rows, blocks.index)
+                    (super_block_words if wide else super_block)(rows, builder.add(first, blocks.index))
             st0, st1 = cgutils.unpack_tuple(builder, out_a.strides)  # out may be a column slice
             for row in rows:
                 ptr = builder.gep(builder.bitcast(out_a.data, q.i8.as_pointer()),
                                   [builder.add(builder.mul(row.i, st0), builder.mul(args[5], st1))])
-                builder.store(row.total(), builder.bitcast(ptr, q.f32.as_pointer()))
+                ptr = builder.bitcast(ptr, q.f32.as_pointer())
+                total = row.total()
+                builder.store(builder.select(args[8], builder.fadd(builder.load(ptr), total), total), ptr)
 
         done = cgutils.alloca_once_value(builder, c(0))  # input rows summed
         for together in ROW_PASSES:
@@ -569,24 +571,49 @@ _ROWS_VNNI = {name: _make_rows_vnni(name) for name in _INT_BLOCKS}
 FASTMATH_IN_ORDER = {"nnan", "ninf", "nsz", "contract", "afn", "arcp"}
 
 
+# values of a weight row summed at a time (a depth chunk): a row's total is the chunks' totals added
+# in order, so that the GEMM (rows_vnni_depth_first) can keep a pass's activations of one chunk in
+# L1 across its weight rows (8 x 2,048 int16: 32 KB). At k = 6,144 a pass's 98 KB came from L2 for
+# every weight row, and the down projection ran at 0.65x the rate of k = 2,048 (Xeon model 207).
+INT_DEPTH = 2048
+
+
 def rows_vnni(xq, xd, xs, w, out, j0, j1):
     """out[:, j0:j1] = x @ w[j0:j1].T for w in a VNNI_BLOCKS type, x given quantized
     (quantize_activations): xq [n, k] int8 (vpdpbusd) or int16 (vpdpwssd), xd [n, k/32] float32,
-    xs [n, k/16] int32, all C-contiguous; out: [n, m] float32, any layout. int8 needs
-    AVX512-VNNI (the "vnni" path of cpu.py), int16 AVX512-VNNI or AVX2 (the "int16" path)."""
+    xs [n, k/16] float32, all C-contiguous; out: [n, m] float32, any layout. int8 needs
+    AVX512-VNNI (the "vnni" path of cpu.py), int16 AVX512-VNNI or AVX2 (the "int16" path).
+    Weight row by weight row (decode: each row streamed once)."""
     raise NotImplementedError("numba only")
+
+
+def rows_vnni_depth_first(xq, xd, xs, w, out, j0, j1):
+    """rows_vnni, to the bit, depth chunk by depth chunk over the weight rows (prefill's tiles: the
+    chunk's activations stay in L1)."""
+    raise NotImplementedError("numba only")
+
+
+def _rows_vnni_impl(w, depth_first):
+    name = record_name(w.dtype)
+    if name not in _ROWS_VNNI:
+        return None
+    row_kernel, depth = _ROWS_VNNI[name], INT_DEPTH // BLOCK_SIZES[name]
+
+    def impl(xq, xd, xs, w, out, j0, j1):
+        wb, nb = as_bytes(w), w.shape[1]
+        chunks = (nb + depth - 1) // depth
+        for t in range((j1 - j0) * chunks):
+            j, c = (j0 + t % (j1 - j0), t // (j1 - j0)) if depth_first else (j0 + t // chunks, t % chunks)
+            row_kernel(wb[j], xq, xd, xs, out, j, c * depth, min(nb, c * depth + depth), c > 0)
+
+    return impl
 
 
 @overload(rows_vnni, jit_options={"fastmath": FASTMATH_IN_ORDER, "nogil": True})
 def _rows_vnni_overload(xq, xd, xs, w, out, j0, j1):
-    name = record_name(w.dtype)
-    if name not in _ROWS_VNNI:
-        return None
-    row_kernel = _ROWS_VNNI[name]
+    return _rows_vnni_impl(w, False)
 
-    def impl(xq, xd, xs, w, out, j0, j1):
-        wb = as_bytes(w)
-        for j in range(j0, j1):
-            row_kernel(wb[j], xq, xd, xs, out, j)
 
-    return impl
+@overload(rows_vnni_depth_first, jit_options={"fastmath": FASTMATH_IN_ORDER, "nogil": True})
+def _rows_vnni_depth_first_overload(xq, xd, xs, w, out, j0, j1):
+    return _rows_vnni_impl(w, True)
