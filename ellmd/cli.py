@@ -28,7 +28,8 @@ WeightDtype = typer.Option(
     "[default: the checkpoint's own; a GGUF keeps its blocks]",
 )
 KvDtype = typer.Option("bf16", help="KV cache format: bf16, f16, f32, q8_0 or q4_0 (Hadamard-rotated), "
-                        "q8_0-plain or q4_0-plain (not rotated)")
+                        "q8_0-plain or q4_0-plain (not rotated), or keys/values in two block formats "
+                        "(q8_0/q4_0: q8_0 keys, q4_0 values)")
 Threads = typer.Option(None, help="Kernel and BLAS threads [default: all cores]")
 ChunkSize = typer.Option(512, help="Tokens per forward pass in prefill (activation buffers are sized for it)")
 
@@ -302,7 +303,9 @@ def start(
                    "[default: 1.0]"),
     sequence_length: Optional[int] = typer.Option(None, help="KV capacity of each slot, in tokens [default: 8192]"),
     batch_size: Optional[int] = typer.Option(None, help="KV slots: sessions resident at once [default: 4]"),
-    kv_dtype: Optional[str] = typer.Option(None, help="KV cache format: bf16, f16, f32, q8_0, q4_0 (rotated), q8_0-plain, q4_0-plain [default: bf16]"),
+    kv_dtype: Optional[str] = typer.Option(None, help="KV cache format: bf16, f16, f32, q8_0, q4_0 (rotated), q8_0-plain, "
+                                                      "q4_0-plain, or keys/values in two block formats, e.g. q8_0/q4_0 "
+                                                      "[default: bf16]"),
     weight_dtype: Optional[str] = WeightDtype,
     threads: Optional[int] = Threads,
     socket: Optional[str] = SocketPath,

@@ -1,9 +1,10 @@
-"""Native llama.cpp for the benchmarks: llama-bench, llama-quantize and llama-server, built on demand.
+"""Native llama.cpp for the benchmarks: llama-bench, llama-quantize, llama-server and llama-perplexity,
+built on demand.
 
 The binaries are built (cmake, GGML_NATIVE: this CPU's instruction set) from the llama.cpp sources
 that the llama-cpp-python sdist vendors, so the version is pinned by LLAMA_CPP_PYTHON, into a cache
 folder: $LLAMA_NATIVE if set, else $XDG_CACHE_HOME/ellm/llama-native. Nothing is rebuilt once the
-binaries are there. A build takes 10-15 minutes on 2 cores and needs cmake, a C++ compiler and
+binaries are there (a binary added to BINARIES later is built alone and joins them). A build takes 10-15 minutes on 2 cores and needs cmake, a C++ compiler and
 network access to PyPI; benchmarks only, never tests.
 
     .venv/bin/python scripts/llama_native.py            # build if missing, print the bin folder
@@ -21,7 +22,7 @@ import tempfile
 from pathlib import Path
 
 LLAMA_CPP_PYTHON = "0.3.36"  # the sdist whose vendored llama.cpp is built
-BINARIES = ("llama-bench", "llama-quantize", "llama-server")
+BINARIES = ("llama-bench", "llama-quantize", "llama-server", "llama-perplexity")
 # ggml's AMX kernels (compiled in by -march=native on CPUs with AMX) crash this llama.cpp's prompt
 # processing of Q8_0 and Q4_K weights (SIGSEGV, SIGILL) on the machine these figures come from;
 # explicit -mno-* flags win over -march=native in GCC, so the AVX-512/VNNI kernels serve instead.
@@ -36,13 +37,18 @@ def native_root() -> Path:
     return cache / "ellm" / "llama-native"
 
 
+def _missing(root: Path) -> list[str]:
+    return [name for name in BINARIES if not (root / "bin" / name).is_file()]
+
+
 def is_built(root: Path) -> bool:
-    return all((root / "bin" / name).is_file() for name in BINARIES)
+    return not _missing(root)
 
 
 def build(root: Path, log=print) -> Path:
-    """Build the BINARIES into root/bin unless they are there; returns root/bin."""
-    if is_built(root):
+    """Build the BINARIES missing from root/bin; returns root/bin."""
+    missing = _missing(root)
+    if not missing:
         return root / "bin"
     for tool in ("cmake", "c++"):
         if shutil.which(tool) is None:
@@ -56,17 +62,20 @@ def build(root: Path, log=print) -> Path:
             archive.extractall(tmp, filter="data")
         src = next(Path(tmp).glob("llama_cpp_python-*/vendor/llama.cpp"))
         build_dir = src / "build"
-        log(f"building {', '.join(BINARIES)} (GGML_NATIVE; 10-15 minutes on 2 cores) into {root / 'bin'}")
+        log(f"building {', '.join(missing)} (GGML_NATIVE; 10-15 minutes on 2 cores) into {root / 'bin'}")
         subprocess.run(["cmake", "-S", str(src), "-B", str(build_dir), "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON",
                         f"-DCMAKE_C_FLAGS={NO_AMX}", f"-DCMAKE_CXX_FLAGS={NO_AMX}", "-DLLAMA_CURL=OFF",
                         "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF"],
                        check=True, stdout=subprocess.DEVNULL)
-        subprocess.run(["cmake", "--build", str(build_dir), f"-j{os.cpu_count() or 1}", "--target", *BINARIES],
+        subprocess.run(["cmake", "--build", str(build_dir), f"-j{os.cpu_count() or 1}", "--target", *missing],
                        check=True, stdout=subprocess.DEVNULL)
         root.mkdir(parents=True, exist_ok=True)
         partial = root / "bin.part"
         shutil.rmtree(partial, ignore_errors=True)
         shutil.copytree(build_dir / "bin", partial, symlinks=True)
+        for kept in (root / "bin").glob("*"):  # the binaries built before stay (the same pinned sources)
+            if not (partial / kept.name).exists() and not (partial / kept.name).is_symlink():
+                shutil.copy2(kept, partial / kept.name, follow_symlinks=False)
         shutil.rmtree(root / "bin", ignore_errors=True)
         partial.replace(root / "bin")
     return root / "bin"

@@ -155,3 +155,49 @@ def test_bytes_per_token(fmt, ratio):
 def test_head_dim_not_in_blocks_is_refused():
     with pytest.raises(ValueError, match="head_dim that is a multiple of 32"):
         KVCache(2, 1, 1, 8, 80, Q8_0)
+
+
+# keys and values in two formats: rotated q8_0 keys with rotated q4_0 values, and plain q4_0 keys
+# with rotated q8_0 values (the values' accumulator is rotated back by the values' format)
+PAIRS = [kv_blocks.KV_DTYPES["q8_0/q4_0"], kv_blocks.KV_DTYPES["q4_0-plain/q8_0"]]
+
+
+@pytest.mark.parametrize("pair", PAIRS)
+def test_keys_and_values_in_two_formats(rng, pair):
+    """Each array is written and read in its own format: store, decode and prefill against the
+    references on the keys' and the values' formats."""
+    key_fmt, value_fmt = kv_blocks.key_value_formats(pair)
+    kvh, group, hd, slots, seq = 2, 3, 64, 3, 300
+    kv = KVCache(1, slots, kvh, seq, hd, pair)
+    assert kv.k.dtype == kv_blocks.storage(key_fmt, hd)[0] and kv.v.dtype == kv_blocks.storage(value_fmt, hd)[0]
+    k_new, v_new = randn(rng, 4, kvh, hd), randn(rng, 4, kvh, hd)
+    slot_ids, positions = np.array([0, 1, 2, 2], np.int64), np.array([5, 0, 9, 3], np.int64)
+    attention.store_kv(k_new.copy(), v_new.copy(), kv.k[0], kv.v[0], pair, slot_ids, positions)
+    for held, new, fmt in ((kv.k[0], k_new, key_fmt), (kv.v[0], v_new, value_fmt)):
+        want = kv_blocks.quantize_ref(new, fmt)
+        assert np.mean(held[slot_ids, :, positions].view(np.uint8) != want.view(np.uint8)) < 0.01
+
+    k = kv_blocks.quantize_ref(randn(rng, slots, kvh, seq, hd), key_fmt)
+    v = kv_blocks.quantize_ref(randn(rng, slots, kvh, seq, hd), value_fmt)
+    (k32, f32), (v32, _) = kv_blocks.as_f32(k, key_fmt), kv_blocks.as_f32(v, value_fmt)
+    q = randn(rng, 2, kvh * group, hd)
+    lengths, slot_ids = np.array([7, 280], np.int64), np.array([2, 0], np.int64)
+    shapes = attention.decode_scratch_shapes(4, kvh * group, hd, 2, seq)
+    scratch = [np.full(shapes[name], np.nan, np.float32) for name in ("partial_m", "partial_l", "partial_acc", "tile")]
+    got, want = np.empty_like(q), np.empty_like(q)
+    attention.attention_decode(q, k, v, pair, slot_ids, lengths, hd**-0.5, got, *scratch)
+    attention.attention_decode_ref(q, k32, v32, f32, slot_ids, lengths, hd**-0.5, want, *scratch)
+    np.testing.assert_allclose(got, want, **TOL)
+
+    q = randn(rng, 70, kvh * group, hd)
+    got, want = np.empty_like(q), np.empty_like(q)
+    attention.attention_prefill(q, k[1], v[1], pair, 100, hd**-0.5, got)
+    attention.attention_prefill_ref(q, k32[1], v32[1], f32, 100, hd**-0.5, want)
+    np.testing.assert_allclose(got, want, **TOL)
+
+
+def test_bytes_per_token_of_two_formats():
+    """q8_0 keys and q4_0 values: SmolLM2-135M's 11,880 / 2 + 6,480 / 2 bytes a token, 0.40x bf16's."""
+    kv = KVCache(30, 1, 3, 8, 64, kv_blocks.KV_DTYPES["q8_0/q4_0"])
+    assert kv.bytes_per_token == 9_180 and kv.bytes_per_token / 23_040 < 0.4
+    assert kv.nbytes == 8 * kv.bytes_per_token

@@ -1,5 +1,6 @@
-"""A q8_0 KV cache under the real daemon: snapshots, resume and fork move the blocks as they are
-(the same continuation as a session never evicted), and a daemon of another KV format refuses them."""
+"""A q8_0 KV cache (and q8_0 keys with q4_0 values) under the real daemon: snapshots, resume and fork
+move the blocks as they are (the same continuation as a session never evicted), and a daemon of
+another KV format refuses them."""
 
 from __future__ import annotations
 
@@ -18,9 +19,9 @@ def greedy(session, n=8):
 def assert_capacity(stats):
     """The budget per KV format: tokens per GiB, sessions of the configured length in this KV memory
     and on the store's disk."""
-    assert stats["kv_dtype"] == "q8_0"
     formats = stats["kv_capacity"]
-    assert {name: c["bytes_per_token"] for name, c in formats.items()} == {"bf16": 23_040, "q8_0": 11_880, "q4_0": 6_480}
+    assert {name: c["bytes_per_token"] for name, c in formats.items()} == {"bf16": 23_040, "q8_0": 11_880,
+                                                                           "q8_0/q4_0": 9_180, "q4_0": 6_480}
     memory = stats["kv_bytes_used"] + stats["kv_bytes_free"]
     for c in formats.values():
         session = c["bytes_per_token"] * stats["sequence_length"]
@@ -36,6 +37,7 @@ def test_q8_0_sessions_move_as_held_and_another_format_refuses_them(tmp_path):
         with daemon.client() as client:
             stats = client.stats()
             assert stats["kv_bytes_per_token"] == 23_040 * 66 // 128  # SmolLM2-135M: 11,880
+            assert stats["kv_dtype"] == "q8_0"
             assert_capacity(stats)
             never_evicted = client.open_session()
             never_evicted.append(tokens=PROMPT)
@@ -59,3 +61,31 @@ def test_q8_0_sessions_move_as_held_and_another_format_refuses_them(tmp_path):
             assert client.stats()["kv_bytes_per_token"] == 23_040  # and it keeps serving
     finally:
         assert bf16.stop() == 0
+
+
+def test_keys_and_values_in_two_formats_move_as_held(tmp_path):
+    """q8_0 keys, q4_0 values: 9,180 bytes a token; an evicted session resumes to the same
+    continuation, and a q8_0 daemon refuses it, naming both formats."""
+    daemon = Daemon(tmp_path, slots=1, extra=("--kv-dtype", "q8_0/q4_0")).start()
+    try:
+        with daemon.client() as client:
+            stats = client.stats()
+            assert (stats["kv_dtype"], stats["kv_bytes_per_token"]) == ("q8_0/q4_0", 9_180)
+            never_evicted = client.open_session()
+            never_evicted.append(tokens=PROMPT)
+            want = greedy(never_evicted)
+            a = client.open_session()
+            a.append(tokens=PROMPT)  # evicts never_evicted
+            client.open_session().append(tokens=list(range(1000, 1100)))  # evicts a
+            assert not a.info()["resident"]
+            assert greedy(a) == want
+            stored_id = a.id
+    finally:
+        assert daemon.stop() == 0
+    q8_0 = Daemon(tmp_path, slots=1, extra=("--kv-dtype", "q8_0")).start()
+    try:
+        with q8_0.client() as client:
+            with pytest.raises(EllmError, match=r"another kv \(q8_0/q4_0:30x3x64 != q8_0:30x3x64\)"):
+                client.session(stored_id).resume()
+    finally:
+        assert q8_0.stop() == 0

@@ -85,7 +85,7 @@ def test_on_every_kernel_path(alignment_dir, use_kernels, kernels):
     assert_one_arithmetic(each_way(make_engine(alignment_dir / "qwen3", "bf16")))
 
 
-@pytest.mark.parametrize("kv_dtype", ["f32", "f16", "q8_0", "q4_0", "q8_0-plain"])
+@pytest.mark.parametrize("kv_dtype", ["f32", "f16", "q8_0", "q4_0", "q8_0-plain", "q8_0/q4_0"])
 def test_on_every_kv_dtype(alignment_dir, kv_dtype):
     """Blocks (kv_blocks.py) included: prefill and decode convert the same tiles, and rotate the
     same query rows and segment sums."""

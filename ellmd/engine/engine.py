@@ -84,7 +84,9 @@ class Engine:
             ("weight dtype", weight_dtype, WEIGHT_DTYPES), ("kv dtype", kv_dtype, kv_blocks.KV_DTYPES)
         ):
             if value is not None and value not in choices:
-                raise ModelError(f"unknown {name} {value!r} (choose from {', '.join(choices)})")
+                pairs = ", or keys/values in two block formats (q8_0/q4_0)" if "q8_0/q4_0" in choices else ""
+                singles = ", ".join(c for c in choices if "/" not in c)
+                raise ModelError(f"unknown {name} {value!r} (choose from {singles}{pairs})")
         try:
             cpu.choose(os.environ.get("ELLM_KERNELS"))  # cpu.ENABLED was chosen at import; refuse a typo
         except ValueError as e:

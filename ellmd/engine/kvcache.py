@@ -2,7 +2,8 @@
 
 Shapes:
   K, V   [layers, slots, kv_heads, sequence_length, head_dim]   storage format (f32 | bf16 | f16 bits)
-         [layers, slots, kv_heads, sequence_length, head_dim / 32]  blocks (q8_0 | q4_0: kv_blocks.py)
+         [layers, slots, kv_heads, sequence_length, blocks]     blocks (q8_0 | q4_0: kv_blocks.py); K and V
+                                                                may hold two block formats ("q8_0/q4_0")
   lengths [slots]                                               tokens held by each slot
 """
 
@@ -24,10 +25,16 @@ def available_memory() -> int:
 
 
 def element(fmt: int, head_dim: int) -> tuple[np.dtype, int]:
-    """(dtype, elements) of one head's row of a token in KV format fmt."""
+    """(dtype, elements) of one head's row of a token in the format fmt of keys or of values."""
     if kv_blocks.is_block_format(fmt):
         return kv_blocks.storage(fmt, head_dim)
     return formats.storage_dtype(fmt), head_dim
+
+
+def row_bytes(fmt: int, head_dim: int) -> int:
+    """Bytes of one head's key row plus its value row in KV format fmt (a pair: keys/values)."""
+    return sum(dtype.itemsize * count for dtype, count in
+               (element(part, head_dim) for part in kv_blocks.key_value_formats(fmt)))
 
 
 def capacity(layers: int, kv_heads: int, head_dim: int, sequence_length: int, memory: int,
@@ -35,7 +42,7 @@ def capacity(layers: int, kv_heads: int, head_dim: int, sequence_length: int, me
     """Per KV format (bf16, q8_0, q4_0): bytes per token, tokens per GiB, and how many sessions of
     sequence_length tokens fit in `memory` bytes and in `disk` bytes (None: not asked)."""
     out = {}
-    for name in ("bf16", "q8_0", "q4_0"):
+    for name in ("bf16", "q8_0", "q8_0/q4_0", "q4_0"):
         fmt = kv_blocks.KV_DTYPES[name]
         if kv_blocks.is_block_format(fmt) and head_dim % kv_blocks.BLOCK:
             continue
@@ -56,15 +63,13 @@ class KVCache:
         self.shape = (layers, slots, kv_heads, sequence_length, head_dim)
         self.sequence_length = sequence_length
         self.slots = slots
-        dtype, self.row_elements = element(fmt, head_dim)
-        self.k = np.empty((*self.shape[:-1], self.row_elements), dtype)
-        self.v = np.empty((*self.shape[:-1], self.row_elements), dtype)
+        self.k, self.v = (np.empty((*self.shape[:-1], count), dtype) for dtype, count in
+                          (element(part, head_dim) for part in kv_blocks.key_value_formats(fmt)))
         self.lengths = np.zeros(slots, np.int64)
 
     @staticmethod
     def nbytes_for(layers, slots, kv_heads, sequence_length, head_dim, fmt) -> int:
-        dtype, count = element(fmt, head_dim)
-        return 2 * layers * slots * kv_heads * sequence_length * count * dtype.itemsize
+        return layers * slots * kv_heads * sequence_length * row_bytes(fmt, head_dim)
 
     @property
     def nbytes(self) -> int:
@@ -73,7 +78,7 @@ class KVCache:
     @property
     def bytes_per_token(self) -> int:
         layers, _, kv_heads, _, _ = self.shape
-        return 2 * layers * kv_heads * self.row_elements * self.k.dtype.itemsize
+        return layers * kv_heads * (self.k[0, 0, 0, 0].nbytes + self.v[0, 0, 0, 0].nbytes)
 
     def commit(self, progress=None) -> None:
         """Touch every page now, so the memory is really ours before the first request."""
@@ -113,17 +118,24 @@ class KVCache:
         laid out [layers, kv_heads, tokens, head_dim]."""
         if not 0 <= start <= stop <= self.lengths[slot]:
             raise InvariantError(f"range [{start}, {stop}) is outside slot {slot}'s {self.lengths[slot]} tokens")
-        layers, _, kv_heads, _, _ = self.shape
         out = np.empty((stop - start) * self.bytes_per_token, np.uint8)
-        halves = out.view(self.k.dtype).reshape(2, layers, kv_heads, stop - start, self.row_elements)
-        halves[0] = self.k[:, slot, :, start:stop]
-        halves[1] = self.v[:, slot, :, start:stop]
+        keys, values = self._halves(out, stop - start)
+        keys[:] = self.k[:, slot, :, start:stop]
+        values[:] = self.v[:, slot, :, start:stop]
         return out
+
+    def _halves(self, data, count: int) -> tuple[np.ndarray, np.ndarray]:
+        """Views of exported bytes (count tokens): keys [layers, kv_heads, count, row], then values."""
+        layers, _, kv_heads, _, _ = self.shape
+        split = layers * kv_heads * count * self.k[0, 0, 0, 0].nbytes
+        keys = np.frombuffer(data, np.uint8, split).view(self.k.dtype)
+        values = np.frombuffer(data, np.uint8, offset=split).view(self.v.dtype)
+        return (keys.reshape(layers, kv_heads, count, self.k.shape[-1]),
+                values.reshape(layers, kv_heads, count, self.v.shape[-1]))
 
     def import_(self, slot: int, start: int, data) -> int:
         """Write exported bytes (any buffer: read in place) at `start` (which must not leave a gap);
         returns the new length."""
-        layers, _, kv_heads, _, _ = self.shape
         per_token = self.bytes_per_token
         if len(data) % per_token:
             raise InvariantError(f"KV data of {len(data)} bytes is not a whole number of {per_token}-byte tokens")
@@ -132,8 +144,8 @@ class KVCache:
             raise InvariantError(f"import at {start} would leave a gap after slot {slot}'s {self.lengths[slot]} tokens")
         if start + count > self.sequence_length:
             raise CapacityError(f"{start + count} tokens exceed the sequence length {self.sequence_length}")
-        half = np.frombuffer(data, self.k.dtype).reshape(2, layers, kv_heads, count, self.row_elements)
-        self.k[:, slot, :, start : start + count] = half[0]
-        self.v[:, slot, :, start : start + count] = half[1]
+        keys, values = self._halves(data, count)
+        self.k[:, slot, :, start : start + count] = keys
+        self.v[:, slot, :, start : start + count] = values
         self.lengths[slot] = start + count
         return start + count

@@ -276,7 +276,7 @@ def _segment(qs, k_head, v_head, t_lo, t_hi, limit, g, rows, st, m, l, acc, m_ne
             _tile_step(st, vt[:nk], rows, nk, limit - t0, g, m, l, acc, m_new, alpha, total)
         else:
             _tile_step(st, values[o : o + nk], rows, nk, limit - t0, g, m, l, acc, m_new, alpha, total)
-    _rotate_rows(k_head, acc, rows)  # rotated blocks: the values' sums back to the model's basis
+    _rotate_rows(v_head, acc, rows)  # rotated value blocks: their sums back to the model's basis
 
 
 @numba.njit(cache=True, nogil=True, fastmath=True)
@@ -858,7 +858,8 @@ def _tile_rows_overload(k_head, v_head, t0, nk, kt, vt):
 
 
 def _rotate_rows(k_head, x, rows):
-    """x[:rows] rotated as k_head's rows are stored (kv_blocks.rotate_rows); nothing for values."""
+    """x[:rows] rotated as k_head's rows are stored (kv_blocks.rotate_rows: queries by the keys'
+    head, accumulators by the values'); nothing for values held as values."""
     raise NotImplementedError("numba only")
 
 

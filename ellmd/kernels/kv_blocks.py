@@ -41,6 +41,14 @@ Q8_0, Q8_0_ROTATED, Q4_0, Q4_0_PLAIN = 3, 4, 5, 6
 # SmolLM2 greedy prompts to another token without it: docs/engine.md), "-plain" without.
 KV_DTYPES = {**FORMAT_NAMES, "q8_0": Q8_0_ROTATED, "q8_0-plain": Q8_0, "q4_0": Q4_0, "q4_0-plain": Q4_0_PLAIN}
 _BLOCK_OF = {Q8_0: ("Q8_0", False), Q8_0_ROTATED: ("Q8_0", True), Q4_0: ("Q4_0", True), Q4_0_PLAIN: ("Q4_0", False)}
+# Keys and values in two block formats, named "keys/values" (llama.cpp's -ctk and -ctv): keys take
+# the cost of q4_0 (docs/engine.md), so "q8_0/q4_0" holds q4_0 values beside q8_0 keys. Each array
+# carries its format in its block dtype, so the kernels need nothing more; a pair is one KV format
+# id, named as a whole in fingerprints and budgets.
+_BLOCK_NAMES = ("q8_0", "q8_0-plain", "q4_0", "q4_0-plain")
+_PAIR_NAMES = [(k, v) for k in _BLOCK_NAMES for v in _BLOCK_NAMES if k != v]
+_PAIRS = {16 + i: (KV_DTYPES[k], KV_DTYPES[v]) for i, (k, v) in enumerate(_PAIR_NAMES)}
+KV_DTYPES.update({f"{k}/{v}": 16 + i for i, (k, v) in enumerate(_PAIR_NAMES)})
 
 
 def block_dtype(name: str, values: int, rotate: bool) -> np.dtype:
@@ -67,7 +75,12 @@ def format_name(fmt: int) -> str:
 
 
 def is_block_format(fmt: int) -> bool:
-    return fmt in _BLOCK_OF
+    return fmt in _BLOCK_OF or fmt in _PAIRS
+
+
+def key_value_formats(fmt: int) -> tuple[int, int]:
+    """(format of the keys, format of the values) of KV format fmt."""
+    return _PAIRS.get(fmt, (fmt, fmt))
 
 
 def rotated(fmt: int) -> bool:
