@@ -387,7 +387,7 @@ class FakeDaemon:
                 "kv_bytes": 1234, "kv_bytes_used": 234, "kv_bytes_free": 1000, "kv_bytes_per_token": 2,
                 "kv_dtype": "bf16", "kv_capacity": {name: {"bytes_per_token": 2, "tokens_per_gib": 1 << 29,
                                                            "sessions_in_memory": 1, "sessions_on_disk": 9}
-                                                    for name in ("bf16", "q8_0", "q4_0")},
+                                                    for name in ("bf16", "q8_0", "q8_0/q4_0", "q4_0")},
                 "counters": {"prefilled": 10, "reused": 5, "shared": 0, "generated": 3, "drafted": 0, "accepted": 0},
                 "scheduler": {"gap_ratio": 1.0, "decode_step_ms": 12.5, "prefill_token_ms": 3.1,
                               "riding_token_ms": None},
