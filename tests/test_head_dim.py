@@ -17,6 +17,7 @@ from ellmd.engine.kvcache import KVCache
 from ellmd.errors import ModelError
 from ellmd.kernels.formats import BF16, F16, F32
 from ellmd.model.spec import ModelSpec
+from arrays import randn
 
 attention, formats, rope = (import_module(f"ellmd.kernels.{name}") for name in ("attention", "formats", "rope"))
 
@@ -28,10 +29,6 @@ TOL = dict(rtol=1e-5, atol=1e-5)
 @pytest.fixture
 def rng():
     return np.random.default_rng(4321)
-
-
-def randn(rng, *shape):
-    return rng.standard_normal(shape).astype(np.float32)
 
 
 def assert_prefill_close(got, want, q, k_slot, v_slot, fmt):

@@ -14,6 +14,7 @@ import pytest
 
 from ellmd.kernels import cpu
 from ellmd.kernels.formats import BF16, F16, F32
+from arrays import randn
 
 # The modules themselves: ellmd.kernels re-exports functions named like some of them (rope, matmul).
 activations, attention, formats, matmul, moe, norm, rope, tile = (
@@ -28,10 +29,6 @@ TOL = dict(rtol=1e-5, atol=1e-5)
 @pytest.fixture
 def rng():
     return np.random.default_rng(1234)
-
-
-def randn(rng, *shape, scale=1.0):
-    return (rng.standard_normal(shape) * scale).astype(np.float32)
 
 
 # --- formats -----------------------------------------------------------------------------
@@ -324,7 +321,6 @@ def test_attention_prefill(rng, monkeypatch, fmt, n, start, kvh, group, hd):
     np.testing.assert_allclose(got, want, **TOL)
 
 
-
 @pytest.mark.parametrize("n,start", [(20, 300), (5, 0), (9, 2100)])
 def test_attention_prefill_key_splits(rng, n, start):
     """A short chunk's segments shared among 3 threads, on any machine."""
@@ -457,7 +453,6 @@ def test_kernel_cache_folder_follows_every_kernel_source(tmp_path):
     quant = tmp_path / "quant.py"
     quant.write_text(quant.read_text() + "\n")  # an edit of a file other kernels inline
     assert ellmd.kernels.cache_dir(tmp_path) != before
-
 
 
 def test_kernel_cache_entries_do_not_depend_on_the_checkout_path(tmp_path):

@@ -8,6 +8,7 @@ import pytest
 from ellmd.engine.kvcache import KVCache
 from ellmd.kernels import attention, kv_blocks, quant
 from ellmd.kernels.kv_blocks import Q4_0, Q4_0_PLAIN, Q8_0, Q8_0_ROTATED
+from arrays import randn
 
 FORMATS = [Q8_0, Q8_0_ROTATED, Q4_0, Q4_0_PLAIN]
 TOL = dict(rtol=1e-5, atol=1e-5)
@@ -16,10 +17,6 @@ TOL = dict(rtol=1e-5, atol=1e-5)
 @pytest.fixture
 def rng():
     return np.random.default_rng(7)
-
-
-def randn(rng, *shape):
-    return rng.standard_normal(shape).astype(np.float32)
 
 
 def stored(rng, fmt, *shape):

@@ -11,6 +11,7 @@ import pytest
 from ellmd.kernels import cpu, moe, quant, quant_int
 from ellmd.kernels.activations import silu_mul_ref
 from ellmd.kernels.formats import BF16, F16, F32, to_f32, to_storage
+from arrays import randn
 
 FORMATS = [F32, BF16, F16]
 TOL = dict(rtol=1e-5, atol=2e-5)
@@ -19,10 +20,6 @@ TOL = dict(rtol=1e-5, atol=2e-5)
 @pytest.fixture
 def rng():
     return np.random.default_rng(99)
-
-
-def randn(rng, *shape, scale=1.0):
-    return (rng.standard_normal(shape) * scale).astype(np.float32)
 
 
 def expert_stacks(rng, fmt, experts, hidden, inter):
