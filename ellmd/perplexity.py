@@ -19,6 +19,8 @@ from typing import Callable
 
 import numpy as np
 
+from ellmd.text.corpus import python_docs
+
 Progress = Callable[[int, int], None]  # (tokens scored, tokens to score)
 
 
@@ -32,11 +34,8 @@ class Perplexity:
 
 
 def default_text() -> str:
-    """A long English text every Python has: the documentation topics of the standard library's
-    pydoc_data (about 800 KB: the language reference's sections)."""
-    from pydoc_data.topics import topics
-
-    return "\n\n".join(topics[name] for name in sorted(topics))
+    """A long English text every Python has (text.corpus.python_docs), scored from its start."""
+    return python_docs()
 
 
 def windows(n: int, context: int, stride: int) -> list[tuple[int, int, int]]:

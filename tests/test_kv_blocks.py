@@ -75,6 +75,40 @@ def test_store_blocks(rng, fmt, hd):
     assert np.abs(back - k_new).max() < step * np.abs(k_new).max()
 
 
+@pytest.mark.parametrize("fmt", [Q4_0, Q4_0_PLAIN])
+def test_key_mean_is_subtracted_before_quantization(rng, fmt):
+    """Keys near a large common offset m (as a model's are) stored as k - m: the bytes are the
+    reference's, the keys come back far closer than stored without m, and attention over them is
+    attention over the true keys (q . (k - m) shifts every key's score of a query alike)."""
+    kvh, group, hd, n = 2, 2, 64, 48
+    m = 4 * randn(rng, kvh, hd)  # [kvh, hd]
+    keys, values = m + 0.05 * randn(rng, n, kvh, hd), randn(rng, n, kvh, hd)  # [n, kvh, hd]
+    slot_ids, positions = np.zeros(n, np.int64), np.arange(n, dtype=np.int64)
+    dtype, nb = kv_blocks.storage(fmt, hd)
+    centred, plain, want = ([np.zeros((1, kvh, n, nb), dtype) for _ in range(2)] for _ in range(3))
+    attention.store_kv(keys.copy(), values.copy(), *centred, fmt, slot_ids, positions, key_mean=m)
+    attention.store_kv(keys.copy(), values.copy(), *plain, fmt, slot_ids, positions)
+    kv_blocks.store_blocks_ref(keys, values, *want, fmt, slot_ids, positions, m)
+    assert np.mean(centred[0].view(np.uint8) != want[0].view(np.uint8)) < 0.01  # (float32 butterflies)
+    assert centred[1].tobytes() == plain[1].tobytes()  # values untouched
+    true_keys = keys.transpose(1, 0, 2)[None]  # [1, kvh, n, hd]
+    error_centred = np.abs(kv_blocks.dequantize_ref(centred[0], fmt) + m[:, None] - true_keys).max()
+    error_plain = np.abs(kv_blocks.dequantize_ref(plain[0], fmt) - true_keys).max()
+    assert error_centred < 0.02 < 0.2 < error_plain
+
+    q = randn(rng, 1, kvh * group, hd)
+    shapes = attention.decode_scratch_shapes(1, kvh * group, hd, 2, n)
+    scratch = [np.zeros(shapes[name], np.float32) for name in ("partial_m", "partial_l", "partial_acc", "tile")]
+    lengths, v32 = np.array([n], np.int64), kv_blocks.dequantize_ref(centred[1], fmt)
+    exact, got = np.empty_like(q), {}
+    attention.attention_decode_ref(q, true_keys, v32, kv_blocks.F32, slot_ids[:1], lengths, 1.0, exact, *scratch)
+    for name, (k, v) in (("centred", centred), ("plain", plain)):
+        got[name] = np.empty_like(q)
+        attention.attention_decode(q, k, v, fmt, slot_ids[:1], lengths, 1.0, got[name], *scratch)
+    error = {name: np.abs(out - exact).max() for name, out in got.items()}
+    assert error["centred"] < 0.02 * np.abs(exact).max() and error["plain"] > 10 * error["centred"], error
+
+
 @numba.njit
 def _tile(head, k0, nk, dst):
     kv_blocks.dequantize_rows(head, k0, nk, dst)

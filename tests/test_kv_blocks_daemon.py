@@ -89,3 +89,40 @@ def test_keys_and_values_in_two_formats_move_as_held(tmp_path):
                 client.session(stored_id).resume()
     finally:
         assert q8_0.stop() == 0
+
+
+def test_q4_0_keys_centred_alike_at_every_start_and_another_key_mean_is_refused(tmp_path):
+    """q4_0 keys are stored less a mean key calibrated at start, named in the fingerprint: a
+    restarted daemon calibrates the same one and resumes a stored session to the same continuation;
+    a session stored under another mean key is refused, naming both."""
+    import re
+
+    from ellmd.runtime.store import open_store
+
+    daemon = Daemon(tmp_path, slots=1, extra=("--kv-dtype", "q4_0")).start()
+    try:
+        with daemon.client() as client:
+            never_evicted = client.open_session()
+            never_evicted.append(tokens=PROMPT)
+            want = greedy(never_evicted)
+            a = client.open_session()
+            a.append(tokens=PROMPT)  # evicts never_evicted: one slot
+            kv = a.info()["fingerprint"]["kv"]
+            assert re.fullmatch(r"q4_0:30x3x64:m[0-9a-f]{8}", kv), kv
+    finally:
+        assert daemon.stop() == 0  # snapshots a
+    store = open_store("lmdb", tmp_path / "store")
+    meta = store.get_meta(a.id)
+    other = "0123456789ab"  # a copy of a made under another mean key
+    store.copy(a.id, other, {**meta, "session_id": other, "fingerprint": {**meta["fingerprint"],
+                                                                          "kv": "q4_0:30x3x64:m00000000"}})
+    store.close()
+    again = Daemon(tmp_path, slots=1, extra=("--kv-dtype", "q4_0")).start()
+    try:
+        with again.client() as client:
+            assert greedy(client.session(a.id)) == want  # the same mean key: resumed, no forward pass
+            with pytest.raises(EllmError, match=re.escape(f"another kv (q4_0:30x3x64:m00000000 != {kv})")):
+                client.session(other).resume()
+            assert client.stats()["kv_dtype"] == "q4_0"  # and it keeps serving
+    finally:
+        assert again.stop() == 0

@@ -91,3 +91,25 @@ def test_smollm2_greedy_text_with_q8_0_kv():
             engine.rewind(0, 0)
             answers.append(list(engine.generate(0, ids, SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0))))
         assert answers[0] == answers[1], engines[0].tokenizer.decode(answers[1])
+
+
+def test_key_mean_is_calibrated_alike_at_every_load(alignment_dir):
+    """q4_0 keys are stored less m, the mean key of each (layer, kv head) over the calibration
+    text's tokens as a bf16 KV holds them: the same bits at every load; q8_0 keys have none."""
+    from ellmd.engine import calibration
+    from ellmd.kernels.formats import BF16, to_f32, to_storage
+
+    path = alignment_dir / "qwen3"
+    first, second = make_engine(path, "q4_0"), make_engine(path, "q8_0/q4_0")
+    assert make_engine(path, "q4_0-plain").kv.key_mean.tobytes() == first.kv.key_mean.tobytes()
+    spec = first.spec
+    assert first.kv.key_mean.shape == (spec.num_hidden_layers, spec.num_key_value_heads, spec.head_dim)
+    assert second.kv.key_mean.size == 0
+    bf16 = Engine(path, weight_dtype="f32", kv_dtype="bf16", sequence_length=calibration.TOKENS, chunk_size=64)
+    tokens = calibration.calibration_tokens(bf16.tokenizer, spec.vocab_size)
+    assert len(tokens) == calibration.TOKENS
+    bf16.prefill(0, tokens, logits="none")
+    keys = to_f32(bf16.kv.k[:, 0, :, calibration.SKIP : calibration.TOKENS], BF16)  # [L, G, N - SKIP, d]
+    want = to_f32(to_storage(keys.astype(np.float64).mean(axis=2), BF16), BF16)
+    np.testing.assert_array_equal(first.kv.key_mean, want)  # (another chunk size: the same keys)
+    assert np.abs(want).max() > 0.1

@@ -14,6 +14,7 @@ from typing import Callable, Iterator
 
 import numpy as np
 
+from ellmd.engine import calibration
 from ellmd.engine.kvcache import KVCache, available_memory
 from ellmd.engine.plan import Plan
 from ellmd.engine.sampling import Sampler, SamplingParams
@@ -142,6 +143,14 @@ class Engine:
             raise ModelError(f"{self.model_path.name}: {e}") from None
         self.timings["kv_commit"] = time.perf_counter() - start
 
+        if self.kv.key_mean.size:
+            start = time.perf_counter()
+            progress("calibrating keys", 0, 1)
+            tokens = calibration.calibration_tokens(self.tokenizer, spec.vocab_size)
+            self.kv.key_mean[:] = calibration.key_mean(self.model, tokens, chunk_size)
+            progress("calibrating keys", 1, 1)
+            self.timings["calibrate"] = time.perf_counter() - start
+
         start = time.perf_counter()
         progress("compiling kernels", 0, 1)
         self.warm_up()
@@ -224,20 +233,13 @@ class Engine:
             raise InvariantError("prefill needs at least one token")
         self._check_tokens(tokens)
         self.kv.check_room(slot, n)
-        ws, chunk = self.plan.ws, self.plan.chunk_size
+        ws = self.plan.ws
         out = np.empty((n, self.spec.vocab_size), np.float32) if logits == "all" else None
-        for begin in range(0, n, chunk):
-            piece = tokens[begin : begin + chunk]
-            m, start = len(piece), int(self.kv.lengths[slot])
-            ws.tokens[:m] = piece
-            ws.slots[:m] = slot
-            ws.positions[:m] = np.arange(start, start + m)
-            self.plan.forward(m, decode=False)
-            self.kv.lengths[slot] = start + m
-            if logits == "all":
-                self.plan.logits(ws.row_ids[:m], out[begin : begin + m])
+        each = (lambda begin, m: self.plan.logits(ws.row_ids[:m], out[begin : begin + m])) if out is not None else None
+        self.plan.prefill(slot, tokens, each)
         if logits == "last":
-            return self.plan.logits(np.array([m - 1]), ws.logits[:1])[0].copy()
+            last = (n - 1) % self.plan.chunk_size  # the final chunk's last row
+            return self.plan.logits(np.array([last]), ws.logits[:1])[0].copy()
         return out
 
     def decode(self, slots, tokens) -> np.ndarray:

@@ -5,6 +5,8 @@ Shapes:
          [layers, slots, kv_heads, sequence_length, blocks]     blocks (q8_0 | q4_0: kv_blocks.py); K and V
                                                                 may hold two block formats ("q8_0/q4_0")
   lengths [slots]                                               tokens held by each slot
+  key_mean [layers, kv_heads, head_dim] float32                 the mean key subtracted from q4_0 keys
+                                                                (kv_blocks.py), [layers, 0, head_dim] else
 """
 
 from __future__ import annotations
@@ -66,6 +68,8 @@ class KVCache:
         self.k, self.v = (np.empty((*self.shape[:-1], count), dtype) for dtype, count in
                           (element(part, head_dim) for part in kv_blocks.key_value_formats(fmt)))
         self.lengths = np.zeros(slots, np.int64)
+        centred = kv_heads if kv_blocks.centred_keys(fmt) else 0
+        self.key_mean = np.zeros((layers, centred, head_dim), np.float32)  # set by the engine at load
 
     @staticmethod
     def nbytes_for(layers, slots, kv_heads, sequence_length, head_dim, fmt) -> int:

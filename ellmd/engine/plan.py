@@ -120,8 +120,8 @@ class Plan:
         model, ws, kv, spec = self.model, self.ws, self.kv, self.model.spec
         routed = (ws.moe_out, ws.router_logits, ws.expert_weights, ws.expert_ids) if spec.num_experts else ()
         buffers, mlp = (ws.x, ws.h, ws.qkv, ws.attn, ws.lengths, ws.cos, ws.sin), (ws.gate_up, ws.act, routed)
-        self.stepwise_ws = (*buffers, kv.k, kv.v, mlp)
-        self.fused_ws = (*buffers, kernel_view(kv.k, kv.fmt), kernel_view(kv.v, kv.fmt), mlp)
+        self.stepwise_ws = (*buffers, kv.k, kv.v, mlp, kv.key_mean)
+        self.fused_ws = (*buffers, kernel_view(kv.k, kv.fmt), kernel_view(kv.v, kv.fmt), mlp, kv.key_mean)
         self.dims = (spec.num_attention_heads, spec.num_key_value_heads, spec.head_dim, spec.rms_norm_eps, model.scale)
         moe = (spec.num_experts_per_tok, spec.norm_topk_prob, ws.moe_scratch) if spec.num_experts else ()
         self.stepwise = {decode: layer.Stepwise(model.fmt, kv.fmt, decode, ws.matmul_scratch, ws.attention_scratch, moe)
@@ -140,6 +140,21 @@ class Plan:
             run_layer, buffers, run = layer.layer, self.stepwise_ws, self.stepwise[decode]
         for weights in self.layers:
             run_layer(weights, buffers, n, ws.slots, ws.positions, self.dims, run)
+
+    def prefill(self, slot: int, tokens, each=None) -> None:
+        """Append tokens [n] to slot at its length, chunk by chunk; each(begin, m) after a chunk
+        (its m rows' residuals in ws.x[:m])."""
+        ws, kv = self.ws, self.kv
+        for begin in range(0, len(tokens), self.chunk_size):
+            piece = tokens[begin : begin + self.chunk_size]
+            m, start = len(piece), int(kv.lengths[slot])
+            ws.tokens[:m] = piece
+            ws.slots[:m] = slot
+            ws.positions[:m] = np.arange(start, start + m)
+            self.forward(m, decode=False)
+            kv.lengths[slot] = start + m
+            if each:
+                each(begin, m)
 
     def _paths(self) -> tuple:
         """(integer path on, workers, (xq, xd, xs)): the kernel-path arguments of kernels.layer, read

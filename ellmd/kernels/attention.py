@@ -73,13 +73,14 @@ def _round_up(x, m):
 
 
 @numba.njit(cache=True, nogil=True, fastmath=True)
-def _store(k_new, v_new, k_layer, v_layer, slots, positions):
+def _store(k_new, v_new, k_layer, v_layer, key_mean, slots, positions):
     """store_kv on kernel views: values converted, or rows quantized into blocks (kv_blocks.py)."""
-    _store_any(k_new, v_new, k_layer, v_layer, slots, positions)
+    _store_any(k_new, v_new, k_layer, v_layer, key_mean, slots, positions)
 
 
 @numba.njit(cache=True, nogil=True, fastmath=True)
-def _store_values(k_new, v_new, k_layer, v_layer, slots, positions):
+def _store_values(k_new, v_new, k_layer, v_layer, key_mean, slots, positions):
+    # key_mean: only q4_0 keys are centred (kv_blocks.centred_keys), never keys held as values
     # serial: a few values per token, memory-bound
     for i in range(k_new.shape[0]):
         for h in range(k_new.shape[1]):
@@ -90,13 +91,16 @@ def _store_values(k_new, v_new, k_layer, v_layer, slots, positions):
                 vd[d] = encode(v_new[i, h, d], vd)
 
 
-def store_kv(k_new, v_new, k_layer, v_layer, fmt, slots, positions):
+def store_kv(k_new, v_new, k_layer, v_layer, fmt, slots, positions, key_mean=None):
     """Write each token's keys and values into the cache at (slot, head, position).
 
     k_new, v_new: [n, kvh, hd] float32; k_layer, v_layer: [slots, kvh, S, hd] storage;
-    slots, positions: [n] int64.
+    slots, positions: [n] int64; key_mean: [kvh, hd] float32 subtracted from q4_0 keys
+    (kv_blocks.store_blocks), or None.
     """
-    _store(k_new, v_new, kernel_view(k_layer, fmt), kernel_view(v_layer, fmt), slots, positions)
+    if key_mean is None:
+        key_mean = np.zeros((0, k_new.shape[-1]), np.float32)
+    _store(k_new, v_new, kernel_view(k_layer, fmt), kernel_view(v_layer, fmt), key_mean, slots, positions)
 
 
 def store_kv_ref(k_new, v_new, k_layer, v_layer, fmt, slots, positions):
@@ -823,18 +827,18 @@ def _held_in_blocks(kv):
     return isinstance(kv.dtype, types.Record)
 
 
-def _store_any(k_new, v_new, k_layer, v_layer, slots, positions):
+def _store_any(k_new, v_new, k_layer, v_layer, key_mean, slots, positions):
     raise NotImplementedError("numba only")
 
 
 @overload(_store_any, jit_options={"nogil": True})
-def _store_any_overload(k_new, v_new, k_layer, v_layer, slots, positions):
+def _store_any_overload(k_new, v_new, k_layer, v_layer, key_mean, slots, positions):
     if _held_in_blocks(k_layer):
         from ellmd.kernels.kv_blocks import store_blocks as store
     else:
         store = _store_values
-    return lambda k_new, v_new, k_layer, v_layer, slots, positions: store(k_new, v_new, k_layer, v_layer, slots,
-                                                                          positions)
+    return lambda k_new, v_new, k_layer, v_layer, key_mean, slots, positions: store(
+        k_new, v_new, k_layer, v_layer, key_mean, slots, positions)
 
 
 def _tile_rows(k_head, v_head, t0, nk, kt, vt):

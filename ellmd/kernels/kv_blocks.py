@@ -83,6 +83,11 @@ def key_value_formats(fmt: int) -> tuple[int, int]:
     return _PAIRS.get(fmt, (fmt, fmt))
 
 
+def centred_keys(fmt: int) -> bool:
+    """True when KV format fmt stores its keys less a calibrated mean key (q4_0 keys: see above)."""
+    return is_block_format(fmt) and _BLOCK_OF[key_value_formats(fmt)[0]][0] == "Q4_0"
+
+
 def rotated(fmt: int) -> bool:
     return _BLOCK_OF.get(fmt, ("", False))[1]
 
@@ -154,11 +159,13 @@ def as_f32(kv: np.ndarray, fmt: int) -> tuple[np.ndarray, int]:
     return (dequantize_ref(kv, fmt), F32) if is_block_format(fmt) else (kv, fmt)
 
 
-def store_blocks_ref(k_new, v_new, k_layer, v_layer, fmt, slots, positions):
+def store_blocks_ref(k_new, v_new, k_layer, v_layer, fmt, slots, positions, key_mean=None):
     """numpy reference of store_blocks (leaves k_new and v_new as they are)."""
+    key_fmt, value_fmt = key_value_formats(fmt)
+    shift = 0 if key_mean is None or not key_mean.shape[0] else key_mean  # [kvh, hd]
     for i in range(k_new.shape[0]):
-        k_layer[slots[i], :, positions[i]] = quantize_ref(k_new[i], fmt)
-        v_layer[slots[i], :, positions[i]] = quantize_ref(v_new[i], fmt)
+        k_layer[slots[i], :, positions[i]] = quantize_ref(k_new[i] - shift, key_fmt)
+        v_layer[slots[i], :, positions[i]] = quantize_ref(v_new[i], value_fmt)
 
 
 # ---- numba --------------------------------------------------------------------------------
@@ -277,14 +284,18 @@ def _store_row(src, dst):
 
 
 @numba.njit(cache=True, nogil=True)
-def store_blocks(k_new, v_new, k_layer, v_layer, slots, positions):
+def store_blocks(k_new, v_new, k_layer, v_layer, key_mean, slots, positions):
     """Quantize each token's keys and values into the cache at (slot, head, position).
 
-    k_new, v_new: [n, kvh, hd] float32, rotated in place for a rotated cache (they are the
-    forward pass's scratch: nothing reads them after the store, and a decode step allocates
-    nothing); k_layer, v_layer: blocks."""
+    k_new, v_new: [n, kvh, hd] float32, centred and rotated in place for such a cache (they are
+    the forward pass's scratch: nothing reads them after the store, and a decode step allocates
+    nothing); k_layer, v_layer: blocks; key_mean: [kvh, hd] float32 subtracted from each key
+    row first (key smoothing, above), or [0, hd]: none."""
     for i in range(k_new.shape[0]):
         for h in range(k_new.shape[1]):
+            if key_mean.shape[0]:
+                for d in range(k_new.shape[2]):
+                    k_new[i, h, d] -= key_mean[h, d]
             _store_row(k_new[i, h], k_layer[slots[i], h, positions[i]])
             _store_row(v_new[i, h], v_layer[slots[i], h, positions[i]])
 

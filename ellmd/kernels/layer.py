@@ -10,6 +10,7 @@ W workers = kernel threads; L layers of the model):
   gate_up, act    [n, 2*I], [n, I]
   moe_out [n, h]; router logits [n, E]; expert weights, expert ids [n, k]
   k_cache, v_cache [L, slots, G, S, d] storage (compiled: kernel views, f16 as int16)
+  key_mean        [L, G, d] float32 subtracted from keys stored in q4_0 (kv_blocks.py), or [L, 0, d]
   acc             [W, quant_f32.acc_floats(n)] float32: each worker's dot_rows accumulator
   xq, xd, xs      flat int8 or int16 [n*k], float32 [n*k/32], float32 [n*k/16]: activations
                   quantized for the integer paths, one matmul input at a time
@@ -76,11 +77,11 @@ def layer(weights, ws, n, slots, positions, dims, run):
     index, input norm [h], qkv parts, qkv bias [(H+2G)*d] or [0], q_norm [d] or [0], k_norm [d] or
     [0], o parts, post-attention norm [h]); MLP weights: see feed_forward. ws: (x, h, qkv, attn,
     lengths, cos, sin, k_cache, v_cache, (gate_up, act, (moe_out, router logits, expert weights,
-    expert ids) or ())) (plan.py); dims: (H, G, d, rms_norm_eps, attention scale); run: Stepwise
+    expert ids) or ()), key_mean) (plan.py); dims: (H, G, d, rms_norm_eps, attention scale); run: Stepwise
     from Python, fused_run compiled.
     """
     index, ln1, qkv_w, bias, q_norm, k_norm, o_w, ln2 = weights[0]
-    x, h, qkv, attn, lengths, cos, sin, k_cache, v_cache, mlp_buffers = ws
+    x, h, qkv, attn, lengths, cos, sin, k_cache, v_cache, mlp_buffers, key_mean = ws
     H, G, d, eps, scale = dims
     x, h, qkv = x[:n], h[:n], qkv[:n]
     rmsnorm(x, ln1, eps, h)
@@ -93,7 +94,7 @@ def layer(weights, ws, n, slots, positions, dims, run):
     rotate(q, positions, cos, sin)
     rotate(k, positions, cos, sin)
     k_layer, v_layer = k_cache[index], v_cache[index]
-    store_kv(k, v, k_layer, v_layer, slots, positions, run)
+    store_kv(k, v, k_layer, v_layer, key_mean[index], slots, positions, run)
     attend(q, k_layer, v_layer, slots, positions, lengths, scale, attn[:n].reshape((n, H, d)), run)
     linear(attn[:n], o_w, h, run)
     add(x, h)
@@ -194,16 +195,17 @@ def _rotate_compiled(x, positions, cos, sin):
     return lambda x, positions, cos, sin: _rope_rows(x, positions, cos, sin, 0, x.shape[0])
 
 
-def store_kv(k, v, k_layer, v_layer, slots, positions, run):
-    """The rows' keys and values [n, G, d] into the layer's cache at (slot, head, position)."""
+def store_kv(k, v, k_layer, v_layer, key_mean, slots, positions, run):
+    """The rows' keys and values [n, G, d] into the layer's cache at (slot, head, position), keys
+    less key_mean [G, d] (or [0, d]: none)."""
     n = k.shape[0]
-    attention.store_kv(k, v, k_layer, v_layer, run.kv_fmt, slots[:n], positions[:n])
+    attention.store_kv(k, v, k_layer, v_layer, run.kv_fmt, slots[:n], positions[:n], key_mean)
 
 
 @overload(store_kv, jit_options=JIT)
-def _store_kv_compiled(k, v, k_layer, v_layer, slots, positions, run):
-    return lambda k, v, k_layer, v_layer, slots, positions, run: attention._store(k, v, k_layer, v_layer, slots,
-                                                                                  positions)
+def _store_kv_compiled(k, v, k_layer, v_layer, key_mean, slots, positions, run):
+    return lambda k, v, k_layer, v_layer, key_mean, slots, positions, run: attention._store(
+        k, v, k_layer, v_layer, key_mean, slots, positions)
 
 
 def attend(q, k_layer, v_layer, slots, positions, lengths, scale, out, run):

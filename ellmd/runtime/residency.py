@@ -534,6 +534,7 @@ def fingerprint_mismatch(ours: dict, meta: dict) -> str | None:
 
 def model_fingerprint(engine) -> dict:
     """What a session's KV depends on: model and weight precision, tokenizer, template, KV layout."""
+    from ellmd.engine.calibration import digest as key_mean_digest
     from ellmd.kernels.formats import FORMAT_NAMES
     from ellmd.kernels.kv_blocks import format_name
 
@@ -541,9 +542,12 @@ def model_fingerprint(engine) -> dict:
     spec = engine.spec
     model = hashlib.sha256(repr((dataclasses.asdict(spec), names[engine.fmt], engine.weights_digest)).encode())
     template = engine.chat_template.source if engine.chat_template else ""
+    kv = f"{format_name(engine.kv.fmt)}:{spec.num_hidden_layers}x{spec.num_key_value_heads}x{spec.head_dim}"
+    if engine.kv.key_mean.size:  # keys stored less a calibrated mean: it is part of their meaning
+        kv += f":m{key_mean_digest(engine.kv.key_mean)}"
     return {
         "model": model.hexdigest()[:16],
         "tokenizer": engine.tokenizer.fingerprint()[:16] if engine.tokenizer else "none",
         "template": hashlib.sha256(template.encode()).hexdigest()[:16],
-        "kv": f"{format_name(engine.kv.fmt)}:{spec.num_hidden_layers}x{spec.num_key_value_heads}x{spec.head_dim}",
+        "kv": kv,
     }

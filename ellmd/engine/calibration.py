@@ -1,0 +1,51 @@
+"""The mean key of each (layer, kv head), calibrated at load for the KV formats that store keys
+less it (q4_0 keys: kv_blocks.py and docs/engine.md, "Key smoothing").
+
+Softmax does not change when one vector m is subtracted from every key a query sees
+(q . (k - m) = q . k - q . m, the same for every key), and keys less their lasting mean quantize
+far better in 4 bits. m is the mean of the model's own keys (after RoPE, as stored) over a fixed
+text that is not the one `ellmd perplexity` scores by default: the end of the Python docs' topics.
+
+Shapes: tokens [N]; keys [L, G, N - SKIP, d] (one bf16 slot); key_mean [L, G, d] float32.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+
+from ellmd.engine.kvcache import KVCache
+from ellmd.engine.plan import Plan
+from ellmd.kernels.formats import BF16, to_f32, to_storage
+from ellmd.text.corpus import python_docs
+
+TOKENS = 512  # calibration tokens
+SKIP = 4  # the first keys (the attention sink) are not the keys' lasting offset
+TEXT_CHARS = 12_000  # the end of the Python docs' topics: more than TOKENS tokens of it
+
+
+def calibration_tokens(tokenizer, vocab_size: int, count: int = TOKENS) -> np.ndarray:
+    """The first `count` tokens of the calibration text; without a tokenizer (random checkpoints)
+    a fixed spread of token ids."""
+    if tokenizer is None:
+        return (np.arange(count, dtype=np.int64) * 7919 + 13) % vocab_size
+    ids = tokenizer.encode(python_docs()[-TEXT_CHARS:], add_special_tokens=False)
+    return np.asarray(ids[:count], np.int64)
+
+
+def key_mean(model, tokens: np.ndarray, chunk_size: int, skip: int = SKIP) -> np.ndarray:
+    """[L, G, d] float32: the mean stored key of each (layer, kv head) over tokens[skip:], prefilled
+    into a bf16 KV of its own (the model's keys, whatever the engine's KV format), rounded to bf16
+    so that the kernel path that computed them does not move it: the same weights give the same m."""
+    spec = model.spec
+    kv = KVCache(spec.num_hidden_layers, 1, spec.num_key_value_heads, len(tokens), spec.head_dim, BF16)
+    Plan(model, kv, min(chunk_size, len(tokens))).prefill(0, tokens)
+    keys = to_f32(kv.k[:, 0, :, skip : len(tokens)], BF16)  # [L, G, N - skip, d]
+    mean = keys.astype(np.float64).mean(axis=2).astype(np.float32)
+    return to_f32(to_storage(mean, BF16), BF16)
+
+
+def digest(key_mean: np.ndarray) -> str:
+    """8 hex digits naming a key mean (in the fingerprint of the KV it centres)."""
+    return hashlib.sha256(np.ascontiguousarray(key_mean, np.float32).tobytes()).hexdigest()[:8]
