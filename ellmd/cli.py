@@ -77,6 +77,11 @@ def describe_engine(engine) -> str:
     budget, spec, kv = engine.memory_budget(), engine.spec, engine.kv
     mib = 2**20
     by_format = ", ".join(f"{k.split(':')[1]} {v / mib:.1f}" for k, v in budget.items() if k.startswith("weights:"))
+    calibrated = ""
+    if "calibrate" in engine.timings:  # q4_0 keys: their mean key, a prefill of a fixed text (calibration.py)
+        from ellmd.engine.calibration import TOKENS
+
+        calibrated = f", q4_0 keys' mean calibrated in {engine.timings['calibrate']:.1f}s ({TOKENS} tokens)"
     return (
         f"model     {engine.model_path.name}: {spec.model_type}, {spec.num_hidden_layers} layers, "
         f"hidden {spec.hidden_size}, vocab {spec.vocab_size}\n"
@@ -85,7 +90,7 @@ def describe_engine(engine) -> str:
         f"x {kv.slots} slots, {format_name(kv.fmt)}) + workspace {budget['workspace'] / mib:.1f} MiB\n"
         f"{describe_capacity(engine)}\n"
         f"start-up  load {engine.timings['load']:.1f}s, KV commit {engine.timings['kv_commit']:.1f}s, "
-        f"kernel compile {engine.timings['compile']:.1f}s, {engine.threads} threads\n"
+        f"kernel compile {engine.timings['compile']:.1f}s, {engine.threads} threads{calibrated}\n"
         f"kernels   {engine.describe_kernels()}"
     )
 

@@ -94,7 +94,7 @@ def test_key_mean_is_subtracted_before_quantization(rng, fmt):
     true_keys = keys.transpose(1, 0, 2)[None]  # [1, kvh, n, hd]
     error_centred = np.abs(kv_blocks.dequantize_ref(centred[0], fmt) + m[:, None] - true_keys).max()
     error_plain = np.abs(kv_blocks.dequantize_ref(plain[0], fmt) - true_keys).max()
-    assert error_centred < 0.02 < 0.2 < error_plain
+    assert error_centred < 0.04 and error_plain > 10 * error_centred, (error_centred, error_plain)
 
     q = randn(rng, 1, kvh * group, hd)
     shapes = attention.decode_scratch_shapes(1, kvh * group, hd, 2, n)
@@ -106,7 +106,7 @@ def test_key_mean_is_subtracted_before_quantization(rng, fmt):
         got[name] = np.empty_like(q)
         attention.attention_decode(q, k, v, fmt, slot_ids[:1], lengths, 1.0, got[name], *scratch)
     error = {name: np.abs(out - exact).max() for name, out in got.items()}
-    assert error["centred"] < 0.02 * np.abs(exact).max() and error["plain"] > 10 * error["centred"], error
+    assert error["centred"] < 0.05 * np.abs(exact).max() and error["plain"] > 10 * error["centred"], error
 
 
 @numba.njit

@@ -95,7 +95,8 @@ def test_smollm2_greedy_text_with_q8_0_kv():
 
 def test_key_mean_is_calibrated_alike_at_every_load(alignment_dir):
     """q4_0 keys are stored less m, the mean key of each (layer, kv head) over the calibration
-    text's tokens as a bf16 KV holds them: the same bits at every load; q8_0 keys have none."""
+    text's tokens as a bf16 KV holds them (another chunk size computes the same keys): the same
+    bits at every load; q8_0 keys have none."""
     from ellmd.engine import calibration
     from ellmd.kernels.formats import BF16, to_f32, to_storage
 
@@ -109,7 +110,7 @@ def test_key_mean_is_calibrated_alike_at_every_load(alignment_dir):
     tokens = calibration.calibration_tokens(bf16.tokenizer, spec.vocab_size)
     assert len(tokens) == calibration.TOKENS
     bf16.prefill(0, tokens, logits="none")
-    keys = to_f32(bf16.kv.k[:, 0, :, calibration.SKIP : calibration.TOKENS], BF16)  # [L, G, N - SKIP, d]
+    keys = to_f32(bf16.kv.k[:, 0, :, : calibration.TOKENS], BF16)  # [L, G, N, d]
     want = to_f32(to_storage(keys.astype(np.float64).mean(axis=2), BF16), BF16)
-    np.testing.assert_array_equal(first.kv.key_mean, want)  # (another chunk size: the same keys)
+    np.testing.assert_array_equal(first.kv.key_mean, want)
     assert np.abs(want).max() > 0.1

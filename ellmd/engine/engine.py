@@ -144,18 +144,22 @@ class Engine:
         self.timings["kv_commit"] = time.perf_counter() - start
 
         if self.kv.key_mean.size:
-            start = time.perf_counter()
-            progress("calibrating keys", 0, 1)
-            tokens = calibration.calibration_tokens(self.tokenizer, spec.vocab_size)
-            self.kv.key_mean[:] = calibration.key_mean(self.model, tokens, chunk_size)
-            progress("calibrating keys", 1, 1)
-            self.timings["calibrate"] = time.perf_counter() - start
+            self._calibrate_keys(progress)
 
         start = time.perf_counter()
         progress("compiling kernels", 0, 1)
         self.warm_up()
         progress("compiling kernels", 1, 1)
         self.timings["compile"] = time.perf_counter() - start
+
+    def _calibrate_keys(self, progress: Progress) -> None:
+        """The mean key that q4_0 keys are stored less (calibration.py): a prefill of a fixed text."""
+        start = time.perf_counter()
+        progress("calibrating keys", 0, 1)
+        tokens = calibration.calibration_tokens(self.tokenizer, self.spec.vocab_size)
+        self.kv.key_mean[:] = calibration.key_mean(self.model, tokens, self.plan.chunk_size)
+        progress("calibrating keys", 1, 1)
+        self.timings["calibrate"] = time.perf_counter() - start
 
     # ---- introspection -------------------------------------------------------------------
 
