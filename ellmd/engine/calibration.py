@@ -31,11 +31,12 @@ TEXT_CHARS = 16_000  # the text's end: more than TOKENS tokens of it
 
 
 def calibration_tokens(tokenizer, vocab_size: int, count: int = TOKENS) -> np.ndarray:
-    """The last `count` tokens of the calibration text; without a tokenizer (random checkpoints)
-    a fixed spread of token ids. Ids are folded into the model's vocabulary (a no-op for a real
-    model: tiny test checkpoints carry a real tokenizer beside a small embedding)."""
+    """The last `count` tokens of the calibration text; without a tokenizer (random checkpoints,
+    for benchmarks: their keys have no offset worth a long prefill) 64 fixed token ids. Ids are
+    folded into the model's vocabulary (a no-op for a real model: tiny test checkpoints carry a
+    real tokenizer beside a small embedding)."""
     if tokenizer is None:
-        ids = np.arange(count, dtype=np.int64) * 7919 + 13
+        ids = np.arange(min(count, 64), dtype=np.int64) * 7919 + 13
     else:
         ids = np.asarray(tokenizer.encode(python_docs()[-TEXT_CHARS:], add_special_tokens=False)[-count:], np.int64)
     return ids % vocab_size
