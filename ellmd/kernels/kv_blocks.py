@@ -31,7 +31,7 @@ import numba
 import numpy as np
 from numba.extending import overload
 
-from ellmd.kernels import quant
+from ellmd.kernels import cpu, quant, quant_int
 from ellmd.kernels.formats import F32, FORMAT_NAMES, f32_to_f16
 from ellmd.kernels.quant import as_bytes, f16_at
 
@@ -342,3 +342,77 @@ def rotate_rows(head, x, rows):
         hd = _row_values(head)
         for r in range(rows):
             hadamard(x[r, :hd])
+
+
+# q8_0 keys' scores on integer dot products (quant_int.key_scores) where the CPU has the "int16"
+# path's instructions (vpdpwssd, or AVX2's vpmaddwd: every x86 class of DESIGN.md); else, and for
+# q4_0 keys, a tile of keys is converted to float32 (dequantize_rows) for the float kernels
+INTEGER_KEYS = "int16" in cpu.host_paths()
+QUERY_TOP = np.float32(32767.0)  # int16 query codes: a rounding of 2**-16 of a block's largest value
+
+
+def integer_keys(head):
+    """True (a compile-time constant) when block array head holds q8_0 keys scored in integers."""
+    raise NotImplementedError("numba only")
+
+
+@overload(integer_keys)
+def _integer_keys_overload(head):
+    flag = INTEGER_KEYS and _LAYOUTS.get(head.dtype, ("",))[0] == "Q8_0"
+    return lambda head: flag
+
+
+@numba.njit(cache=True, nogil=True)
+def _quantize_query_rows(qs, rows, values, qc, qd):
+    for r in range(rows):
+        for blk in range(qs.shape[1] // values):
+            x = qs[r, blk * values : blk * values + values]
+            amax = np.float32(0.0)
+            for l in range(values):
+                amax = max(amax, abs(x[l]))
+            d = amax / QUERY_TOP
+            inv = np.float32(1.0) / d if d > 0 else np.float32(0.0)
+            for l in range(values):
+                qc[r, blk * values + l] = np.int16(np.rint(x[l] * inv))
+            qd[r, blk] = d
+
+
+def quantize_queries(head, qs, rows, qc, qd):
+    """For q8_0 keys scored in integers (integer_keys): each query row qs[r] (scaled, rotated as the
+    keys are) to int16 codes qc[r] [hd] with one scale qd[r, blk] = max |x| / 32767 per key block,
+    for quant_int.key_scores; nothing for other keys. qs: [>= rows, hd] float32; qc: [>= rows, hd]
+    int16; qd: [>= rows, >= hd / 32] float32."""
+    raise NotImplementedError("numba only")
+
+
+@overload(quantize_queries, jit_options={"nogil": True})
+def _quantize_queries_overload(head, qs, rows, qc, qd):
+    if not (INTEGER_KEYS and _LAYOUTS.get(head.dtype, ("",))[0] == "Q8_0"):
+        return lambda head, qs, rows, qc, qd: None
+    values = _LAYOUTS[head.dtype][1]
+    return lambda head, qs, rows, qc, qd: _quantize_query_rows(qs, rows, values, qc, qd)
+
+
+def quantize_queries_ref(qs: np.ndarray, values: int) -> tuple[np.ndarray, np.ndarray]:
+    """numpy reference of quantize_queries: float32 [rows, hd] -> (int16 codes, [rows, hd / values] scales)."""
+    blocks = qs.reshape(qs.shape[0], -1, values)
+    d = np.abs(blocks).max(axis=2) / QUERY_TOP  # [rows, nb]
+    with np.errstate(divide="ignore"):
+        inv = np.where(d > 0, np.float32(1.0) / d, np.float32(0.0)).astype(np.float32)
+    return np.rint(blocks * inv[..., None]).astype(np.int16).reshape(qs.shape), d.astype(np.float32)
+
+
+def key_scores_ref(qc: np.ndarray, qd: np.ndarray, head: np.ndarray) -> np.ndarray:
+    """numpy reference of quant_int.key_scores over every key of head: [rows, S] float32, each score
+    the blocks' exact integer sums times their two scales, added in block order as the kernel does
+    (float32 fma, here float64 then rounded: the same value)."""
+    name, values, _ = _LAYOUTS[numba.from_dtype(head.dtype)]
+    raw = np.ascontiguousarray(head).view(np.uint8).reshape(*head.shape, 2 + values)  # [S, nb, bytes]
+    dk = raw[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)  # [S, nb]
+    codes = raw[..., 2:].view(np.int8).astype(np.int64)  # [S, nb, values]
+    sums = np.einsum("rbv,sbv->rsb", qc.reshape(qc.shape[0], -1, values).astype(np.int64), codes)  # [rows, S, nb]
+    out = np.zeros(sums.shape[:2], np.float32)
+    for blk in range(sums.shape[2]):
+        scale = (dk[None, :, blk] * qd[:, None, blk]).astype(np.float32)
+        out = (sums[..., blk].astype(np.float32).astype(np.float64) * scale + out).astype(np.float32)
+    return out

@@ -617,3 +617,81 @@ def _rows_vnni_overload(xq, xd, xs, w, out, j0, j1):
 @overload(rows_vnni_depth_first, jit_options={"fastmath": FASTMATH_IN_ORDER, "nogil": True})
 def _rows_vnni_depth_first_overload(xq, xd, xs, w, out, j0, j1):
     return _rows_vnni_impl(w, True)
+
+
+# ---- q8_0 keys of the KV cache (kv_blocks.py): attention scores on integer dot products ----------
+
+
+def _key_scores_codegen(values):
+    """Codegen of key_scores over key blocks of `values` codes (32 or 64): per key row, each block's
+    codes widened to int16 once (vpmovsxbw) for every query row; per (query row, block) the exact
+    int32 sum of codes x query codes (vpdpwssd, or vpmaddwd on AVX2; lanes added as a tree), then one
+    float step, score = fma(sum, key scale x query scale, score), blocks in order."""
+    size, groups = 2 + values, values // 32
+
+    def codegen(context, builder, signature, args):
+        qc_a, qd_a, head_a, _, _, _, out_a = (context.make_array(t)(context, builder, v) if isinstance(t, types.Array)
+                                              else None for t, v in zip(signature.args, args))
+        t0, nk, rows = args[3:6]
+        intp = context.get_value_type(types.intp)
+        i8p, f32 = ir.IntType(8).as_pointer(), ir.FloatType()
+        i32v, w16 = ir.VectorType(ir.IntType(32), 16), ir.VectorType(ir.IntType(16), 32)
+        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(f32, [f32] * 3), "llvm.fma.f32")
+
+        def c(v):
+            return ir.Constant(intp, v)
+
+        hd = cgutils.unpack_tuple(builder, qc_a.shape)[1]
+        nbq = cgutils.unpack_tuple(builder, qd_a.shape)[1]
+        nb = cgutils.unpack_tuple(builder, head_a.shape)[1]
+        row_bytes = cgutils.unpack_tuple(builder, head_a.strides)[0]
+        out_st = cgutils.unpack_tuple(builder, out_a.strides)
+        heads, outb = builder.bitcast(head_a.data, i8p), builder.bitcast(out_a.data, i8p)
+
+        def out_at(r, j):
+            at = builder.add(builder.mul(r, out_st[0]), builder.mul(j, out_st[1]))
+            return builder.bitcast(builder.gep(outb, [at]), f32.as_pointer())
+
+        with cgutils.for_range(builder, nk) as keys:
+            j = keys.index
+            q = _Ir(builder, builder.gep(heads, [builder.mul(builder.add(t0, j), row_bytes)]))
+            with cgutils.for_range(builder, rows) as each:
+                builder.store(ir.Constant(f32, 0.0), out_at(each.index, j))
+            with cgutils.for_range(builder, nb) as blocks:
+                blk = blocks.index
+                o = builder.mul(blk, c(size))
+                dk = q.f16(o)
+                words = [builder.bitcast(builder.sext(q.bytes(builder.add(o, c(2 + 32 * g)), 32), w16), i32v)
+                         for g in range(groups)]
+                with cgutils.for_range(builder, rows) as each:
+                    r = each.index
+                    x0 = builder.add(builder.mul(r, hd), builder.mul(blk, c(values)))
+                    total = ir.Constant(i32v, [0] * 16)
+                    for g, kw in enumerate(words):
+                        xv = builder.bitcast(builder.gep(qc_a.data, [builder.add(x0, c(32 * g))]), w16.as_pointer())
+                        total = _dot_words(builder, total, kw, builder.bitcast(builder.load(xv, align=2), i32v))
+                    dq = builder.load(builder.gep(qd_a.data, [builder.add(builder.mul(r, nbq), blk)]))
+                    ptr = out_at(r, j)
+                    isum = builder.sitofp(tile.lane_sum(builder, total), f32)
+                    builder.store(builder.call(fma, [isum, builder.fmul(dk, dq), builder.load(ptr)]), ptr)
+        return context.get_dummy_value()
+
+    return codegen
+
+
+@intrinsic
+def key_scores(typingctx, qc, qd, head, t0, nk, rows, out):
+    """out[r, j] = score of query row r < rows and key t0 + j < t0 + nk of a head of q8_0 blocks:
+    the sum over the key's blocks, in order, of (int32 sum of key codes x query codes) x (key scale x
+    query scale). qc: [>= rows, hd] int16 query codes, qd: [>= rows, >= blocks] float32 their scales
+    (one per key block: kv_blocks.quantize_queries), both C-contiguous; head: [S, blocks] q8_0 block
+    records (kv_blocks.py), C-contiguous; out: [>= rows, >= nk] float32, any layout. Each score is
+    computed alone (no sum depends on the rows or keys beside it): prefill and decode, which share
+    this kernel, give a token's scores to the bit. Needs the "int16" path's features (cpu.py)."""
+    if not (isinstance(head, types.Array) and isinstance(head.dtype, types.Record) and head.layout == "C"):
+        return None
+    if not (isinstance(qc, types.Array) and qc.dtype == types.int16 and qc.layout == "C"):
+        return None
+    values = head.dtype.size - 2  # a q8_0 block: an f16 scale, then one byte a code
+    sig = types.void(qc, qd, head, types.intp, types.intp, types.intp, out)
+    return sig, cpu.compiled_for("int16", _key_scores_codegen(values))
