@@ -48,7 +48,6 @@ from numba import prange, types
 from numba.extending import overload
 
 from ellmd.kernels import bf16, cpu, gemm, kv_blocks
-from ellmd.kernels.quant_int import key_scores
 from ellmd.kernels.activations import FASTMATH_DIVIDES, exp_f32
 from ellmd.kernels.formats import BF16, _bitcast_f32, _bitcast_u32, decode, encode, kernel_view, to_f32, to_storage
 from ellmd.kernels.matmul import linear_rows
@@ -155,8 +154,7 @@ def _tile_scores(qs, qc, qd, k_head, t0, nk, rows, st, kt, panel):
     storage or [S, nb] blocks; st: [KBp, Rp]; kt: [KB, hdp] float32 (keys in q4_0 blocks converted);
     panel: 1-D float32 of gemm.PANEL * hd (unused on a few rows)."""
     out = st[:nk, :rows].T
-    if kv_blocks.integer_keys(k_head):
-        key_scores(qc, qd, k_head, t0, nk, rows, out)
+    if kv_blocks.key_scores(qc, qd, k_head, t0, nk, rows, out):
         return
     stored, o = _tile_rows(k_head, t0, nk, kt)
     keys = stored[o : o + nk]
@@ -249,9 +247,7 @@ def _decode_tile(qs, qc, qd, k_head, values, t0, nk, rows, st, m, l, acc, alpha,
     with rows in 4s where that shares the key loads: their sums do not change) and _row_step on
     values [nk, hdv] (a multiple of NR: _tile_values)."""
     sr = st.reshape((acc.shape[0], TILE_KEYS))
-    if kv_blocks.integer_keys(k_head):
-        key_scores(qc, qd, k_head, t0, nk, rows, sr)
-    else:
+    if not kv_blocks.key_scores(qc, qd, k_head, t0, nk, rows, sr):
         stored, o = _tile_rows(k_head, t0, nk, kt)
         score_rows = rows if rows < 3 else min(_round_up(rows, 4), acc.shape[0])
         linear_rows(qs[:score_rows], stored[o : o + nk], sr[:score_rows, :nk], 0, nk)
@@ -259,14 +255,14 @@ def _decode_tile(qs, qc, qd, k_head, values, t0, nk, rows, st, m, l, acc, alpha,
 
 
 @numba.njit(cache=True, nogil=True, fastmath=True)
-def _tile_values(v_head, t0, nk, vt):
-    """Values t0..t0+nk as the SIMD kernel takes them ([nk, hdv], hdv a multiple of NR): as stored,
-    or converted into vt (blocks, or a head_dim not a multiple of NR, padded)."""
-    stored, o = _tile_rows(v_head, t0, nk, vt)
-    if stored.shape[1] % NR:
-        _load_rows(stored, o, nk, vt)
-        return vt[:nk]
-    return stored[o : o + nk]
+def _tile(qs, qc, qd, k_head, values, t0, nk, limit, g, rows, st, m, l, acc, m_new, alpha, total, kt, panel,
+          every_key):
+    """One tile of _segment: keys t0..t0+nk with their values [nk, hdv] (hdv a multiple of NR)."""
+    if every_key:  # decode: every row sees every key
+        _decode_tile(qs, qc, qd, k_head, values, t0, nk, rows, st, m, l, acc, alpha, total, kt)
+    else:
+        _tile_scores(qs, qc, qd, k_head, t0, nk, rows, st, kt, panel)
+        _tile_step(st, values, rows, nk, limit - t0, g, m, l, acc, m_new, alpha, total)
 
 
 @numba.njit(cache=True, nogil=True, fastmath=True)
@@ -286,12 +282,14 @@ def _segment(qs, qc, qd, k_head, v_head, t_lo, t_hi, limit, g, rows, st, m, l, a
     acc[:] = np.float32(0.0)
     for t0 in range(t_lo, t_hi, TILE_KEYS):
         nk = min(TILE_KEYS, t_hi - t0)
-        values = _tile_values(v_head, t0, nk, vt)
-        if every_key:  # decode: every row sees every key
-            _decode_tile(qs, qc, qd, k_head, values, t0, nk, rows, st, m, l, acc, alpha, total, kt)
-            continue
-        _tile_scores(qs, qc, qd, k_head, t0, nk, rows, st, kt, panel)
-        _tile_step(st, values, rows, nk, limit - t0, g, m, l, acc, m_new, alpha, total)
+        values, o = _tile_rows(v_head, t0, nk, vt)  # as stored, or blocks converted
+        if values.shape[1] % NR:  # padded for the SIMD kernel
+            _load_rows(values, o, nk, vt)
+            _tile(qs, qc, qd, k_head, vt[:nk], t0, nk, limit, g, rows, st, m, l, acc, m_new, alpha, total, kt, panel,
+                  every_key)
+        else:
+            _tile(qs, qc, qd, k_head, values[o : o + nk], t0, nk, limit, g, rows, st, m, l, acc, m_new, alpha, total,
+                  kt, panel, every_key)
     _rotate_rows(v_head, acc, rows)  # rotated value blocks: their sums back to the model's basis
 
 

@@ -351,15 +351,27 @@ INTEGER_KEYS = "int16" in cpu.host_paths()
 QUERY_TOP = np.float32(32767.0)  # int16 query codes: a rounding of 2**-16 of a block's largest value
 
 
-def integer_keys(head):
-    """True (a compile-time constant) when block array head holds q8_0 keys scored in integers."""
+def _integer_keys(head_type):
+    """True when arrays of this numba type hold q8_0 keys scored in integers."""
+    return INTEGER_KEYS and _LAYOUTS.get(getattr(head_type, "dtype", None), ("",))[0] == "Q8_0"
+
+
+def key_scores(qc, qd, head, t0, nk, rows, out):
+    """quant_int.key_scores for q8_0 keys scored in integers, then True; False (and nothing done)
+    for other keys, which attention converts to float32 instead."""
     raise NotImplementedError("numba only")
 
 
-@overload(integer_keys)
-def _integer_keys_overload(head):
-    flag = INTEGER_KEYS and _LAYOUTS.get(head.dtype, ("",))[0] == "Q8_0"
-    return lambda head: flag
+@overload(key_scores, jit_options={"nogil": True})
+def _key_scores_overload(qc, qd, head, t0, nk, rows, out):
+    if not _integer_keys(head):
+        return lambda qc, qd, head, t0, nk, rows, out: False
+
+    def impl(qc, qd, head, t0, nk, rows, out):
+        quant_int.key_scores(qc, qd, head, t0, nk, rows, out)
+        return True
+
+    return impl
 
 
 @numba.njit(cache=True, nogil=True)
@@ -378,7 +390,7 @@ def _quantize_query_rows(qs, rows, values, qc, qd):
 
 
 def quantize_queries(head, qs, rows, qc, qd):
-    """For q8_0 keys scored in integers (integer_keys): each query row qs[r] (scaled, rotated as the
+    """For q8_0 keys scored in integers (key_scores): each query row qs[r] (scaled, rotated as the
     keys are) to int16 codes qc[r] [hd] with one scale qd[r, blk] = max |x| / 32767 per key block,
     for quant_int.key_scores; nothing for other keys. qs: [>= rows, hd] float32; qc: [>= rows, hd]
     int16; qd: [>= rows, >= hd / 32] float32."""
@@ -387,7 +399,7 @@ def quantize_queries(head, qs, rows, qc, qd):
 
 @overload(quantize_queries, jit_options={"nogil": True})
 def _quantize_queries_overload(head, qs, rows, qc, qd):
-    if not (INTEGER_KEYS and _LAYOUTS.get(head.dtype, ("",))[0] == "Q8_0"):
+    if not _integer_keys(head):
         return lambda head, qs, rows, qc, qd: None
     values = _LAYOUTS[head.dtype][1]
     return lambda head, qs, rows, qc, qd: _quantize_query_rows(qs, rows, values, qc, qd)
