@@ -51,6 +51,7 @@ from ellmd.kernels import bf16, cpu, gemm, kv_blocks
 from ellmd.kernels.activations import FASTMATH_DIVIDES, exp_f32
 from ellmd.kernels.formats import BF16, _bitcast_f32, _bitcast_u32, decode, encode, kernel_view, to_f32, to_storage
 from ellmd.kernels.matmul import linear_rows
+from ellmd.kernels.quant_int import key_scores, value_sums
 from ellmd.kernels.tile import MR, NR, TALL_MR, gemm_tile
 
 TILE_KEYS = 64  # KB, a multiple of NR
@@ -107,7 +108,7 @@ def store_kv_ref(k_new, v_new, k_layer, v_layer, fmt, slots, positions):
 
 
 @numba.njit(cache=True, nogil=True, fastmath=True)
-def _load_rows(head, k0, nk, dst):
+def _load_values(head, k0, nk, dst):
     """dst[:nk, :hd] = positions k0..k0+nk of one head as float32.
 
     head: [S, hd] storage; dst: [KB, >=hd] float32.
@@ -145,7 +146,6 @@ SEGMENT = 1024
 FEW_ROWS = 8  # up to this many query rows, scores come from decode's kernel on the stored keys
 
 
-@numba.njit(cache=True, nogil=True, fastmath=True)
 def _tile_scores(qs, qc, qd, k_head, t0, nk, rows, st, kt, panel):
     """st[j, r] = qs[r] . key t0 + j for r < rows and j < nk, as decode computes it: q8_0 keys on
     integer dot products (quant_int.key_scores, queries quantized in qc, qd); other keys in decode's
@@ -153,9 +153,22 @@ def _tile_scores(qs, qc, qd, k_head, t0, nk, rows, st, kt, panel):
     keys packed to float32 once for all rows. qs: [>= rows, hd] float32 C-contiguous; k_head: [S, hd]
     storage or [S, nb] blocks; st: [KBp, Rp]; kt: [KB, hdp] float32 (keys in q4_0 blocks converted);
     panel: 1-D float32 of gemm.PANEL * hd (unused on a few rows)."""
+    raise NotImplementedError("numba only")
+
+
+@overload(_tile_scores, jit_options={"nogil": True, "fastmath": True})
+def _tile_scores_overload(qs, qc, qd, k_head, t0, nk, rows, st, kt, panel):
+    if kv_blocks.read_as_stored(k_head):
+        return lambda qs, qc, qd, k_head, t0, nk, rows, st, kt, panel: key_scores(qc, qd, k_head, t0, nk, rows,
+                                                                                    st[:nk, :rows].T)
+    return lambda qs, qc, qd, k_head, t0, nk, rows, st, kt, panel: _float_scores(qs, k_head, t0, nk, rows, st, kt,
+                                                                                   panel)
+
+
+@numba.njit(cache=True, nogil=True, fastmath=True)
+def _float_scores(qs, k_head, t0, nk, rows, st, kt, panel):
+    """_tile_scores of keys in float storage or converted blocks."""
     out = st[:nk, :rows].T
-    if kv_blocks.key_scores(qc, qd, k_head, t0, nk, rows, out):
-        return
     stored, o = _tile_rows(k_head, t0, nk, kt)
     keys = stored[o : o + nk]
     if rows <= FEW_ROWS:
@@ -177,7 +190,6 @@ def _tile_step(st, values, rows, nk, limit, g, m, l, acc, m_new, alpha, total):
     or float32, hdv a multiple of NR; m, l: [Rp] running max and sum; acc: [Rp, hdv];
     m_new, alpha, total: [Rp] scratch.
     """
-    rows_p = acc.shape[0]
     # new running max, ping-ponging between alpha and m_new so that it ends in m_new
     src = m
     for j in range(nk):
@@ -203,7 +215,7 @@ def _tile_step(st, values, rows, nk, limit, g, m, l, acc, m_new, alpha, total):
         for d in range(a.shape[0]):
             a[d] *= alpha[r]
     # acc[r, d] += sum_j st[j, r] * v[j, d]: st read transposed in place
-    gemm_tile(st, True, values, acc, rows_p, values.shape[1], nk, True, rows_p % TALL_MR == 0)
+    _add_values(st, True, values, acc, rows, nk)
 
 
 @numba.njit(cache=True, nogil=True, fastmath={"nnan", "ninf", "nsz", "contract", "afn"})
@@ -222,7 +234,6 @@ def _row_step(sr, values, rows, nk, m, l, acc, alpha, total):
     """_tile_step's arithmetic for rows that see every key of the tile (decode), row by row, the
     exponentials vectorized along the keys: sr: [Rp, KB] scores, rows in order (rows past `rows`
     finite); values, m, l, acc, alpha, total as in _tile_step."""
-    rows_p = acc.shape[0]
     for r in range(rows):
         s = sr[r, :nk]
         mx = m[r]
@@ -238,20 +249,35 @@ def _row_step(sr, values, rows, nk, m, l, acc, alpha, total):
         a = acc[r]
         for d in range(a.shape[0]):
             a[d] *= alpha[r]
-    gemm_tile(sr, False, values, acc, rows_p, values.shape[1], nk, True, rows_p % TALL_MR == 0)
+    _add_values(sr, False, values, acc, rows, nk)
 
 
 @numba.njit(cache=True, nogil=True, fastmath=True)
 def _decode_tile(qs, qc, qd, k_head, values, t0, nk, rows, st, m, l, acc, alpha, total, kt):
-    """A decode task's tile: scores [Rp, KB] (q8_0 keys: _tile_scores' integer kernel; float keys
-    with rows in 4s where that shares the key loads: their sums do not change) and _row_step on
-    values [nk, hdv] (a multiple of NR: _tile_values)."""
+    """A decode task's tile: scores [Rp, KB] (_decode_scores) and _row_step on values [nk, hdv]
+    (float, hdv a multiple of NR, or q8_0 blocks)."""
     sr = st.reshape((acc.shape[0], TILE_KEYS))
-    if not kv_blocks.key_scores(qc, qd, k_head, t0, nk, rows, sr):
-        stored, o = _tile_rows(k_head, t0, nk, kt)
-        score_rows = rows if rows < 3 else min(_round_up(rows, 4), acc.shape[0])
-        linear_rows(qs[:score_rows], stored[o : o + nk], sr[:score_rows, :nk], 0, nk)
+    _decode_scores(qs, qc, qd, k_head, t0, nk, rows, sr, kt)
     _row_step(sr, values, rows, nk, m, l, acc, alpha, total)
+
+
+def _decode_scores(qs, qc, qd, k_head, t0, nk, rows, sr, kt):
+    """sr[r, j] = qs[r] . key t0 + j (sr: [Rp, KB]): q8_0 keys as _tile_scores scores them; float
+    keys with rows in 4s where that shares the key loads (their sums do not change)."""
+    raise NotImplementedError("numba only")
+
+
+@overload(_decode_scores, jit_options={"nogil": True, "fastmath": True})
+def _decode_scores_overload(qs, qc, qd, k_head, t0, nk, rows, sr, kt):
+    if kv_blocks.read_as_stored(k_head):
+        return lambda qs, qc, qd, k_head, t0, nk, rows, sr, kt: key_scores(qc, qd, k_head, t0, nk, rows, sr)
+
+    def impl(qs, qc, qd, k_head, t0, nk, rows, sr, kt):
+        stored, o = _tile_rows(k_head, t0, nk, kt)
+        score_rows = rows if rows < 3 else min(_round_up(rows, 4), sr.shape[0])
+        linear_rows(qs[:score_rows], stored[o : o + nk], sr[:score_rows, :nk], 0, nk)
+
+    return impl
 
 
 @numba.njit(cache=True, nogil=True, fastmath=True)
@@ -283,7 +309,7 @@ def _segment(qs, qc, qd, k_head, v_head, t_lo, t_hi, limit, g, rows, st, m, l, a
     for t0 in range(t_lo, t_hi, TILE_KEYS):
         nk = min(TILE_KEYS, t_hi - t0)
         values, o = _tile_rows(v_head, t0, nk, vt)  # as stored, or blocks converted
-        if values.shape[1] % NR:  # padded for the SIMD kernel
+        if _padded(values):  # for the SIMD kernel
             _load_rows(values, o, nk, vt)
             _tile(qs, qc, qd, k_head, vt[:nk], t0, nk, limit, g, rows, st, m, l, acc, m_new, alpha, total, kt, panel,
                   every_key)
@@ -874,12 +900,62 @@ def _tile_rows(head, t0, nk, dst):
 
 @overload(_tile_rows, jit_options={"nogil": True, "fastmath": True})
 def _tile_rows_overload(head, t0, nk, dst):
-    if not _held_in_blocks(head):
+    if not _held_in_blocks(head) or kv_blocks.read_as_stored(head):
         return lambda head, t0, nk, dst: (head, t0)
 
     def impl(head, t0, nk, dst):
         kv_blocks.dequantize_rows(head, t0, nk, dst)
         return dst, 0
+
+    return impl
+
+
+def _load_rows(head, k0, nk, dst):
+    """dst[:nk, :hd] = positions k0..k0+nk of one head as float32 (head: [S, hd] storage or [S, nb]
+    blocks; dst: [KB, >= hd] float32)."""
+    raise NotImplementedError("numba only")
+
+
+@overload(_load_rows, jit_options={"nogil": True, "fastmath": True})
+def _load_rows_overload(head, k0, nk, dst):
+    load = kv_blocks.dequantize_rows if _held_in_blocks(head) else _load_values
+    return lambda head, k0, nk, dst: load(head, k0, nk, dst)
+
+
+def _padded(values):
+    """True when a tile of values must be copied into a float32 tile padded to NR columns for the
+    SIMD kernel (a head_dim not a multiple of NR); never for q8_0 blocks (value_sums)."""
+    raise NotImplementedError("numba only")
+
+
+@overload(_padded, jit_options={"nogil": True})
+def _padded_overload(values):
+    if _held_in_blocks(values):
+        return lambda values: False
+    return lambda values: values.shape[1] % NR != 0
+
+
+def _add_values(p, transposed, values, acc, rows, nk):
+    """acc[r] += sum_j p[r, j] values[j] for r < rows (p read as p.T when transposed: [KBp, Rp]):
+    float values on the SIMD kernel (rows rounded up to its height: acc's padded rows), q8_0 blocks
+    as stored (kv_blocks.value_sums)."""
+    raise NotImplementedError("numba only")
+
+
+@overload(_add_values, jit_options={"nogil": True, "fastmath": True})
+def _add_values_overload(p, transposed, values, acc, rows, nk):
+    if _held_in_blocks(values):
+        def impl_blocks(p, transposed, values, acc, rows, nk):
+            if transposed:
+                value_sums(p.T, values, acc, rows, nk)
+            else:
+                value_sums(p, values, acc, rows, nk)
+
+        return impl_blocks
+
+    def impl(p, transposed, values, acc, rows, nk):
+        rows_p = acc.shape[0]
+        gemm_tile(p, transposed, values, acc, rows_p, values.shape[1], nk, True, rows_p % TALL_MR == 0)
 
     return impl
 

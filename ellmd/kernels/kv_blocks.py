@@ -344,34 +344,20 @@ def rotate_rows(head, x, rows):
             hadamard(x[r, :hd])
 
 
-# q8_0 keys' scores on integer dot products (quant_int.key_scores) where the CPU has the "int16"
-# path's instructions (vpdpwssd, or AVX2's vpmaddwd: every x86 class of DESIGN.md); else, and for
-# q4_0 keys, a tile of keys is converted to float32 (dequantize_rows) for the float kernels
+# q8_0 blocks read as stored where the CPU has the "int16" path's instructions (vpdpwssd, or AVX2's
+# vpmaddwd: every x86 class of DESIGN.md): keys' scores on integer dot products (quant_int.key_scores),
+# values' codes converted in registers into the sums (quant_int.value_sums). Elsewhere, and for
+# q4_0 blocks, attention converts a tile to float32 (dequantize_rows) for the float kernels.
 INTEGER_KEYS = "int16" in cpu.host_paths()
 QUERY_TOP = np.float32(32767.0)  # int16 query codes: a rounding of 2**-16 of a block's largest value
 
 
-def _integer_keys(head_type):
-    """True when arrays of this numba type hold q8_0 keys scored in integers."""
+def read_as_stored(head_type):
+    """True when arrays of this numba type hold q8_0 blocks that attention reads as stored (keys
+    scored in integers, values summed from their codes), False for tiles converted to float32."""
     return INTEGER_KEYS and _LAYOUTS.get(getattr(head_type, "dtype", None), ("",))[0] == "Q8_0"
 
 
-def key_scores(qc, qd, head, t0, nk, rows, out):
-    """quant_int.key_scores for q8_0 keys scored in integers, then True; False (and nothing done)
-    for other keys, which attention converts to float32 instead."""
-    raise NotImplementedError("numba only")
-
-
-@overload(key_scores, jit_options={"nogil": True})
-def _key_scores_overload(qc, qd, head, t0, nk, rows, out):
-    if not _integer_keys(head):
-        return lambda qc, qd, head, t0, nk, rows, out: False
-
-    def impl(qc, qd, head, t0, nk, rows, out):
-        quant_int.key_scores(qc, qd, head, t0, nk, rows, out)
-        return True
-
-    return impl
 
 
 @numba.njit(cache=True, nogil=True)
@@ -390,7 +376,7 @@ def _quantize_query_rows(qs, rows, values, qc, qd):
 
 
 def quantize_queries(head, qs, rows, qc, qd):
-    """For q8_0 keys scored in integers (key_scores): each query row qs[r] (scaled, rotated as the
+    """For q8_0 keys scored in integers (read_as_stored, quant_int.key_scores): each query row qs[r] (scaled, rotated as the
     keys are) to int16 codes qc[r] [hd] with one scale qd[r, blk] = max |x| / 32767 per key block,
     for quant_int.key_scores; nothing for other keys. qs: [>= rows, hd] float32; qc: [>= rows, hd]
     int16; qd: [>= rows, >= hd / 32] float32."""
@@ -399,7 +385,7 @@ def quantize_queries(head, qs, rows, qc, qd):
 
 @overload(quantize_queries, jit_options={"nogil": True})
 def _quantize_queries_overload(head, qs, rows, qc, qd):
-    if not _integer_keys(head):
+    if not read_as_stored(head):
         return lambda head, qs, rows, qc, qd: None
     values = _LAYOUTS[head.dtype][1]
     return lambda head, qs, rows, qc, qd: _quantize_query_rows(qs, rows, values, qc, qd)
@@ -428,3 +414,14 @@ def key_scores_ref(qc: np.ndarray, qd: np.ndarray, head: np.ndarray) -> np.ndarr
         scale = (dk[None, :, blk] * qd[:, None, blk]).astype(np.float32)
         out = (sums[..., blk].astype(np.float32).astype(np.float64) * scale + out).astype(np.float32)
     return out
+
+
+def value_sums_ref(p: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """numpy reference of quant_int.value_sums from zero: p [rows, nk] float32 times the blocks'
+    values [nk, hd] (the probabilities times each key's block scale, then times the codes)."""
+    name, bv, _ = _LAYOUTS[numba.from_dtype(values.dtype)]
+    raw = np.ascontiguousarray(values).view(np.uint8).reshape(*values.shape, 2 + bv)  # [nk, nb, bytes]
+    dv = raw[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)  # [nk, nb]
+    codes = raw[..., 2:].view(np.int8).astype(np.float64)  # [nk, nb, bv]
+    weights = (p[:, :, None] * dv[None]).astype(np.float32).astype(np.float64)  # [rows, nk, nb]
+    return np.einsum("rjb,jbv->rbv", weights, codes).reshape(p.shape[0], -1).astype(np.float32)

@@ -695,3 +695,83 @@ def key_scores(typingctx, qc, qd, head, t0, nk, rows, out):
     values = head.dtype.size - 2  # a q8_0 block: an f16 scale, then one byte a code
     sig = types.void(qc, qd, head, types.intp, types.intp, types.intp, out)
     return sig, cpu.compiled_for("int16", _key_scores_codegen(values))
+
+
+# query rows that share one conversion of a tile's value codes (value_sums), largest first: a pass
+# holds its rows' sums of one block in registers (4 rows x 64 values: 16 of AVX-512's 32)
+VALUE_PASSES = (4, 3, 2, 1) if WORDS_VNNI else (2, 1)
+
+
+def _value_sums_codegen(values):
+    """Codegen of value_sums over value blocks of `values` codes (32 or 64)."""
+    size, strips = 2 + values, values // 16
+    f16v = ir.VectorType(ir.FloatType(), 16)
+
+    def codegen(context, builder, signature, args):
+        p_a, head_a, acc_a = (context.make_array(t)(context, builder, v)
+                              for t, v in zip(signature.args[:3], args[:3]))
+        rows, nk = args[3], args[4]
+        intp = context.get_value_type(types.intp)
+        i8p, f32 = ir.IntType(8).as_pointer(), ir.FloatType()
+        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(f16v, [f16v] * 3), "llvm.fma.v16f32")
+
+        def c(v):
+            return ir.Constant(intp, v)
+
+        p_st = cgutils.unpack_tuple(builder, p_a.strides)
+        acc_st = cgutils.unpack_tuple(builder, acc_a.strides)
+        nb = cgutils.unpack_tuple(builder, head_a.shape)[1]
+        row_bytes = cgutils.unpack_tuple(builder, head_a.strides)[0]
+        heads, pb, accb = builder.bitcast(head_a.data, i8p), builder.bitcast(p_a.data, i8p), builder.bitcast(acc_a.data, i8p)
+
+        def rows_pass(r0, together, blk):
+            """Block blk of the values for rows r0..r0+together: their sums over the tile's keys in
+            registers, then added to acc."""
+            zero = ir.Constant(f16v, [0.0] * 16)
+            sums = [[cgutils.alloca_once_value(builder, zero) for _ in range(strips)] for _ in range(together)]
+            o = builder.mul(blk, c(size))
+            with cgutils.for_range(builder, nk) as keys:
+                j = keys.index
+                q = _Ir(builder, builder.gep(heads, [builder.mul(j, row_bytes)]))
+                dv = q.f16(o)
+                codes = [builder.sitofp(builder.sext(q.bytes(builder.add(o, c(2 + 16 * s)), 16), q.vec(q.i32, 16)), f16v)
+                         for s in range(strips)]
+                for r in range(together):
+                    at = builder.add(builder.mul(builder.add(r0, c(r)), p_st[0]), builder.mul(j, p_st[1]))
+                    w = builder.fmul(builder.load(builder.bitcast(builder.gep(pb, [at]), f32.as_pointer())), dv)
+                    w = q.splat(w, 16)
+                    for s in range(strips):
+                        builder.store(builder.call(fma, [w, codes[s], builder.load(sums[r][s])]), sums[r][s])
+            for r in range(together):
+                row = builder.mul(builder.add(r0, c(r)), acc_st[0])
+                for s in range(strips):
+                    col = builder.mul(builder.add(builder.mul(blk, c(values)), c(16 * s)), acc_st[1])
+                    ptr = builder.bitcast(builder.gep(accb, [builder.add(row, col)]), f16v.as_pointer())
+                    builder.store(builder.fadd(builder.load(sums[r][s]), builder.load(ptr, align=4)), ptr, align=4)
+
+        done = cgutils.alloca_once_value(builder, c(0))  # rows summed
+        for together in VALUE_PASSES:
+            start = builder.load(done)
+            passes = builder.udiv(builder.sub(rows, start), c(together))
+            with cgutils.for_range(builder, passes) as each:
+                r0 = builder.add(start, builder.mul(each.index, c(together)))
+                with cgutils.for_range(builder, nb) as blocks:
+                    rows_pass(r0, together, blocks.index)
+            builder.store(builder.add(start, builder.mul(passes, c(together))), done)
+        return context.get_dummy_value()
+
+    return codegen
+
+
+@intrinsic
+def value_sums(typingctx, p, head, acc, rows, nk):
+    """acc[r, :hd] += sum over keys j < nk of p[r, j] x value j, for rows r < rows, on q8_0 value
+    blocks read as stored (head: [nk, blocks] records, C-contiguous): each key's block scale joins
+    its probability (p[r, j] x scale, one float product) and the codes, converted to float32 in
+    registers, are summed by FMAs over the keys in order from zero, then added to acc (the order of
+    tile.gemm_tile's sums). p: [>= rows, >= nk] float32, any layout; acc: [>= rows, >= hd] float32
+    with rows of contiguous values. Each row's sums are its own (prefill and decode share them)."""
+    if not (isinstance(head, types.Array) and isinstance(head.dtype, types.Record) and head.layout == "C"):
+        return None
+    sig = types.void(p, head, acc, types.intp, types.intp)
+    return sig, _value_sums_codegen(head.dtype.size - 2)
