@@ -26,7 +26,9 @@ nothing), values on the SIMD kernel of tile.py (a sum over the tile's keys, then
 row's segments are merged in order (_fold_row) and divided by the sum. Decode shares (row,
 segment, kv head) tasks among the threads; prefill walks a task's segments in order, or, for a
 chunk with too few tasks for the threads, shares its segments too.
-Storage: see formats.py (f16 is viewed as int16 inside kernels).
+Storage: see formats.py (f16 is viewed as int16 inside kernels). KV in q8_0 blocks is read as
+stored (kv_blocks.py: integer scores, values summed from their codes), q4_0 blocks converted a
+tile at a time; either way in prefill as in decode.
 
 Prefill of bf16 KV on the "bf16" path (cpu.py, AMX): the two products are tdpbf16ps tile products
 (bf16.tile_product), the online softmax stays f32. A task is (kv head, block of up to

@@ -12,9 +12,13 @@ Layout: GGUF's Q8_0 and Q4_0 blocks (an f16 scale, then the codes): q4_0 is GGUF
 64 (66 bytes: 0.516x bf16; SmolLM2's and Qwen3's 64 and 128), else GGUF's 32 (34 bytes: 0.531x).
 The KV tensor keeps its shape [layers, slots, kvh, S, nb] with one block record per element, so
 a slot's tokens are still contiguous per head, and copying, exporting and storing KV moves these
-bytes as they are. Writing a token quantizes its rows once (store_blocks); attention converts a
-tile of KB keys (and of values) to float32 in L1 and runs the float32 kernels of attention.py on
-it, the same tiles in prefill and decode.
+bytes as they are. Writing a token quantizes its rows once (store_blocks). Attention reads q8_0
+blocks as stored (read_as_stored): scores on integer dot products of the key codes with int16
+query codes, one query scale per key block (quantize_queries, quant_int.key_scores), and the
+values' codes summed in registers, each key's probability times its block scale
+(quant_int.value_sums); q4_0 blocks (and q8_0 on a CPU without AVX2) are converted a tile of KB
+keys at a time to float32 in L1 for the float32 kernels of attention.py. Prefill and decode run
+the same tiles and kernels: one arithmetic per token.
 
 Rotation: H = the normalised Walsh-Hadamard matrix over groups of P = the largest power of two
 dividing hd (64 or 128 for the supported models). H is orthogonal and its own inverse, so a key
