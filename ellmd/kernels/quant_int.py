@@ -622,11 +622,33 @@ def _rows_vnni_depth_first_overload(xq, xd, xs, w, out, j0, j1):
 # ---- q8_0 keys of the KV cache (kv_blocks.py): attention scores on integer dot products ----------
 
 
+KEY_GROUP = 4  # keys whose int32 lanes are added up together (_lane_sums): a third of the shuffles
+
+
+def _lane_sums(b, vectors):
+    """The lane sums of 4 <16 x i32> vectors as one <4 x i32>, halves folded pairwise across the
+    vectors (15 shuffles and adds where 4 tile.lane_sum take 36; integer sums: exact in any order)."""
+
+    def fold(x, y, width):
+        """Lanes of x then y in groups of `width`: each group's halves added (half the lanes)."""
+        lo = [g + i for g in range(0, x.type.count + y.type.count, width) for i in range(width // 2)]
+        pick = [ir.Constant(ir.VectorType(ir.IntType(32), len(lo)), [i + o for i in lo]) for o in (0, width // 2)]
+        return b.add(b.shuffle_vector(x, y, pick[0]), b.shuffle_vector(x, y, pick[1]))
+
+    def fold_one(x, width):
+        return fold(*(b.shuffle_vector(x, x, ir.Constant(ir.VectorType(ir.IntType(32), x.type.count // 2), list(
+            range(h, h + x.type.count // 2)))) for h in (0, x.type.count // 2)), width)
+
+    four = fold(fold(vectors[0], vectors[1], 16), fold(vectors[2], vectors[3], 16), 8)  # [a, b, c, d], 4 lanes each
+    return fold_one(fold_one(four, 4), 2)
+
+
 def _key_scores_codegen(values):
-    """Codegen of key_scores over key blocks of `values` codes (32 or 64): per key row, each block's
-    codes widened to int16 once (vpmovsxbw) for every query row; per (query row, block) the exact
-    int32 sum of codes x query codes (vpdpwssd, or vpmaddwd on AVX2; lanes added as a tree), then one
-    float step, score = fma(sum, key scale x query scale, score), blocks in order."""
+    """Codegen of key_scores over key blocks of `values` codes (32 or 64): keys in groups of
+    KEY_GROUP (the rest one by one), each group's codes widened to int16 once (vpmovsxbw) per block
+    for every query row; per (query row, key, block) the exact int32 sum of codes x query codes
+    (vpdpwssd, or vpmaddwd on AVX2; the lanes of a group's keys added together), then one float
+    step, score = fma(sum, key scale x query scale, score), blocks in order."""
     size, groups = 2 + values, values // 32
 
     def codegen(context, builder, signature, args):
@@ -652,28 +674,47 @@ def _key_scores_codegen(values):
             at = builder.add(builder.mul(r, out_st[0]), builder.mul(j, out_st[1]))
             return builder.bitcast(builder.gep(outb, [at]), f32.as_pointer())
 
-        with cgutils.for_range(builder, nk) as keys:
-            j = keys.index
-            q = _Ir(builder, builder.gep(heads, [builder.mul(builder.add(t0, j), row_bytes)]))
+        def keys(j0, count):
+            """The scores of keys j0..j0+count (count 1 or KEY_GROUP) for every query row."""
+            js = [builder.add(j0, c(k)) for k in range(count)]
+            rows_of = [_Ir(builder, builder.gep(heads, [builder.mul(builder.add(t0, j), row_bytes)])) for j in js]
             with cgutils.for_range(builder, rows) as each:
-                builder.store(ir.Constant(f32, 0.0), out_at(each.index, j))
+                for j in js:
+                    builder.store(ir.Constant(f32, 0.0), out_at(each.index, j))
             with cgutils.for_range(builder, nb) as blocks:
                 blk = blocks.index
                 o = builder.mul(blk, c(size))
-                dk = q.f16(o)
-                words = [builder.bitcast(builder.sext(q.bytes(builder.add(o, c(2 + 32 * g)), 32), w16), i32v)
-                         for g in range(groups)]
+                dks = [q.f16(o) for q in rows_of]
+                words = [[builder.bitcast(builder.sext(q.bytes(builder.add(o, c(2 + 32 * g)), 32), w16), i32v)
+                          for g in range(groups)] for q in rows_of]
                 with cgutils.for_range(builder, rows) as each:
                     r = each.index
                     x0 = builder.add(builder.mul(r, hd), builder.mul(blk, c(values)))
-                    total = ir.Constant(i32v, [0] * 16)
-                    for g, kw in enumerate(words):
-                        xv = builder.bitcast(builder.gep(qc_a.data, [builder.add(x0, c(32 * g))]), w16.as_pointer())
-                        total = _dot_words(builder, total, kw, builder.bitcast(builder.load(xv, align=2), i32v))
+                    xs = [builder.bitcast(builder.load(builder.bitcast(builder.gep(qc_a.data, [builder.add(x0, c(32 * g))]),
+                                                                       w16.as_pointer()), align=2), i32v)
+                          for g in range(groups)]
+                    lanes = []
+                    for key_words in words:
+                        total = ir.Constant(i32v, [0] * 16)
+                        for kw, xv in zip(key_words, xs):
+                            total = _dot_words(builder, total, kw, xv)
+                        lanes.append(total)
+                    if count == 1:
+                        sums = [tile.lane_sum(builder, lanes[0])]
+                    else:
+                        four = _lane_sums(builder, lanes)
+                        sums = [builder.extract_element(four, ir.Constant(ir.IntType(32), k)) for k in range(count)]
                     dq = builder.load(builder.gep(qd_a.data, [builder.add(builder.mul(r, nbq), blk)]))
-                    ptr = out_at(r, j)
-                    isum = builder.sitofp(tile.lane_sum(builder, total), f32)
-                    builder.store(builder.call(fma, [isum, builder.fmul(dk, dq), builder.load(ptr)]), ptr)
+                    for j, dk, isum in zip(js, dks, sums):
+                        ptr = out_at(r, j)
+                        scale = builder.fmul(dk, dq)
+                        builder.store(builder.call(fma, [builder.sitofp(isum, f32), scale, builder.load(ptr)]), ptr)
+
+        grouped = builder.udiv(nk, c(KEY_GROUP))
+        with cgutils.for_range(builder, grouped) as each:
+            keys(builder.mul(each.index, c(KEY_GROUP)), KEY_GROUP)
+        with cgutils.for_range_slice(builder, builder.mul(grouped, c(KEY_GROUP)), nk, c(1)) as (j, _):
+            keys(j, 1)
         return context.get_dummy_value()
 
     return codegen
