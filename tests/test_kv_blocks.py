@@ -6,12 +6,20 @@ import numpy as np
 import pytest
 
 from ellmd.engine.kvcache import KVCache
-from ellmd.kernels import attention, kv_blocks, quant
+from ellmd.kernels import attention, kv_blocks, quant, quant_int
 from ellmd.kernels.kv_blocks import Q4_0, Q4_0_PLAIN, Q8_0, Q8_0_ROTATED
 from arrays import randn
 
 FORMATS = [Q8_0, Q8_0_ROTATED, Q4_0, Q4_0_PLAIN]
 TOL = dict(rtol=1e-5, atol=1e-5)
+# q8_0 keys score on int16 query codes (test_q8_0_key_scores_are_integer_sums): a score moves by up
+# to ~2**-16 of a block's largest product, an output by a few 1e-5
+INTEGER_TOL = dict(rtol=1e-4, atol=1e-4)
+
+
+def tol(key_fmt):
+    """The tolerance against the float64 references for keys in key_fmt."""
+    return INTEGER_TOL if kv_blocks.INTEGER_KEYS and key_fmt in (Q8_0, Q8_0_ROTATED) else TOL
 
 
 @pytest.fixture
@@ -128,6 +136,42 @@ def test_tile_conversion_is_scale_times_code(rng, fmt, hd):
         np.testing.assert_array_equal(dst[:nk, :hd], want[k0 : k0 + nk])
 
 
+@numba.njit
+def _integer_scores(qs, head, t0, nk, rows, qc, qd, out):
+    kv_blocks.quantize_queries(head, qs, rows, qc, qd)
+    quant_int.key_scores(qc, qd, head, t0, nk, rows, out)
+
+
+@pytest.mark.skipif(not kv_blocks.INTEGER_KEYS, reason="the CPU has neither AVX512-VNNI nor AVX2")
+@pytest.mark.parametrize("fmt", [Q8_0, Q8_0_ROTATED])
+@pytest.mark.parametrize("hd", [32, 64, 96, 128])
+def test_q8_0_key_scores_are_integer_sums(rng, fmt, hd):
+    """q8_0 keys' scores: each query row quantized to int16 with one scale per key block, the exact
+    integer sums of codes times codes over a block, times the two scales, blocks in order (the
+    reference's numbers, whatever the tile's place, rows and output layout); within 2**-15 of a
+    block's largest product of the float scores on the same keys."""
+    head = stored(rng, fmt, 300, hd)
+    values = kv_blocks.block_values(fmt, hd)
+    qs = randn(rng, 7, hd)
+    qs[3] = 0.0  # a zero row: scale 0, scores 0
+    qc_ref, qd_ref = kv_blocks.quantize_queries_ref(qs, values)
+    want = kv_blocks.key_scores_ref(qc_ref, qd_ref, head)  # [rows, S]
+    for t0, nk, rows in ((0, 64, 7), (236, 64, 5), (299, 1, 1), (100, 37, 3)):
+        qc = np.full((8, hd), -1, np.int16)
+        qd = np.full((8, hd // 32), np.nan, np.float32)
+        out = np.full((64, 8), np.nan, np.float32)  # transposed, as prefill's scores
+        _integer_scores(qs, head, t0, nk, rows, qc, qd, out[:nk, :rows].T)
+        np.testing.assert_array_equal(qc[:rows], qc_ref[:rows])
+        np.testing.assert_array_equal(qd[:rows, : hd // values], qd_ref[:rows])
+        np.testing.assert_allclose(out[:nk, :rows].T, want[:rows, t0 : t0 + nk], rtol=1e-6, atol=1e-30)
+        assert np.isnan(out[nk:]).all() and np.isnan(out[:, rows:]).all()
+    assert not want[3].any()
+    keys = kv_blocks.dequantize_ref(head.view(kv_blocks.storage(Q8_0, hd)[0]), Q8_0)  # as stored, not rotated back
+    exact = qs.astype(np.float64) @ keys.T.astype(np.float64)
+    bound = np.abs(qs).max() * np.abs(keys).max() * hd * 2.0**-15
+    assert np.abs(want - exact).max() < bound
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("lengths,kvh,group,hd", [([1, 70, 2100], 2, 3, 64), ([300], 1, 2, 128), ([65, 9], 2, 1, 96),
                                                   ([5000], 2, 4, 64)])
@@ -144,7 +188,7 @@ def test_attention_decode_blocks(rng, fmt, lengths, kvh, group, hd):
     k32, f32 = kv_blocks.as_f32(k, fmt)
     v32, _ = kv_blocks.as_f32(v, fmt)
     attention.attention_decode_ref(q, k32, v32, f32, slot_ids, lengths, hd**-0.5, want, *scratch)
-    np.testing.assert_allclose(got, want, **TOL)
+    np.testing.assert_allclose(got, want, **tol(fmt))
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -158,7 +202,7 @@ def test_attention_prefill_blocks(rng, fmt, n, start, kvh, group, hd):
     k32, f32 = kv_blocks.as_f32(k, fmt)
     v32, _ = kv_blocks.as_f32(v, fmt)
     attention.attention_prefill_ref(q, k32, v32, f32, start, hd**-0.5, want)
-    np.testing.assert_allclose(got, want, **TOL)
+    np.testing.assert_allclose(got, want, **tol(fmt))
 
 
 def test_rotation_spreads_an_outlier(rng):
@@ -218,13 +262,13 @@ def test_keys_and_values_in_two_formats(rng, pair):
     got, want = np.empty_like(q), np.empty_like(q)
     attention.attention_decode(q, k, v, pair, slot_ids, lengths, hd**-0.5, got, *scratch)
     attention.attention_decode_ref(q, k32, v32, f32, slot_ids, lengths, hd**-0.5, want, *scratch)
-    np.testing.assert_allclose(got, want, **TOL)
+    np.testing.assert_allclose(got, want, **tol(key_fmt))
 
     q = randn(rng, 70, kvh * group, hd)
     got, want = np.empty_like(q), np.empty_like(q)
     attention.attention_prefill(q, k[1], v[1], pair, 100, hd**-0.5, got)
     attention.attention_prefill_ref(q, k32[1], v32[1], f32, 100, hd**-0.5, want)
-    np.testing.assert_allclose(got, want, **TOL)
+    np.testing.assert_allclose(got, want, **tol(key_fmt))
 
 
 def test_bytes_per_token_of_two_formats():

@@ -8,12 +8,15 @@ merge is part of what is compared.
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
 from ellmd.engine import Engine
 from ellmd.kernels import attention, bf16, cpu, formats, gemm
 from ellmd.kernels.matmul import linear
+from ellmd.model.weights import RandomCheckpoint
 
 PROMPT = [int(t) for t in np.random.default_rng(5).integers(3, 1000, attention.SEGMENT + 76)]
 OTHERS = ([11, 12, 13, 14, 15], list(range(40, 140)))  # sessions decoding beside it
@@ -90,6 +93,19 @@ def test_on_every_kv_dtype(alignment_dir, kv_dtype):
     """Blocks (kv_blocks.py) included: prefill and decode convert the same tiles, and rotate the
     same query rows and segment sums."""
     assert_one_arithmetic(each_way(make_engine(alignment_dir / "llama", "bf16", kv_dtype)))
+
+
+@pytest.mark.parametrize("kv_dtype", ["q8_0", "q8_0-plain"])
+def test_on_q8_0_blocks_of_64_values(tmp_path, kv_dtype):
+    """head_dim 128 (Qwen3's): q8_0 in blocks of 64 values, keys scored in integers on int16 query
+    codes and values summed from their codes, in prefill as in decode."""
+    config = {"model_type": "qwen3", "vocab_size": 1024, "hidden_size": 256, "intermediate_size": 512,
+              "num_hidden_layers": 2, "num_attention_heads": 6, "num_key_value_heads": 2, "head_dim": 128}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    engine = Engine(RandomCheckpoint(tmp_path / "config.json"), weight_dtype="f32", kv_dtype=kv_dtype,
+                    sequence_length=len(PROMPT) + 8, batch_size=3, chunk_size=2048, threads=2)
+    assert engine.kv.k.dtype.itemsize == 66  # a 64-value block
+    assert_one_arithmetic(each_way(engine))
 
 
 def test_the_prefill_gemm_sums_as_decode():

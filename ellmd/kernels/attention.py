@@ -26,7 +26,9 @@ nothing), values on the SIMD kernel of tile.py (a sum over the tile's keys, then
 row's segments are merged in order (_fold_row) and divided by the sum. Decode shares (row,
 segment, kv head) tasks among the threads; prefill walks a task's segments in order, or, for a
 chunk with too few tasks for the threads, shares its segments too.
-Storage: see formats.py (f16 is viewed as int16 inside kernels).
+Storage: see formats.py (f16 is viewed as int16 inside kernels). KV in q8_0 blocks is read as
+stored (kv_blocks.py: integer scores, values summed from their codes), q4_0 blocks converted a
+tile at a time; either way in prefill as in decode.
 
 Prefill of bf16 KV on the "bf16" path (cpu.py, AMX): the two products are tdpbf16ps tile products
 (bf16.tile_product), the online softmax stays f32. A task is (kv head, block of up to
@@ -47,10 +49,11 @@ import numpy as np
 from numba import prange, types
 from numba.extending import overload
 
-from ellmd.kernels import bf16, cpu, gemm
+from ellmd.kernels import bf16, cpu, gemm, kv_blocks
 from ellmd.kernels.activations import FASTMATH_DIVIDES, exp_f32
 from ellmd.kernels.formats import BF16, _bitcast_f32, _bitcast_u32, decode, encode, kernel_view, to_f32, to_storage
 from ellmd.kernels.matmul import linear_rows
+from ellmd.kernels.quant_int import key_scores, value_sums
 from ellmd.kernels.tile import MR, NR, TALL_MR, gemm_tile
 
 TILE_KEYS = 64  # KB, a multiple of NR
@@ -111,7 +114,7 @@ def store_kv_ref(k_new, v_new, k_layer, v_layer, fmt, slots, positions):
 
 
 @numba.njit(cache=True, nogil=True, fastmath=True)
-def _load_rows(head, k0, nk, dst):
+def _load_values(head, k0, nk, dst):
     """dst[:nk, :hd] = positions k0..k0+nk of one head as float32.
 
     head: [S, hd] storage; dst: [KB, >=hd] float32.
@@ -149,14 +152,31 @@ SEGMENT = 1024
 FEW_ROWS = 8  # up to this many query rows, scores come from decode's kernel on the stored keys
 
 
-@numba.njit(cache=True, nogil=True, fastmath=True)
-def _tile_scores(qs, keys, rows, st, panel):
-    """st[j, r] = qs[r] . keys[j] for r < rows and the nk = len(keys) keys, in decode's order of sums
-    (gemm.py): on a few rows, decode's kernel on the stored keys; on more, the keys packed to float32
-    once for all rows. qs: [>= rows, hd] float32 C-contiguous; keys: [nk, hd] storage; st: [KBp, Rp];
+def _tile_scores(qs, qc, qd, k_head, t0, nk, rows, st, kt, panel):
+    """st[j, r] = qs[r] . key t0 + j for r < rows and j < nk, as decode computes it: q8_0 keys on
+    integer dot products (quant_int.key_scores, queries quantized in qc, qd); other keys in decode's
+    order of float sums (gemm.py): on a few rows, decode's kernel on the stored keys; on more, the
+    keys packed to float32 once for all rows. qs: [>= rows, hd] float32 C-contiguous; k_head: [S, hd]
+    storage or [S, nb] blocks; st: [KBp, Rp]; kt: [KB, hdp] float32 (keys in q4_0 blocks converted);
     panel: 1-D float32 of gemm.PANEL * hd (unused on a few rows)."""
-    nk = keys.shape[0]
+    raise NotImplementedError("numba only")
+
+
+@overload(_tile_scores, jit_options={"nogil": True, "fastmath": True})
+def _tile_scores_overload(qs, qc, qd, k_head, t0, nk, rows, st, kt, panel):
+    if kv_blocks.read_as_stored(k_head):
+        return lambda qs, qc, qd, k_head, t0, nk, rows, st, kt, panel: key_scores(qc, qd, k_head, t0, nk, rows,
+                                                                                    st[:nk, :rows].T)
+    return lambda qs, qc, qd, k_head, t0, nk, rows, st, kt, panel: _float_scores(qs, k_head, t0, nk, rows, st, kt,
+                                                                                   panel)
+
+
+@numba.njit(cache=True, nogil=True, fastmath=True)
+def _float_scores(qs, k_head, t0, nk, rows, st, kt, panel):
+    """_tile_scores of keys in float storage or converted blocks."""
     out = st[:nk, :rows].T
+    stored, o = _tile_rows(k_head, t0, nk, kt)
+    keys = stored[o : o + nk]
     if rows <= FEW_ROWS:
         linear_rows(qs[:rows], keys, out, 0, nk)
         return
@@ -176,7 +196,6 @@ def _tile_step(st, values, rows, nk, limit, g, m, l, acc, m_new, alpha, total):
     or float32, hdv a multiple of NR; m, l: [Rp] running max and sum; acc: [Rp, hdv];
     m_new, alpha, total: [Rp] scratch.
     """
-    rows_p = acc.shape[0]
     # new running max, ping-ponging between alpha and m_new so that it ends in m_new
     src = m
     for j in range(nk):
@@ -202,7 +221,7 @@ def _tile_step(st, values, rows, nk, limit, g, m, l, acc, m_new, alpha, total):
         for d in range(a.shape[0]):
             a[d] *= alpha[r]
     # acc[r, d] += sum_j st[j, r] * v[j, d]: st read transposed in place
-    gemm_tile(st, True, values, acc, rows_p, values.shape[1], nk, True, rows_p % TALL_MR == 0)
+    _add_values(st, True, values, acc, rows, nk)
 
 
 @numba.njit(cache=True, nogil=True, fastmath={"nnan", "ninf", "nsz", "contract", "afn"})
@@ -221,7 +240,6 @@ def _row_step(sr, values, rows, nk, m, l, acc, alpha, total):
     """_tile_step's arithmetic for rows that see every key of the tile (decode), row by row, the
     exponentials vectorized along the keys: sr: [Rp, KB] scores, rows in order (rows past `rows`
     finite); values, m, l, acc, alpha, total as in _tile_step."""
-    rows_p = acc.shape[0]
     for r in range(rows):
         s = sr[r, :nk]
         mx = m[r]
@@ -237,49 +255,73 @@ def _row_step(sr, values, rows, nk, m, l, acc, alpha, total):
         a = acc[r]
         for d in range(a.shape[0]):
             a[d] *= alpha[r]
-    gemm_tile(sr, False, values, acc, rows_p, values.shape[1], nk, True, rows_p % TALL_MR == 0)
+    _add_values(sr, False, values, acc, rows, nk)
 
 
 @numba.njit(cache=True, nogil=True, fastmath=True)
-def _decode_tile(qs, k_head, v_head, t0, nk, rows, st, m, l, acc, alpha, total, vt):
-    """A decode task's tile: scores [Rp, KB] (rows in 4s where that shares the key loads: their
-    sums do not change) and _row_step."""
+def _decode_tile(qs, qc, qd, k_head, values, t0, nk, rows, st, m, l, acc, alpha, total, kt):
+    """A decode task's tile: scores [Rp, KB] (_decode_scores) and _row_step on values [nk, hdv]
+    (float, hdv a multiple of NR, or q8_0 blocks)."""
     sr = st.reshape((acc.shape[0], TILE_KEYS))
-    score_rows = rows if rows < 3 else min(_round_up(rows, 4), acc.shape[0])
-    linear_rows(qs[:score_rows], k_head[t0 : t0 + nk], sr[:score_rows, :nk], 0, nk)
-    if k_head.shape[1] % NR:
-        _load_rows(v_head, t0, nk, vt)
-        _row_step(sr, vt[:nk], rows, nk, m, l, acc, alpha, total)
-    else:
-        _row_step(sr, v_head[t0 : t0 + nk], rows, nk, m, l, acc, alpha, total)
+    _decode_scores(qs, qc, qd, k_head, t0, nk, rows, sr, kt)
+    _row_step(sr, values, rows, nk, m, l, acc, alpha, total)
+
+
+def _decode_scores(qs, qc, qd, k_head, t0, nk, rows, sr, kt):
+    """sr[r, j] = qs[r] . key t0 + j (sr: [Rp, KB]): q8_0 keys as _tile_scores scores them; float
+    keys with rows in 4s where that shares the key loads (their sums do not change)."""
+    raise NotImplementedError("numba only")
+
+
+@overload(_decode_scores, jit_options={"nogil": True, "fastmath": True})
+def _decode_scores_overload(qs, qc, qd, k_head, t0, nk, rows, sr, kt):
+    if kv_blocks.read_as_stored(k_head):
+        return lambda qs, qc, qd, k_head, t0, nk, rows, sr, kt: key_scores(qc, qd, k_head, t0, nk, rows, sr)
+
+    def impl(qs, qc, qd, k_head, t0, nk, rows, sr, kt):
+        stored, o = _tile_rows(k_head, t0, nk, kt)
+        score_rows = rows if rows < 3 else min(_round_up(rows, 4), sr.shape[0])
+        linear_rows(qs[:score_rows], stored[o : o + nk], sr[:score_rows, :nk], 0, nk)
+
+    return impl
 
 
 @numba.njit(cache=True, nogil=True, fastmath=True)
-def _segment(qs, k_head, v_head, t_lo, t_hi, limit, g, rows, st, m, l, acc, m_new, alpha, total, kt, vt, panel,
-             every_key=False):
+def _tile(qs, qc, qd, k_head, values, t0, nk, limit, g, rows, st, m, l, acc, m_new, alpha, total, kt, panel,
+          every_key):
+    """One tile of _segment: keys t0..t0+nk with their values [nk, hdv] (hdv a multiple of NR)."""
+    if every_key:  # decode: every row sees every key
+        _decode_tile(qs, qc, qd, k_head, values, t0, nk, rows, st, m, l, acc, alpha, total, kt)
+    else:
+        _tile_scores(qs, qc, qd, k_head, t0, nk, rows, st, kt, panel)
+        _tile_step(st, values, rows, nk, limit - t0, g, m, l, acc, m_new, alpha, total)
+
+
+@numba.njit(cache=True, nogil=True, fastmath=True)
+def _segment(qs, qc, qd, k_head, v_head, t_lo, t_hi, limit, g, rows, st, m, l, acc, m_new, alpha, total, kt, vt,
+             panel, every_key=False):
     """The partial softmax m, l: [Rp] and acc: [Rp, hdv] of `rows` query rows over keys [t_lo, t_hi)
     (one segment), from a fresh start; row r sees key t when r // g >= t - limit.
 
-    qs: [Rp, hd] pre-scaled queries (rotated for rotated blocks: _rotate_rows); k_head, v_head:
-    [S, hd] storage or [S, nb] blocks; st: [KBp, Rp]; kt, vt: [KB, hdp] float32 tiles: blocks
-    converted (_tile_rows), or values padded when hd is not a multiple of NR (hdv = hdp), else
-    values read as stored (hdv = hd); panel: _tile_scores' scratch.
+    qs: [Rp, hd] pre-scaled queries (rotated for rotated blocks: _rotate_rows), and for q8_0 keys
+    their int16 codes qc [Rp, hd] and scales qd [Rp, >= nb] (kv_blocks.quantize_queries); k_head,
+    v_head: [S, hd] storage or [S, nb] blocks; st: [KBp, Rp]; kt, vt: [KB, hdp] float32 tiles:
+    q4_0 keys and block values converted (_tile_rows), or values padded when hd is not a multiple
+    of NR (hdv = hdp), else values read as stored (hdv = hd); panel: _tile_scores' scratch.
     """
     m[:] = _NO_MAX
     l[:] = np.float32(0.0)
     acc[:] = np.float32(0.0)
     for t0 in range(t_lo, t_hi, TILE_KEYS):
         nk = min(TILE_KEYS, t_hi - t0)
-        keys, values, o = _tile_rows(k_head, v_head, t0, nk, kt, vt)  # the tile's keys at o..o+nk
-        if every_key:  # decode: every row sees every key
-            _decode_tile(qs, keys, values, o, nk, rows, st, m, l, acc, alpha, total, vt)
-            continue
-        _tile_scores(qs, keys[o : o + nk], rows, st, panel)
-        if keys.shape[1] % NR:
+        values, o = _tile_rows(v_head, t0, nk, vt)  # as stored, or blocks converted
+        if _padded(values):  # for the SIMD kernel
             _load_rows(values, o, nk, vt)
-            _tile_step(st, vt[:nk], rows, nk, limit - t0, g, m, l, acc, m_new, alpha, total)
+            _tile(qs, qc, qd, k_head, vt[:nk], t0, nk, limit, g, rows, st, m, l, acc, m_new, alpha, total, kt, panel,
+                  every_key)
         else:
-            _tile_step(st, values[o : o + nk], rows, nk, limit - t0, g, m, l, acc, m_new, alpha, total)
+            _tile(qs, qc, qd, k_head, values[o : o + nk], t0, nk, limit, g, rows, st, m, l, acc, m_new, alpha, total,
+                  kt, panel, every_key)
     _rotate_rows(v_head, acc, rows)  # rotated value blocks: their sums back to the model's basis
 
 
@@ -315,38 +357,47 @@ def _segments(length):
 @numba.njit(cache=True, nogil=True, fastmath=True)
 def _task_buffers(rows, hd):
     """A prefill task's arrays: qs [Rp, hd], st [KBp, Rp], acc [Rp, hdp], m, l, m_new, alpha, total
-    [Rp], kt, vt [KB, hdp], panel [gemm.PANEL * hd] (Rp: rows rounded up to TALL_MR)."""
+    [Rp], kt, vt [KB, hdp], panel [gemm.PANEL * hd], qc [Rp, hd] int16, qd [Rp, hd / 32] (Rp: rows
+    rounded up to TALL_MR)."""
     rows_p = _round_up(rows, TALL_MR)
     hdp = _round_up(hd, NR)
     return (np.zeros((rows_p, hd), np.float32), np.zeros((TILE_KEYS, rows_p), np.float32),
             np.zeros((rows_p, hdp), np.float32), np.empty(rows_p, np.float32), np.empty(rows_p, np.float32),
             np.empty(rows_p, np.float32), np.empty(rows_p, np.float32), np.empty(rows_p, np.float32),
             np.zeros((TILE_KEYS, hdp), np.float32), np.zeros((TILE_KEYS, hdp), np.float32),
-            np.empty(gemm.PANEL * hd, np.float32))
+            np.empty(gemm.PANEL * hd, np.float32), np.zeros((rows_p, hd), np.int16),
+            np.zeros((rows_p, _query_blocks(hd)), np.float32))
+
+
+@numba.njit(cache=True, nogil=True, fastmath=True, inline="always")
+def _query_blocks(hd):
+    """Columns of qd: the most key blocks a row of head_dim hd has (blocks of 32 or 64 values)."""
+    return max(1, hd // 32)
 
 
 @numba.njit(cache=True, nogil=True, fastmath=True)
 def _unit_partial(q, k_slot, v_slot, start, scale, h, q0, nq, seg, bufs):
     """The partial softmax of segment seg for queries q0..q0+nq of the g heads of kv head h (row
     r = qi * g + gi) into bufs' m, l, acc (bufs: _task_buffers, its qs filled by _fill_queries)."""
-    qs, st, acc, m, l, m_new, alpha, total, kt, vt, panel = bufs
+    qs, st, acc, m, l, m_new, alpha, total, kt, vt, panel, qc, qd = bufs
     g = q.shape[1] // k_slot.shape[0]
     t_lo = seg * SEGMENT
     t_hi = min(start + q0 + nq, t_lo + SEGMENT)  # the unit's last query sees keys up to start + q0 + nq - 1
-    _segment(qs, k_slot[h], v_slot[h], t_lo, t_hi, start + q0, g, nq * g, st, m, l, acc, m_new, alpha, total, kt,
+    _segment(qs, qc, qd, k_slot[h], v_slot[h], t_lo, t_hi, start + q0, g, nq * g, st, m, l, acc, m_new, alpha, total, kt,
              vt, panel)
 
 
 @numba.njit(cache=True, nogil=True, fastmath=True)
-def _fill_queries(q, h, g, q0, nq, scale, k_head, qs):
+def _fill_queries(q, h, g, q0, nq, scale, k_head, qs, qc, qd):
     """qs[qi * g + gi] = q[q0 + qi, h * g + gi] * scale, rotated as k_head's keys are (the rows
-    past nq * g stay as they are)."""
+    past nq * g stay as they are); for q8_0 keys, quantized into qc, qd (kv_blocks.quantize_queries)."""
     for qi in range(nq):
         for gi in range(g):
             src, dst = q[q0 + qi, h * g + gi], qs[qi * g + gi]
             for d in range(src.shape[0]):
                 dst[d] = src[d] * np.float32(scale)
     _rotate_rows(k_head, qs, nq * g)
+    kv_blocks.quantize_queries(k_head, qs, nq * g, qc, qd)
 
 
 @numba.njit(cache=True, nogil=True, fastmath=True)
@@ -365,7 +416,7 @@ def _prefill_unit(q, k_slot, v_slot, start, scale, h, q0, nq, out):
     g, hd = q.shape[1] // k_slot.shape[0], q.shape[2]
     rows = nq * g
     bufs = _task_buffers(rows, hd)
-    _fill_queries(q, h, g, q0, nq, scale, k_slot[h], bufs[0])
+    _fill_queries(q, h, g, q0, nq, scale, k_slot[h], bufs[0], bufs[11], bufs[12])
     acc, m, l = bufs[2], bufs[3], bufs[4]
     state_m = np.full(rows, _NO_MAX, np.float32)
     state_l = np.zeros(rows, np.float32)
@@ -412,7 +463,7 @@ def _prefill(q, k_slot, v_slot, start, scale, out, threads):
         if seg >= _segments(start + q0 + nq):
             continue  # past the unit's keys: the fold below skips it too
         bufs = _task_buffers(nq * g, hd)
-        _fill_queries(q, h, g, q0, nq, scale, k_slot[h], bufs[0])
+        _fill_queries(q, h, g, q0, nq, scale, k_slot[h], bufs[0], bufs[11], bufs[12])
         _unit_partial(q, k_slot, v_slot, start, scale, h, q0, nq, seg, bufs)
         rows = nq * g
         pm[u, seg, :rows] = bufs[3][:rows]
@@ -690,7 +741,8 @@ def decode_scratch_shapes(max_batch, H, hd, threads, sequence_length):
     segment of each row (sequence_length bounds the segments), and each thread's tile scratch."""
     rows_p = _round_up(H, 12)  # bounds the padded group size (to MR, or to TALL_MR past 2 * MR)
     hdp = _round_up(hd, NR)
-    tile = rows_p * (hd + TILE_KEYS + hdp + 5) + 2 * TILE_KEYS * hdp + (gemm.PANEL * hd if H > FEW_ROWS else 0)
+    tile = (rows_p * (hd + TILE_KEYS + hdp + 5 + hd + max(1, hd // 32)) + 2 * TILE_KEYS * hdp
+            + (gemm.PANEL * hd if H > FEW_ROWS else 0))
     segments = (sequence_length + SEGMENT - 1) // SEGMENT
     return {
         "partial_m": (segments, max_batch, H),
@@ -703,7 +755,8 @@ def decode_scratch_shapes(max_batch, H, hd, threads, sequence_length):
 @numba.njit(cache=True, nogil=True, fastmath=True)
 def _carve(tile, g, hd):
     """The _segment arrays of a decode task, views of its thread's tile scratch: qs [Rp, hd],
-    st [KB, Rp], acc [Rp, hdp], m, l, m_new, alpha, total [Rp], kt, vt [KB, hdp], panel."""
+    st [KB, Rp], acc [Rp, hdp], m, l, m_new, alpha, total [Rp], kt, vt [KB, hdp], panel, qc [Rp, hd]
+    int16 (in the room of as many floats), qd [Rp, hd / 32]."""
     rows_p = _round_up(g, TALL_MR) if g > 2 * MR else _round_up(g, MR)
     hdp = _round_up(hd, NR)
     o = 0
@@ -720,7 +773,11 @@ def _carve(tile, g, hd):
     vt = tile[o : o + TILE_KEYS * hdp].reshape((TILE_KEYS, hdp))
     o += vt.size
     panel = tile[o : o + (gemm.PANEL * hd if g > FEW_ROWS else 0)]
-    return qs, st, acc, vec[0], vec[1], vec[2], vec[3], vec[4], kt, vt, panel
+    o += panel.size
+    qc = tile[o : o + rows_p * hd].view(np.int16)[: rows_p * hd].reshape((rows_p, hd))
+    o += rows_p * hd
+    qd = tile[o : o + rows_p * _query_blocks(hd)].reshape((rows_p, _query_blocks(hd)))
+    return qs, st, acc, vec[0], vec[1], vec[2], vec[3], vec[4], kt, vt, panel, qc, qd
 
 
 @numba.njit(cache=True, nogil=True, fastmath=True)
@@ -728,13 +785,13 @@ def _decode_task(q, k_head, v_head, b, h, length, seg, scale, m_out, l_out, acc_
     """Segment seg of batch row b's keys [0, length) for the g query heads of kv head h: its partial
     softmax into m_out, l_out: [g] and acc_out: [g, hd], computed as prefill computes it."""
     g, hd = acc_out.shape
-    qs, st, acc, m, l, m_new, alpha, total, kt, vt, panel = _carve(tile, g, hd)
+    qs, st, acc, m, l, m_new, alpha, total, kt, vt, panel, qc, qd = _carve(tile, g, hd)
     qs[:] = np.float32(0.0)
     st[:] = np.float32(0.0)
-    _fill_queries(q, h, g, b, 1, scale, k_head, qs)
+    _fill_queries(q, h, g, b, 1, scale, k_head, qs, qc, qd)
     t_lo = seg * SEGMENT
     t_hi = min(length, t_lo + SEGMENT)
-    _segment(qs, k_head, v_head, t_lo, t_hi, t_hi, g, g, st, m, l, acc, m_new, alpha, total, kt, vt, panel, True)
+    _segment(qs, qc, qd, k_head, v_head, t_lo, t_hi, t_hi, g, g, st, m, l, acc, m_new, alpha, total, kt, vt, panel, True)
     for r in range(g):
         m_out[r] = m[r]
         l_out[r] = l[r]
@@ -841,22 +898,70 @@ def _store_any_overload(k_new, v_new, k_layer, v_layer, key_mean, slots, positio
         k_new, v_new, k_layer, v_layer, key_mean, slots, positions)
 
 
-def _tile_rows(k_head, v_head, t0, nk, kt, vt):
-    """(keys, values, o): a tile's keys and values are rows o..o+nk of these arrays: the stored
-    heads themselves (o = t0), or blocks converted to float32 into kt and vt (o = 0)."""
+def _tile_rows(head, t0, nk, dst):
+    """(rows, o): positions t0..t0+nk of a head are rows o..o+nk of `rows`: the stored head itself
+    (o = t0), or blocks converted to float32 into dst (o = 0)."""
     raise NotImplementedError("numba only")
 
 
 @overload(_tile_rows, jit_options={"nogil": True, "fastmath": True})
-def _tile_rows_overload(k_head, v_head, t0, nk, kt, vt):
-    if not _held_in_blocks(k_head):
-        return lambda k_head, v_head, t0, nk, kt, vt: (k_head, v_head, t0)
-    from ellmd.kernels.kv_blocks import dequantize_rows
+def _tile_rows_overload(head, t0, nk, dst):
+    if not _held_in_blocks(head) or kv_blocks.read_as_stored(head):
+        return lambda head, t0, nk, dst: (head, t0)
 
-    def impl(k_head, v_head, t0, nk, kt, vt):
-        dequantize_rows(k_head, t0, nk, kt)
-        dequantize_rows(v_head, t0, nk, vt)
-        return kt, vt, 0
+    def impl(head, t0, nk, dst):
+        kv_blocks.dequantize_rows(head, t0, nk, dst)
+        return dst, 0
+
+    return impl
+
+
+def _load_rows(head, k0, nk, dst):
+    """dst[:nk, :hd] = positions k0..k0+nk of one head as float32 (head: [S, hd] storage or [S, nb]
+    blocks; dst: [KB, >= hd] float32)."""
+    raise NotImplementedError("numba only")
+
+
+@overload(_load_rows, jit_options={"nogil": True, "fastmath": True})
+def _load_rows_overload(head, k0, nk, dst):
+    load = kv_blocks.dequantize_rows if _held_in_blocks(head) else _load_values
+    return lambda head, k0, nk, dst: load(head, k0, nk, dst)
+
+
+def _padded(values):
+    """True when a tile of values must be copied into a float32 tile padded to NR columns for the
+    SIMD kernel (a head_dim not a multiple of NR); never for q8_0 blocks (value_sums)."""
+    raise NotImplementedError("numba only")
+
+
+@overload(_padded, jit_options={"nogil": True})
+def _padded_overload(values):
+    if _held_in_blocks(values):
+        return lambda values: False
+    return lambda values: values.shape[1] % NR != 0
+
+
+def _add_values(p, transposed, values, acc, rows, nk):
+    """acc[r] += sum_j p[r, j] values[j] for r < rows (p read as p.T when transposed: [KBp, Rp]):
+    float values on the SIMD kernel (rows rounded up to its height: acc's padded rows), q8_0 blocks
+    as stored (kv_blocks.value_sums)."""
+    raise NotImplementedError("numba only")
+
+
+@overload(_add_values, jit_options={"nogil": True, "fastmath": True})
+def _add_values_overload(p, transposed, values, acc, rows, nk):
+    if _held_in_blocks(values):
+        def impl_blocks(p, transposed, values, acc, rows, nk):
+            if transposed:
+                value_sums(p.T, values, acc, rows, nk)
+            else:
+                value_sums(p, values, acc, rows, nk)
+
+        return impl_blocks
+
+    def impl(p, transposed, values, acc, rows, nk):
+        rows_p = acc.shape[0]
+        gemm_tile(p, transposed, values, acc, rows_p, values.shape[1], nk, True, rows_p % TALL_MR == 0)
 
     return impl
 

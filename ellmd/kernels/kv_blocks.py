@@ -12,9 +12,13 @@ Layout: GGUF's Q8_0 and Q4_0 blocks (an f16 scale, then the codes): q4_0 is GGUF
 64 (66 bytes: 0.516x bf16; SmolLM2's and Qwen3's 64 and 128), else GGUF's 32 (34 bytes: 0.531x).
 The KV tensor keeps its shape [layers, slots, kvh, S, nb] with one block record per element, so
 a slot's tokens are still contiguous per head, and copying, exporting and storing KV moves these
-bytes as they are. Writing a token quantizes its rows once (store_blocks); attention converts a
-tile of KB keys (and of values) to float32 in L1 and runs the float32 kernels of attention.py on
-it, the same tiles in prefill and decode.
+bytes as they are. Writing a token quantizes its rows once (store_blocks). Attention reads q8_0
+blocks as stored (read_as_stored): scores on integer dot products of the key codes with int16
+query codes, one query scale per key block (quantize_queries, quant_int.key_scores), and the
+values' codes summed in registers, each key's probability times its block scale
+(quant_int.value_sums); q4_0 blocks (and q8_0 on a CPU without AVX2) are converted a tile of KB
+keys at a time to float32 in L1 for the float32 kernels of attention.py. Prefill and decode run
+the same tiles and kernels: one arithmetic per token.
 
 Rotation: H = the normalised Walsh-Hadamard matrix over groups of P = the largest power of two
 dividing hd (64 or 128 for the supported models). H is orthogonal and its own inverse, so a key
@@ -36,7 +40,7 @@ import numba
 import numpy as np
 from numba.extending import overload
 
-from ellmd.kernels import quant
+from ellmd.kernels import cpu, quant, quant_int
 from ellmd.kernels.formats import F32, FORMAT_NAMES, f32_to_f16
 from ellmd.kernels.quant import as_bytes, f16_at
 
@@ -358,3 +362,86 @@ def rotate_rows(head, x, rows):
         hd = _row_values(head)
         for r in range(rows):
             hadamard(x[r, :hd])
+
+
+# q8_0 blocks read as stored where the CPU has the "int16" path's instructions (vpdpwssd, or AVX2's
+# vpmaddwd: every x86 class of DESIGN.md): keys' scores on integer dot products (quant_int.key_scores),
+# values' codes converted in registers into the sums (quant_int.value_sums). Elsewhere, and for
+# q4_0 blocks, attention converts a tile to float32 (dequantize_rows) for the float kernels.
+INTEGER_KEYS = "int16" in cpu.host_paths()
+QUERY_TOP = np.float32(32767.0)  # int16 query codes: a rounding of 2**-16 of a block's largest value
+
+
+def read_as_stored(head_type):
+    """True when arrays of this numba type hold q8_0 blocks that attention reads as stored (keys
+    scored in integers, values summed from their codes), False for tiles converted to float32."""
+    return INTEGER_KEYS and _LAYOUTS.get(getattr(head_type, "dtype", None), ("",))[0] == "Q8_0"
+
+
+
+
+@numba.njit(cache=True, nogil=True)
+def _quantize_query_rows(qs, rows, values, qc, qd):
+    for r in range(rows):
+        for blk in range(qs.shape[1] // values):
+            x = qs[r, blk * values : blk * values + values]
+            amax = np.float32(0.0)
+            for l in range(values):
+                amax = max(amax, abs(x[l]))
+            d = amax / QUERY_TOP
+            inv = np.float32(1.0) / d if d > 0 else np.float32(0.0)
+            for l in range(values):
+                qc[r, blk * values + l] = np.int16(np.rint(x[l] * inv))
+            qd[r, blk] = d
+
+
+def quantize_queries(head, qs, rows, qc, qd):
+    """For q8_0 keys scored in integers (read_as_stored, quant_int.key_scores): each query row qs[r] (scaled, rotated as the
+    keys are) to int16 codes qc[r] [hd] with one scale qd[r, blk] = max |x| / 32767 per key block,
+    for quant_int.key_scores; nothing for other keys. qs: [>= rows, hd] float32; qc: [>= rows, hd]
+    int16; qd: [>= rows, >= hd / 32] float32."""
+    raise NotImplementedError("numba only")
+
+
+@overload(quantize_queries, jit_options={"nogil": True})
+def _quantize_queries_overload(head, qs, rows, qc, qd):
+    if not read_as_stored(head):
+        return lambda head, qs, rows, qc, qd: None
+    values = _LAYOUTS[head.dtype][1]
+    return lambda head, qs, rows, qc, qd: _quantize_query_rows(qs, rows, values, qc, qd)
+
+
+def quantize_queries_ref(qs: np.ndarray, values: int) -> tuple[np.ndarray, np.ndarray]:
+    """numpy reference of quantize_queries: float32 [rows, hd] -> (int16 codes, [rows, hd / values] scales)."""
+    blocks = qs.reshape(qs.shape[0], -1, values)
+    d = np.abs(blocks).max(axis=2) / QUERY_TOP  # [rows, nb]
+    with np.errstate(divide="ignore"):
+        inv = np.where(d > 0, np.float32(1.0) / d, np.float32(0.0)).astype(np.float32)
+    return np.rint(blocks * inv[..., None]).astype(np.int16).reshape(qs.shape), d.astype(np.float32)
+
+
+def key_scores_ref(qc: np.ndarray, qd: np.ndarray, head: np.ndarray) -> np.ndarray:
+    """numpy reference of quant_int.key_scores over every key of head: [rows, S] float32, each score
+    the blocks' exact integer sums times their two scales, added in block order as the kernel does
+    (float32 fma, here float64 then rounded: the same value)."""
+    name, values, _ = _LAYOUTS[numba.from_dtype(head.dtype)]
+    raw = np.ascontiguousarray(head).view(np.uint8).reshape(*head.shape, 2 + values)  # [S, nb, bytes]
+    dk = raw[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)  # [S, nb]
+    codes = raw[..., 2:].view(np.int8).astype(np.int64)  # [S, nb, values]
+    sums = np.einsum("rbv,sbv->rsb", qc.reshape(qc.shape[0], -1, values).astype(np.int64), codes)  # [rows, S, nb]
+    out = np.zeros(sums.shape[:2], np.float32)
+    for blk in range(sums.shape[2]):
+        scale = (dk[None, :, blk] * qd[:, None, blk]).astype(np.float32)
+        out = (sums[..., blk].astype(np.float32).astype(np.float64) * scale + out).astype(np.float32)
+    return out
+
+
+def value_sums_ref(p: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """numpy reference of quant_int.value_sums from zero: p [rows, nk] float32 times the blocks'
+    values [nk, hd] (the probabilities times each key's block scale, then times the codes)."""
+    name, bv, _ = _LAYOUTS[numba.from_dtype(values.dtype)]
+    raw = np.ascontiguousarray(values).view(np.uint8).reshape(*values.shape, 2 + bv)  # [nk, nb, bytes]
+    dv = raw[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)  # [nk, nb]
+    codes = raw[..., 2:].view(np.int8).astype(np.float64)  # [nk, nb, bv]
+    weights = (p[:, :, None] * dv[None]).astype(np.float32).astype(np.float64)  # [rows, nk, nb]
+    return np.einsum("rjb,jbv->rbv", weights, codes).reshape(p.shape[0], -1).astype(np.float32)

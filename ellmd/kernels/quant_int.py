@@ -617,3 +617,202 @@ def _rows_vnni_overload(xq, xd, xs, w, out, j0, j1):
 @overload(rows_vnni_depth_first, jit_options={"fastmath": FASTMATH_IN_ORDER, "nogil": True})
 def _rows_vnni_depth_first_overload(xq, xd, xs, w, out, j0, j1):
     return _rows_vnni_impl(w, True)
+
+
+# ---- q8_0 keys of the KV cache (kv_blocks.py): attention scores on integer dot products ----------
+
+
+KEY_GROUP = 4  # keys whose int32 lanes are added up together (_lane_sums): a third of the shuffles
+
+
+def _lane_sums(b, vectors):
+    """The lane sums of 4 <16 x i32> vectors as one <4 x i32>, halves folded pairwise across the
+    vectors (15 shuffles and adds where 4 tile.lane_sum take 36; integer sums: exact in any order)."""
+
+    def fold(x, y, width):
+        """Lanes of x then y in groups of `width`: each group's halves added (half the lanes)."""
+        lo = [g + i for g in range(0, x.type.count + y.type.count, width) for i in range(width // 2)]
+        pick = [ir.Constant(ir.VectorType(ir.IntType(32), len(lo)), [i + o for i in lo]) for o in (0, width // 2)]
+        return b.add(b.shuffle_vector(x, y, pick[0]), b.shuffle_vector(x, y, pick[1]))
+
+    def fold_one(x, width):
+        return fold(*(b.shuffle_vector(x, x, ir.Constant(ir.VectorType(ir.IntType(32), x.type.count // 2), list(
+            range(h, h + x.type.count // 2)))) for h in (0, x.type.count // 2)), width)
+
+    four = fold(fold(vectors[0], vectors[1], 16), fold(vectors[2], vectors[3], 16), 8)  # [a, b, c, d], 4 lanes each
+    return fold_one(fold_one(four, 4), 2)
+
+
+def _key_scores_codegen(values):
+    """Codegen of key_scores over key blocks of `values` codes (32 or 64): keys in groups of
+    KEY_GROUP (the rest one by one), each group's codes widened to int16 once (vpmovsxbw) per block
+    for every query row; per (query row, key, block) the exact int32 sum of codes x query codes
+    (vpdpwssd, or vpmaddwd on AVX2; the lanes of a group's keys added together), then one float
+    step, score = fma(sum, key scale x query scale, score), blocks in order."""
+    size, groups = 2 + values, values // 32
+
+    def codegen(context, builder, signature, args):
+        qc_a, qd_a, head_a, _, _, _, out_a = (context.make_array(t)(context, builder, v) if isinstance(t, types.Array)
+                                              else None for t, v in zip(signature.args, args))
+        t0, nk, rows = args[3:6]
+        intp = context.get_value_type(types.intp)
+        i8p, f32 = ir.IntType(8).as_pointer(), ir.FloatType()
+        i32v, w16 = ir.VectorType(ir.IntType(32), 16), ir.VectorType(ir.IntType(16), 32)
+        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(f32, [f32] * 3), "llvm.fma.f32")
+
+        def c(v):
+            return ir.Constant(intp, v)
+
+        hd = cgutils.unpack_tuple(builder, qc_a.shape)[1]
+        nbq = cgutils.unpack_tuple(builder, qd_a.shape)[1]
+        nb = cgutils.unpack_tuple(builder, head_a.shape)[1]
+        row_bytes = cgutils.unpack_tuple(builder, head_a.strides)[0]
+        out_st = cgutils.unpack_tuple(builder, out_a.strides)
+        heads, outb = builder.bitcast(head_a.data, i8p), builder.bitcast(out_a.data, i8p)
+
+        def out_at(r, j):
+            at = builder.add(builder.mul(r, out_st[0]), builder.mul(j, out_st[1]))
+            return builder.bitcast(builder.gep(outb, [at]), f32.as_pointer())
+
+        def keys(j0, count):
+            """The scores of keys j0..j0+count (count 1 or KEY_GROUP) for every query row."""
+            js = [builder.add(j0, c(k)) for k in range(count)]
+            rows_of = [_Ir(builder, builder.gep(heads, [builder.mul(builder.add(t0, j), row_bytes)])) for j in js]
+            with cgutils.for_range(builder, rows) as each:
+                for j in js:
+                    builder.store(ir.Constant(f32, 0.0), out_at(each.index, j))
+            with cgutils.for_range(builder, nb) as blocks:
+                blk = blocks.index
+                o = builder.mul(blk, c(size))
+                dks = [q.f16(o) for q in rows_of]
+                words = [[builder.bitcast(builder.sext(q.bytes(builder.add(o, c(2 + 32 * g)), 32), w16), i32v)
+                          for g in range(groups)] for q in rows_of]
+                with cgutils.for_range(builder, rows) as each:
+                    r = each.index
+                    x0 = builder.add(builder.mul(r, hd), builder.mul(blk, c(values)))
+                    xs = [builder.bitcast(builder.load(builder.bitcast(builder.gep(qc_a.data, [builder.add(x0, c(32 * g))]),
+                                                                       w16.as_pointer()), align=2), i32v)
+                          for g in range(groups)]
+                    lanes = []
+                    for key_words in words:
+                        total = ir.Constant(i32v, [0] * 16)
+                        for kw, xv in zip(key_words, xs):
+                            total = _dot_words(builder, total, kw, xv)
+                        lanes.append(total)
+                    if count == 1:
+                        sums = [tile.lane_sum(builder, lanes[0])]
+                    else:
+                        four = _lane_sums(builder, lanes)
+                        sums = [builder.extract_element(four, ir.Constant(ir.IntType(32), k)) for k in range(count)]
+                    dq = builder.load(builder.gep(qd_a.data, [builder.add(builder.mul(r, nbq), blk)]))
+                    for j, dk, isum in zip(js, dks, sums):
+                        ptr = out_at(r, j)
+                        scale = builder.fmul(dk, dq)
+                        builder.store(builder.call(fma, [builder.sitofp(isum, f32), scale, builder.load(ptr)]), ptr)
+
+        grouped = builder.udiv(nk, c(KEY_GROUP))
+        with cgutils.for_range(builder, grouped) as each:
+            keys(builder.mul(each.index, c(KEY_GROUP)), KEY_GROUP)
+        with cgutils.for_range_slice(builder, builder.mul(grouped, c(KEY_GROUP)), nk, c(1)) as (j, _):
+            keys(j, 1)
+        return context.get_dummy_value()
+
+    return codegen
+
+
+@intrinsic
+def key_scores(typingctx, qc, qd, head, t0, nk, rows, out):
+    """out[r, j] = score of query row r < rows and key t0 + j < t0 + nk of a head of q8_0 blocks:
+    the sum over the key's blocks, in order, of (int32 sum of key codes x query codes) x (key scale x
+    query scale). qc: [>= rows, hd] int16 query codes, qd: [>= rows, >= blocks] float32 their scales
+    (one per key block: kv_blocks.quantize_queries), both C-contiguous; head: [S, blocks] q8_0 block
+    records (kv_blocks.py), C-contiguous; out: [>= rows, >= nk] float32, any layout. Each score is
+    computed alone (no sum depends on the rows or keys beside it): prefill and decode, which share
+    this kernel, give a token's scores to the bit. Needs the "int16" path's features (cpu.py)."""
+    if not (isinstance(head, types.Array) and isinstance(head.dtype, types.Record) and head.layout == "C"):
+        return None
+    if not (isinstance(qc, types.Array) and qc.dtype == types.int16 and qc.layout == "C"):
+        return None
+    values = head.dtype.size - 2  # a q8_0 block: an f16 scale, then one byte a code
+    sig = types.void(qc, qd, head, types.intp, types.intp, types.intp, out)
+    return sig, cpu.compiled_for("int16", _key_scores_codegen(values))
+
+
+# query rows that share one conversion of a tile's value codes (value_sums), largest first: a pass
+# holds its rows' sums of one block in registers (4 rows x 64 values: 16 of AVX-512's 32)
+VALUE_PASSES = (4, 3, 2, 1) if WORDS_VNNI else (2, 1)
+
+
+def _value_sums_codegen(values):
+    """Codegen of value_sums over value blocks of `values` codes (32 or 64)."""
+    size, strips = 2 + values, values // 16
+    f16v = ir.VectorType(ir.FloatType(), 16)
+
+    def codegen(context, builder, signature, args):
+        p_a, head_a, acc_a = (context.make_array(t)(context, builder, v)
+                              for t, v in zip(signature.args[:3], args[:3]))
+        rows, nk = args[3], args[4]
+        intp = context.get_value_type(types.intp)
+        i8p, f32 = ir.IntType(8).as_pointer(), ir.FloatType()
+        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(f16v, [f16v] * 3), "llvm.fma.v16f32")
+
+        def c(v):
+            return ir.Constant(intp, v)
+
+        p_st = cgutils.unpack_tuple(builder, p_a.strides)
+        acc_st = cgutils.unpack_tuple(builder, acc_a.strides)
+        nb = cgutils.unpack_tuple(builder, head_a.shape)[1]
+        row_bytes = cgutils.unpack_tuple(builder, head_a.strides)[0]
+        heads, pb, accb = builder.bitcast(head_a.data, i8p), builder.bitcast(p_a.data, i8p), builder.bitcast(acc_a.data, i8p)
+
+        def rows_pass(r0, together, blk):
+            """Block blk of the values for rows r0..r0+together: their sums over the tile's keys in
+            registers, then added to acc."""
+            zero = ir.Constant(f16v, [0.0] * 16)
+            sums = [[cgutils.alloca_once_value(builder, zero) for _ in range(strips)] for _ in range(together)]
+            o = builder.mul(blk, c(size))
+            with cgutils.for_range(builder, nk) as keys:
+                j = keys.index
+                q = _Ir(builder, builder.gep(heads, [builder.mul(j, row_bytes)]))
+                dv = q.f16(o)
+                codes = [builder.sitofp(builder.sext(q.bytes(builder.add(o, c(2 + 16 * s)), 16), q.vec(q.i32, 16)), f16v)
+                         for s in range(strips)]
+                for r in range(together):
+                    at = builder.add(builder.mul(builder.add(r0, c(r)), p_st[0]), builder.mul(j, p_st[1]))
+                    w = builder.fmul(builder.load(builder.bitcast(builder.gep(pb, [at]), f32.as_pointer())), dv)
+                    w = q.splat(w, 16)
+                    for s in range(strips):
+                        builder.store(builder.call(fma, [w, codes[s], builder.load(sums[r][s])]), sums[r][s])
+            for r in range(together):
+                row = builder.mul(builder.add(r0, c(r)), acc_st[0])
+                for s in range(strips):
+                    col = builder.mul(builder.add(builder.mul(blk, c(values)), c(16 * s)), acc_st[1])
+                    ptr = builder.bitcast(builder.gep(accb, [builder.add(row, col)]), f16v.as_pointer())
+                    builder.store(builder.fadd(builder.load(sums[r][s]), builder.load(ptr, align=4)), ptr, align=4)
+
+        done = cgutils.alloca_once_value(builder, c(0))  # rows summed
+        for together in VALUE_PASSES:
+            start = builder.load(done)
+            passes = builder.udiv(builder.sub(rows, start), c(together))
+            with cgutils.for_range(builder, passes) as each:
+                r0 = builder.add(start, builder.mul(each.index, c(together)))
+                with cgutils.for_range(builder, nb) as blocks:
+                    rows_pass(r0, together, blocks.index)
+            builder.store(builder.add(start, builder.mul(passes, c(together))), done)
+        return context.get_dummy_value()
+
+    return codegen
+
+
+@intrinsic
+def value_sums(typingctx, p, head, acc, rows, nk):
+    """acc[r, :hd] += sum over keys j < nk of p[r, j] x value j, for rows r < rows, on q8_0 value
+    blocks read as stored (head: [nk, blocks] records, C-contiguous): each key's block scale joins
+    its probability (p[r, j] x scale, one float product) and the codes, converted to float32 in
+    registers, are summed by FMAs over the keys in order from zero, then added to acc (the order of
+    tile.gemm_tile's sums). p: [>= rows, >= nk] float32, any layout; acc: [>= rows, >= hd] float32
+    with rows of contiguous values. Each row's sums are its own (prefill and decode share them)."""
+    if not (isinstance(head, types.Array) and isinstance(head.dtype, types.Record) and head.layout == "C"):
+        return None
+    sig = types.void(p, head, acc, types.intp, types.intp)
+    return sig, _value_sums_codegen(head.dtype.size - 2)
