@@ -48,7 +48,8 @@ def key_mean(model, tokens: np.ndarray, chunk_size: int) -> np.ndarray:
     that the kernel path that computed them does not move it: the same weights give the same m."""
     spec = model.spec
     kv = KVCache(spec.num_hidden_layers, 1, spec.num_key_value_heads, len(tokens), spec.head_dim, BF16)
-    Plan(model, kv, min(chunk_size, len(tokens))).prefill(0, tokens)
+    for _ in Plan(model, kv, min(chunk_size, len(tokens))).prefill(0, tokens):
+        pass
     keys = to_f32(kv.k[:, 0], BF16)  # [L, G, N, d]
     mean = keys.astype(np.float64).mean(axis=2).astype(np.float32)
     return to_f32(to_storage(mean, BF16), BF16)

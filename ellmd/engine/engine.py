@@ -239,8 +239,9 @@ class Engine:
         self.kv.check_room(slot, n)
         ws = self.plan.ws
         out = np.empty((n, self.spec.vocab_size), np.float32) if logits == "all" else None
-        each = (lambda begin, m: self.plan.logits(ws.row_ids[:m], out[begin : begin + m])) if out is not None else None
-        self.plan.prefill(slot, tokens, each)
+        for begin, m in self.plan.prefill(slot, tokens):
+            if out is not None:
+                self.plan.logits(ws.row_ids[:m], out[begin : begin + m])
         if logits == "last":
             last = (n - 1) % self.plan.chunk_size  # the final chunk's last row
             return self.plan.logits(np.array([last]), ws.logits[:1])[0].copy()

@@ -141,9 +141,9 @@ class Plan:
         for weights in self.layers:
             run_layer(weights, buffers, n, ws.slots, ws.positions, self.dims, run)
 
-    def prefill(self, slot: int, tokens, each=None) -> None:
-        """Append tokens [n] to slot at its length, chunk by chunk; each(begin, m) after a chunk
-        (its m rows' residuals in ws.x[:m])."""
+    def prefill(self, slot: int, tokens):
+        """Append tokens [n] to slot at its length, chunk by chunk; yields (begin, m) after each chunk,
+        its m rows' residuals in ws.x[:m] (run it to the end: a chunk runs when it is asked for)."""
         ws, kv = self.ws, self.kv
         for begin in range(0, len(tokens), self.chunk_size):
             piece = tokens[begin : begin + self.chunk_size]
@@ -153,8 +153,7 @@ class Plan:
             ws.positions[:m] = np.arange(start, start + m)
             self.forward(m, decode=False)
             kv.lengths[slot] = start + m
-            if each:
-                each(begin, m)
+            yield begin, m
 
     def _paths(self) -> tuple:
         """(integer path on, workers, (xq, xd, xs)): the kernel-path arguments of kernels.layer, read
