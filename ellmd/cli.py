@@ -81,7 +81,8 @@ def describe_engine(engine) -> str:
     if "calibrate" in engine.timings:  # q4_0 keys: their mean key, a prefill of a fixed text (calibration.py)
         from ellmd.engine.calibration import TOKENS
 
-        calibrated = f", q4_0 keys' mean calibrated in {engine.timings['calibrate']:.1f}s ({TOKENS} tokens)"
+        how = "read from the cache" if engine.key_mean_cached else f"calibrated ({TOKENS} tokens, cached for later starts)"
+        calibrated = f", q4_0 keys' mean {how} in {engine.timings['calibrate']:.1f}s"
     return (
         f"model     {engine.model_path.name}: {spec.model_type}, {spec.num_hidden_layers} layers, "
         f"hidden {spec.hidden_size}, vocab {spec.vocab_size}\n"

@@ -93,7 +93,8 @@ def test_keys_and_values_in_two_formats_move_as_held(tmp_path):
 
 def test_q4_0_keys_centred_alike_at_every_start_and_another_key_mean_is_refused(tmp_path):
     """q4_0 keys are stored less a mean key calibrated at start, named in the fingerprint: a
-    restarted daemon calibrates the same one and resumes a stored session to the same continuation;
+    restarted daemon takes the same one (cached at the first start) and resumes a stored session to
+    the same continuation;
     a session stored under another mean key is refused, naming both."""
     import re
 

@@ -8,12 +8,18 @@ over the last TOKENS tokens of the Python docs' topics: the text's end, which `e
 scores by default only when it scores the whole text (its --max-tokens windows start at the
 beginning).
 
+m is computed once per model and weight format and cached on disk (XDG_CACHE_HOME/ellm/key-mean):
+later starts skip the prefill, and a machine keeps one m whichever kernel paths its CPU of the day
+takes (m names the stored q4_0 sessions: a recomputed m that rounded differently would refuse them).
+
 Shapes: tokens [N]; keys [L, G, N, d] (one bf16 slot); key_mean [L, G, d] float32.
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
+from pathlib import Path
 
 import numpy as np
 
@@ -58,3 +64,33 @@ def key_mean(model, tokens: np.ndarray, chunk_size: int) -> np.ndarray:
 def digest(key_mean: np.ndarray) -> str:
     """8 hex digits naming a key mean (in the fingerprint of the KV it centres)."""
     return hashlib.sha256(np.ascontiguousarray(key_mean, np.float32).tobytes()).hexdigest()[:8]
+
+
+def cache_path(identity: str, tokens: np.ndarray) -> Path:
+    """Where the key mean of a model (identity: its weights and their format) over tokens is kept."""
+    name = hashlib.sha256(identity.encode() + np.ascontiguousarray(tokens, np.int64).tobytes()).hexdigest()[:24]
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "ellm" / "key-mean"
+    return base / f"{name}.npy"
+
+
+def cached_key_mean(model, tokens: np.ndarray, chunk_size: int, identity: str) -> tuple[np.ndarray, bool]:
+    """(key_mean, whether it came from the cache): the cached m of this model and tokens, else
+    key_mean computed and cached (a cache that cannot be read or written only costs the prefill)."""
+    spec = model.spec
+    shape = (spec.num_hidden_layers, spec.num_key_value_heads, spec.head_dim)
+    path = cache_path(identity, tokens)
+    try:
+        mean = np.load(path, allow_pickle=False)
+        if mean.shape == shape and mean.dtype == np.float32 and np.isfinite(mean).all():
+            return mean, True
+    except (OSError, ValueError):
+        pass
+    mean = key_mean(model, tokens, chunk_size)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_name(f"{path.stem}.{os.getpid()}.partial.npy")
+        np.save(partial, mean)
+        partial.replace(path)  # whole or absent: a reader never sees half a file
+    except OSError:
+        pass
+    return mean, False

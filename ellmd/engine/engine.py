@@ -76,6 +76,7 @@ class Engine:
     ):
         progress = progress or (lambda phase, done, total: None)
         self.timings: dict[str, float] = {}
+        self.key_mean_cached = False  # q4_0 keys: their mean key read from the cache (calibration.py)
         self.threads = set_threads(threads)
         if isinstance(model_path, RandomCheckpoint):  # synthetic model for benchmarks
             checkpoint, self.model_path = model_path, Path(f"random:{model_path.spec.model_type}")
@@ -153,11 +154,14 @@ class Engine:
         self.timings["compile"] = time.perf_counter() - start
 
     def _calibrate_keys(self, progress: Progress) -> None:
-        """The mean key that q4_0 keys are stored less (calibration.py): a prefill of a fixed text."""
+        """The mean key that q4_0 keys are stored less (calibration.py): a prefill of a fixed text,
+        once per model and weight format (then read from the cache)."""
         start = time.perf_counter()
         progress("calibrating keys", 0, 1)
         tokens = calibration.calibration_tokens(self.tokenizer, self.spec.vocab_size)
-        self.kv.key_mean[:] = calibration.key_mean(self.model, tokens, self.plan.chunk_size)
+        identity = f"{self.weights_digest}:format{self.fmt}"  # the weights as the model computes with them
+        self.kv.key_mean[:], self.key_mean_cached = calibration.cached_key_mean(
+            self.model, tokens, self.plan.chunk_size, identity)
         progress("calibrating keys", 1, 1)
         self.timings["calibrate"] = time.perf_counter() - start
 
