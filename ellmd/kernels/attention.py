@@ -56,7 +56,11 @@ from ellmd.kernels.matmul import linear_rows
 from ellmd.kernels.quant_int import key_scores, value_sums
 from ellmd.kernels.tile import MR, NR, TALL_MR, gemm_tile
 
-TILE_KEYS = 64  # KB, a multiple of NR
+# KB, a multiple of NR dividing SEGMENT. Each tile pays fixed costs (the kernels' set-up, the running
+# max, the rescaling of acc): at 64 keys they took a fifth of a decode step at 8k and a third of an
+# append there (Xeon model 207, 1 thread: decode 1.1-1.3x faster at 256, a 256-token append at 7,936
+# 1.3-1.55x; 512 no better, and its tiles no longer sit in L2 beside the task's other scratch)
+TILE_KEYS = 256
 TASK_ROWS = 144  # R target of a prefill task: query block = TASK_ROWS // g queries
 # Below this many (kv head, query block) units per thread, prefill shares the segments of every
 # unit among the threads (merged in order as decode merges them): a short chunk has as few units
