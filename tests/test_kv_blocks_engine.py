@@ -112,10 +112,10 @@ def test_smollm2_greedy_choices_with_q8_0_kv():
 
 def test_smollm2_greedy_text_with_q8_0_kv_is_the_default_kvs():
     """The greedy answers (generate(), 32 tokens) to the SmolLM2 alignment prompts with q8_0 KV are
-    those of bf16 KV, the default, token for token (all six on the Xeon this was written on, the
-    fourth included, where f32 KV takes the other side of a 0.008 tie). Another CPU's last bits may
-    turn such a tie: an answer may part only where bf16's lead is a near tie, and five of six must
-    not part at all."""
+    those of bf16 KV, the default, token for token, except where bf16's lead is a near tie: on the
+    Xeon this was written on, five of six are identical and the fourth parts at its sixth token, a
+    0.017 tie on which q8_0 and f32 KV agree with each other. Another CPU's last bits may turn
+    another tie, so five of six must not part at all."""
     from alignment.smollm2_greedy import NEW_TOKENS, PROMPTS as CHATS
     from ellmd.engine import SamplingParams
 
@@ -134,7 +134,7 @@ def test_smollm2_greedy_text_with_q8_0_kv_is_the_default_kvs():
             continue
         step = next(i for i, (a, b) in enumerate(zip(want, got)) if a != b)
         bf16.rewind(0, 0)
-        top = np.sort(bf16.prefill(0, ids + want[:step], logits="last")[-1])[-2:]
+        top = np.sort(bf16.prefill(0, ids + want[:step], logits="last"))[-2:]
         assert top[1] - top[0] < NEAR_TIE, (step, bf16.tokenizer.decode(want), bf16.tokenizer.decode(got))
     assert same >= len(CHATS) - 1
 
