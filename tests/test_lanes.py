@@ -1,0 +1,89 @@
+"""Q8_0 weights with outputs in lanes (kernels/lanes.py): the tiles hold the GGUF's bytes, the
+GEMM/GEMV agrees with numpy, and every output is one chain of float steps, whatever the batch."""
+
+import numpy as np
+import pytest
+
+from ellmd.kernels import cpu, lanes, quant
+
+pytestmark = pytest.mark.skipif("int16" not in cpu.host_paths(),
+                                reason="the int16 path needs AVX512-VNNI+BW or AVX2, which this CPU lacks")
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng(25)
+
+
+def weights(rng, m, k):
+    return quant.quantize(rng.standard_normal((m, k)).astype(np.float32) * 0.05, "Q8_0")
+
+
+def product(x, tiles, m, workers=2):
+    out = np.full((x.shape[0], m), np.nan, np.float32)
+    lanes.linear_lanes(x, tiles, out, workers)
+    return out
+
+
+def test_repack_keeps_the_blocks(rng):
+    w = weights(rng, 37, 576)
+    tiles = lanes.repack_q8_0(w)
+    assert tiles.shape == (3, 18, 544) and tiles.dtype == np.uint8  # 544 = 16 x 34: the same bytes a block
+    scales, codes = lanes.tile_scales_ref(tiles), lanes.tile_codes_ref(tiles)
+    np.testing.assert_array_equal(scales[:37], w["d"].view(np.float16).astype(np.float32))
+    np.testing.assert_array_equal(codes[:37], w["qs"].reshape(37, -1))
+    assert not scales[37:].any() and not codes[37:].any()  # rows past m: zero
+
+
+@pytest.mark.parametrize("k", [576, 1536, 2048])
+@pytest.mark.parametrize("n", [1, 3, 7, 64, 130])
+def test_matches_numpy(rng, n, k):
+    m = 16 * 5 + 9  # a last tile of 9 rows
+    w, x = weights(rng, m, k), rng.standard_normal((n, k)).astype(np.float32)
+    tiles = lanes.repack_q8_0(w)
+    got = product(x, tiles, m)
+    want = np.zeros((n, m), np.float32)
+    lanes.linear_lanes_ref(x, tiles, want, 2)
+    assert np.abs(got - want).max() <= 4e-6 * np.abs(want).max()
+    exact = x.astype(np.float64) @ quant.dequantize(w).astype(np.float64).T  # int16 activations: ~1e-4 off at most
+    assert np.abs(got - exact).max() <= 1e-4 * np.abs(exact).max()
+
+
+def test_a_row_alike_in_every_batch(rng):
+    k, m = 1536, 16 * 7 + 5
+    w, x = weights(rng, m, k), rng.standard_normal((130, k)).astype(np.float32)
+    tiles = lanes.repack_q8_0(w)
+    whole = product(x, tiles, m)
+    for i in range(130):  # alone (decode), one worker
+        np.testing.assert_array_equal(product(x[i : i + 1], tiles, m, workers=1)[0], whole[i])
+    for n in (3, 7, 64):  # other batches: other register blocks and left-over rows
+        for i0 in (0, 5, 130 - n):
+            np.testing.assert_array_equal(product(x[i0 : i0 + n], tiles, m, workers=1), whole[i0 : i0 + n])
+
+
+def f32_chain(isums, steps, order):
+    """The float32 chain acc = fma(float(isum_b), step_b, acc) over blocks in `order`, from 0: the
+    product float32 x float32 is exact in float64 and the fma rounds once to float32 (the float64
+    sum rounded again: a double rounding that differs from one rounding only at exact float32
+    half-way points, not met here)."""
+    acc = np.zeros(isums.shape[:-1], np.float32)
+    for b in order:
+        acc = (isums[..., b].astype(np.float32).astype(np.float64) * steps[..., b].astype(np.float64)
+               + acc.astype(np.float64)).astype(np.float32)
+    return acc
+
+
+def test_the_arithmetic_of_an_output(rng):
+    n, k, m = 7, 1536, 40
+    w, x = weights(rng, m, k), rng.standard_normal((n, k)).astype(np.float32)
+    tiles = lanes.repack_q8_0(w)
+    got = product(x, tiles, m)
+    xq, xd = np.empty((n, k), np.int16), np.empty((n, k // 32), np.float32)
+    quant.quantize_activations(x, xq, xd, np.empty((n, k // 16), np.float32))  # the kernel's own
+    codes, scales = lanes.tile_codes_ref(tiles)[:m], lanes.tile_scales_ref(tiles)[:m]
+    nb = k // 32
+    isums = np.einsum("ibl,jbl->ijb", xq.astype(np.int64).reshape(n, nb, 32), codes.reshape(m, nb, 32).astype(np.int64))
+    steps = (scales[None, :, :] * xd[:, None, :]).astype(np.float32)  # one float32 product
+    np.testing.assert_array_equal(got, f32_chain(isums, steps, range(nb)))
+    # the check tells the orders apart: the blocks summed backwards give other bits
+    assert (f32_chain(isums, steps, range(nb - 1, -1, -1)) != got).any()
