@@ -87,3 +87,35 @@ def test_the_arithmetic_of_an_output(rng):
     np.testing.assert_array_equal(got, f32_chain(isums, steps, range(nb)))
     # the check tells the orders apart: the blocks summed backwards give other bits
     assert (f32_chain(isums, steps, range(nb - 1, -1, -1)) != got).any()
+
+
+AVX2_RUN = """
+import sys
+import numpy as np
+from ellmd.kernels import quant_int
+quant_int.WORDS_VNNI = False  # the code of an AVX2 CPU: vpmaddwd + vpaddd on 256-bit halves
+from ellmd.kernels import lanes
+x, tiles = np.load(sys.argv[1]), np.load(sys.argv[2])
+out = np.zeros((x.shape[0], int(sys.argv[4])), np.float32)
+lanes.linear_lanes(x, tiles, out, 1)
+np.save(sys.argv[3], out)
+"""
+
+
+def test_avx2_code_gives_the_same_bits(rng, tmp_path):
+    """The AVX2 kernel (vpmaddwd, a smaller register block) computes each output as the AVX-512 one:
+    integer sums are exact, the float steps the same. Compiled in a process of its own, with its
+    own kernel cache (the code differs from this CPU's under the same sources)."""
+    import os
+    import subprocess
+    import sys
+
+    k, m = 576, 16 * 4 + 3
+    w, x = weights(rng, m, k), rng.standard_normal((9, k)).astype(np.float32)
+    tiles = lanes.repack_q8_0(w)
+    files = [str(tmp_path / name) for name in ("x.npy", "tiles.npy", "out.npy")]
+    np.save(files[0], x)
+    np.save(files[1], tiles)
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "cache")}
+    subprocess.run([sys.executable, "-c", AVX2_RUN, *files, str(m)], env=env, check=True, timeout=600)
+    np.testing.assert_array_equal(np.load(files[2]), product(x, tiles, m))
