@@ -105,7 +105,7 @@ def _block_codegen(rows, count):
             blk = blocks.index
             at = [builder.add(builder.mul(builder.add(t0, c(s)), tile_bytes), builder.mul(blk, c(TILE_BLOCK)))
                   for s in range(count)]
-            for o in at:
+            for o in at if rows == 1 else ():  # decode streams the tiles; prefill's strip stays in L2
                 q.prefetch(o, TILE_BLOCK)
             sums = [[ir.Constant(i32v, [0] * LANES)] * count for _ in range(rows)]
             for p in range(16):
