@@ -119,3 +119,12 @@ def test_avx2_code_gives_the_same_bits(rng, tmp_path):
     env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "cache")}
     subprocess.run([sys.executable, "-c", AVX2_RUN, *files, str(m)], env=env, check=True, timeout=600)
     np.testing.assert_array_equal(np.load(files[2]), product(x, tiles, m))
+
+
+def test_shapes_that_disagree_are_refused(rng):
+    tiles = lanes.repack_q8_0(weights(rng, 32, 576))
+    for x, out in ((np.zeros((2, 608), np.float32), np.zeros((2, 32), np.float32)),  # another depth
+                   (np.zeros((2, 576), np.float32), np.zeros((2, 48), np.float32)),  # more outputs than rows
+                   (np.zeros((2, 576), np.float32), np.zeros((3, 32), np.float32))):
+        with pytest.raises(ValueError, match="disagree"):
+            lanes.linear_lanes(x, tiles, out, 1)

@@ -198,6 +198,8 @@ def linear_lanes(x, tiles, out, workers):
     quantized to int16 (its rows split between the workers), then each worker an equal share of
     the tiles over all rows."""
     n, k = x.shape
+    if k != 32 * tiles.shape[1] or out.shape[1] > LANES * tiles.shape[0] or out.shape[0] != n:
+        raise ValueError("linear_lanes: x [n, k], tiles [ceil(m/16), k/32, 544] and out [n, m] disagree")
     xq = np.empty((n, k), np.int16)
     xd = np.empty((n, k // 32), np.float32)
     xs = np.empty((n, k // 16), np.float32)
