@@ -116,7 +116,8 @@ def _block_codegen(rows, count):
                 q.prefetch(o, TILE_BLOCK)
             sums = [[ir.Constant(i32v, [0] * LANES)] * count for _ in range(rows)]
             for p in range(16):
-                codes = [builder.bitcast(builder.sext(q.bytes(builder.add(o, c(2 * LANES + 2 * LANES * p)), 2 * LANES), w16),
+                # the pair's 32 code bytes of each tile, widened to int16 (vpmovsxbw), shared by the rows
+                codes = [builder.bitcast(builder.sext(q.bytes(builder.add(o, c(2 * LANES * (1 + p))), 2 * LANES), w16),
                                          i32v) for o in at]
                 for r in range(rows):
                     pair = builder.gep(x_rows[r], [builder.add(builder.mul(blk, c(64)), c(4 * p))])
