@@ -128,3 +128,51 @@ def test_shapes_that_disagree_are_refused(rng):
                    (np.zeros((2, 576), np.float32), np.zeros((3, 32), np.float32))):
         with pytest.raises(ValueError, match="disagree"):
             lanes.linear_lanes(x, tiles, out, 1)
+
+
+def engine_parts(engine):
+    for layer in engine.model.layers:
+        for w in layer.values():
+            yield from w if isinstance(w, tuple) else (w,)
+
+
+def q8_0_engine(path, **options):
+    from ellmd.engine import Engine
+
+    return Engine(path, weight_dtype="q8_0", **options)
+
+
+@pytest.fixture
+def int16_path(use_kernels):
+    use_kernels("int16")
+    if not lanes.wanted(quant.quantize(np.zeros((16, 32), np.float32), "Q8_0")):
+        pytest.skip("this CPU class takes block prefill on AMX (cpu.BLOCK_PREFILL): Q8_0 stays in blocks")
+
+
+def test_an_engine_holds_q8_0_in_tiles_and_agrees_with_the_blocks(alignment_dir, int16_path, monkeypatch):
+    prompt = [int(t) for t in np.random.default_rng(3).integers(3, 500, 150)]
+
+    def logits(engine):
+        return engine.prefill(0, prompt).copy(), engine.decode([0], [7])[0].copy()
+
+    engine = q8_0_engine(alignment_dir / "qwen3", sequence_length=256, batch_size=2, chunk_size=128, threads=2)
+    parts = list(engine_parts(engine))
+    assert all(lanes.is_tiles(p) for p in parts if p.ndim >= 2)  # every matrix: rows a multiple of 16 here
+    got = logits(engine)
+    monkeypatch.setattr(lanes, "wanted", lambda w: False)
+    blocks = q8_0_engine(alignment_dir / "qwen3", sequence_length=256, batch_size=2, chunk_size=128, threads=2)
+    assert not any(lanes.is_tiles(p) for p in engine_parts(blocks))
+    for key in ("weights", "weights:Q8_0"):  # the same bytes, counted as Q8_0
+        assert engine.memory_budget()[key] == blocks.memory_budget()[key]
+    for tiles_logits, blocks_logits in zip(got, logits(blocks)):  # one quantization, sums in other orders
+        assert np.abs(tiles_logits - blocks_logits).max() <= 1e-4 * np.abs(blocks_logits).max()
+
+
+@pytest.mark.parametrize("variant", ["llama", "qwen3_moe"])
+def test_a_tokens_logits_on_tiles_do_not_depend_on_how_it_was_computed(alignment_dir, int16_path, variant):
+    from test_one_arithmetic import PROMPT, assert_one_arithmetic, each_way
+
+    engine = q8_0_engine(alignment_dir / variant, kv_dtype="bf16", sequence_length=len(PROMPT) + 8, batch_size=3,
+                         chunk_size=2048, threads=2)
+    assert any(lanes.is_tiles(p) for p in engine_parts(engine))
+    assert_one_arithmetic(each_way(engine))

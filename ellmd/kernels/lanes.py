@@ -35,7 +35,7 @@ import numpy as np
 from llvmlite import ir
 from numba import prange, types
 from numba.core import cgutils
-from numba.extending import intrinsic
+from numba.extending import intrinsic, overload
 
 from ellmd.kernels import cpu, quant
 from ellmd.kernels.quant_int import FASTMATH_IN_ORDER, WORDS_VNNI, _dot_words, _Ir
@@ -46,6 +46,41 @@ TILE_BLOCK = 2 * LANES + 16 * 2 * LANES  # bytes of a tile's block: 16 scales, 1
 # widened weight vectors and RB broadcast pairs (AVX-512: 4 x 3 -> 24 + 3 + 4 of 32 registers;
 # AVX2 keeps each 16-lane vector in two registers of its 16)
 RB, SB = (4, 3) if WORDS_VNNI else (2, 1)
+
+
+def is_tiles(w) -> bool:
+    """True for Q8_0 weights repacked to tiles (repack_q8_0)."""
+    return isinstance(w, np.ndarray) and w.dtype == np.uint8 and w.ndim == 3 and w.shape[2] == TILE_BLOCK
+
+
+def rows(w) -> int:
+    """Weight rows of a matrix, tiles or not (tiles: 16 a tile, the last one's padding included)."""
+    return LANES * w.shape[0] if is_tiles(w) else w.shape[0]
+
+
+def tiles_type(t) -> bool:
+    """True for the numba type of tiles (typing time)."""
+    return isinstance(t, types.Array) and t.dtype == types.uint8 and t.ndim == 3
+
+
+def part_rows(w):
+    """rows, inside numba code."""
+    raise NotImplementedError("numba only")
+
+
+@overload(part_rows, jit_options={"nogil": True})
+def _part_rows_overload(w):
+    if tiles_type(w):
+        return lambda w: LANES * w.shape[0]
+    return lambda w: w.shape[0]
+
+
+def wanted(w) -> bool:
+    """True when weight matrix w is best repacked to tiles at load: Q8_0 with rows a multiple of 16
+    (a fused weight's parts then start on tiles), on the int16 path alone (the int8 "vnni" path
+    quantizes activations to int8; AMX takes block prefill on bf16 tiles: cpu.BLOCK_PREFILL)."""
+    int16_only = cpu.INTEGER & cpu.ENABLED == {"int16"} and cpu.BLOCK_PREFILL[cpu.CLASS] == "integer"
+    return int16_only and quant.block_name(w) == "Q8_0" and w.ndim == 2 and w.shape[0] % LANES == 0
 
 
 def repack_q8_0(w):
@@ -76,13 +111,17 @@ def tile_codes_ref(tiles):
     return codes.transpose(0, 3, 1, 2, 4).reshape(t * LANES, nb * 32).astype(np.int32)
 
 
+def dequantize_ref(tiles):
+    """The weights of tiles as float32 [T * 16, k]."""
+    codes, scales = tile_codes_ref(tiles), tile_scales_ref(tiles)
+    return (codes.reshape(len(codes), -1, 32) * scales[..., None]).reshape(len(codes), -1).astype(np.float32)
+
+
 def lanes_rows_ref(xq, xd, tiles, out, t0, t1):
     """numpy reference of lanes_rows: dequantized activations times dequantized weights (float64)."""
     n, k = xq.shape
     x = (xq.astype(np.float64).reshape(n, -1, 32) * xd[..., None]).reshape(n, k)
-    part = tiles[t0:t1]
-    scales, codes = tile_scales_ref(part), tile_codes_ref(part)
-    w = (codes.reshape(len(codes), -1, 32) * scales[..., None].astype(np.float64)).reshape(len(codes), k)
+    w = dequantize_ref(tiles[t0:t1]).astype(np.float64)
     j0, j1 = t0 * LANES, min(out.shape[1], t1 * LANES)
     out[:, j0:j1] = (x @ w[: j1 - j0].T).astype(np.float32)
 
@@ -179,11 +218,12 @@ def _lanes_block_codegen(context, builder, signature, args):
 def lanes_block(typingctx, xq, xd, tiles, out, i0, rows, t0, count):
     """out[i0:i0 + rows, 16 t0 : 16 (t0 + count)] (columns < m) = the input rows times the tiles'
     weight rows, rows <= RB, count <= SB. xq: [n, k] int16 codes and xd: [n, k/32] float32 scales
-    (quant.quantize_activations), tiles: [T, k/32, 544] uint8 (repack_q8_0), out: [n, m] float32,
-    all C-contiguous. Needs the "int16" path's features (cpu.py)."""
+    (quant.quantize_activations), tiles: [T, k/32, 544] uint8 (repack_q8_0), all C-contiguous;
+    out: [n, m] float32 of contiguous columns (a column slice is fine). Needs the "int16" path's
+    features (cpu.py)."""
     if not (isinstance(xq, types.Array) and xq.dtype == types.int16 and xq.layout == "C"):
         return None
-    if not all(isinstance(a, types.Array) and a.layout == "C" for a in (xd, tiles, out)):
+    if not all(isinstance(a, types.Array) and a.layout == "C" for a in (xd, tiles)) or not isinstance(out, types.Array):
         return None
     sig = types.void(xq, xd, tiles, out, types.intp, types.intp, types.intp, types.intp)
     return sig, cpu.compiled_for("int16", _lanes_block_codegen)
