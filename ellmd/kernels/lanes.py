@@ -26,8 +26,8 @@ Measured (scripts/lanes_bench.py; Xeon with AVX512-VNNI, no AMX, shared: directi
 CPU time, 512 rows, GFLOP/s): lanes 120-220 against rows_vnni's 35-78 (2.3-3.5x) and the f32
 GEMM's 73-120 (1.3-1.9x), the most at k = 2,048-6,144; decode (1 row) 27-32 GB/s of cached weights
 against 9-14, 13-16 GB/s from memory against 8-9. The register block: 4 x 3, 3 x 4, 5 x 2 and
-6 x 2 within the noise; 4 x 3 kept. Not yet wired into the model: the model still holds Q8_0 as
-GGUF blocks for quant_int.
+6 x 2 within the noise; 4 x 3 kept. The model families repack Q8_0 matrices at load where
+`wanted` says (model/llama.py), and matmul's linear, linear_prefill and path_rows run the tiles.
 """
 
 import numba
