@@ -93,7 +93,7 @@ def requantize_gguf(src: Path, dst: Path, mix: dict[str, str]) -> Path:
 
 def check_file(report, path: Path, prompts: int, kernels: str) -> None:
     from ellmd.engine import SamplingParams
-    from ellmd.kernels import quant
+    from ellmd.kernels import lanes, quant
 
     reference = common.reference_model(path)
     tokenizer = common.reference_tokenizer(path)
@@ -101,7 +101,7 @@ def check_file(report, path: Path, prompts: int, kernels: str) -> None:
     formats = engine.weight_formats
     qkv = engine.model.layers[0]["qkv_proj"]
     parts = qkv if isinstance(qkv, tuple) else (qkv,)
-    kept = all(quant.is_blocks(p) for p in parts)
+    kept = all(quant.is_blocks(p) or lanes.is_tiles(p) for p in parts)  # Q8_0: tiles on the int16 path
     report.check(f"{path.name}: weights kept in blocks", kept, f"{formats}; q, k, v in {len(parts)} matrices")
     eos = sorted(set(engine.spec.eos_token_id))
     for index, messages in enumerate(PROMPTS[:prompts] + [LONG_PROMPT]):

@@ -60,7 +60,7 @@ def dequantized_copy(src: Path, dst: Path, dtype: str) -> Path:
 def check(report, directory: Path, variant: str, dtype: str, tol: float) -> None:
     from safetensors.numpy import load_file
 
-    from ellmd.kernels import quant
+    from ellmd.kernels import lanes, quant
 
     tag = f"{variant} {dtype}"
     engine = common.make_engine(directory, weight_dtype=dtype, kv_dtype="f32", sequence_length=64, reuse=False)
@@ -69,7 +69,8 @@ def check(report, directory: Path, variant: str, dtype: str, tol: float) -> None
     q = q[0] if isinstance(q, tuple) else q
     H, d = engine.spec.num_attention_heads, engine.spec.head_dim
     want = load_file(str(copy / "model.safetensors"))["model.layers.0.self_attn.q_proj.weight"]
-    report.compare(f"{tag}: engine's q blocks are the reference's ({quant.block_name(q)})", quant.dequantize(q)[: H * d], want, tol=0)
+    name, values = ("Q8_0 tiles", lanes.dequantize_ref(q)) if lanes.is_tiles(q) else (quant.block_name(q), quant.dequantize(q))
+    report.compare(f"{tag}: engine's q blocks are the reference's ({name})", values[: H * d], want, tol=0)
     reference = common.reference_model(copy)
     tokens = common.random_tokens(12, seed=5, vocab=engine.spec.vocab_size)
     prompt, steps = tokens[:9], tokens[9:]

@@ -12,7 +12,7 @@ from numba.core.runtime import _nrt_python, rtsys
 
 from ellmd.engine import Engine
 from ellmd.engine.plan import Plan
-from ellmd.kernels import cpu, quant
+from ellmd.kernels import cpu, lanes, quant
 from ellmd.kernels.formats import BF16, F32, to_f32
 from ellmd.model.llama import logical_shape
 
@@ -194,7 +194,8 @@ def test_decode_allocates_nothing_in_numba(alignment_dir, variant, weight_dtype)
     """Block kernels take their accumulators from the workspace: a decode step on blocks makes no
     more allocations than on f32 weights of the same model, which is its arguments' unboxing."""
     engine = make_engine(alignment_dir / variant, weight_dtype)
-    assert weight_dtype == "bf16" or quant.is_blocks(engine.model.layers[0]["o_proj"])
+    o_proj = engine.model.layers[0]["o_proj"]
+    assert weight_dtype == "bf16" or quant.is_blocks(o_proj) or lanes.is_tiles(o_proj)  # Q8_0: tiles on int16
     fused = decode_allocations(engine)
     assert fused == decode_allocations(make_engine(alignment_dir / variant, "f32"))
     engine.plan.fused_decode = False  # the kernel-by-kernel step: block rows take heap accumulators

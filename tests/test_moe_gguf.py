@@ -83,7 +83,7 @@ def _block_products(path, tokens, chunk):
     prefill of tokens in chunks of chunk, the chunks' rows joined in order."""
     from ellmd import kernels
     from ellmd.engine import Engine
-    from ellmd.kernels import layer, moe, quant
+    from ellmd.kernels import lanes, layer, moe, quant
 
     calls = {}
     engine = Engine(path, sequence_length=256, chunk_size=chunk, threads=2)
@@ -93,7 +93,7 @@ def _block_products(path, tokens, chunk):
     def recorder(kernel, weight_at, out_at):
         def run(*args):
             kernel(*args)
-            if quant.is_blocks(args[weight_at]):
+            if quant.is_blocks(args[weight_at]) or lanes.is_tiles(args[weight_at]):  # Q8_0: tiles on int16
                 ins, outs = calls.setdefault(names[id(args[weight_at])], ([], []))
                 ins.append(args[0].copy())
                 outs.append(args[out_at].copy())

@@ -19,7 +19,7 @@ from ellmd.engine.kvcache import KVCache, available_memory
 from ellmd.engine.plan import Plan
 from ellmd.engine.sampling import Sampler, SamplingParams
 from ellmd.errors import BadRequest, CapacityError, EllmError, InvariantError, ModelError
-from ellmd.kernels import bf16, cpu, formats, kv_blocks, quant, quant_int
+from ellmd.kernels import bf16, cpu, formats, kv_blocks, lanes, quant, quant_int
 from ellmd.kernels.matmul import PREFILL_MIN_ROWS
 from ellmd.model import FAMILIES
 from ellmd.model.weights import GGUFCheckpoint, RandomCheckpoint, open_checkpoint
@@ -191,7 +191,8 @@ class Engine:
             blocks = "GGUF blocks: int8 vpdpbusd, activations quantized to int8 per 32"
         elif "int16" in cpu.ENABLED:
             madd = "vpdpwssd" if quant_int.WORDS_VNNI else "vpmaddwd (AVX2)"
-            blocks = f"GGUF blocks: int16 {madd}, activations quantized to int16 per 256 (or 32) values"
+            blocks = (f"GGUF blocks: int16 {madd}, activations quantized to int16 per 256 (or 32) values "
+                      f"(Q8_0 repacked to tiles of 16 rows, outputs in lanes)")
         else:
             blocks = "GGUF blocks: f32 FMA"
         if amx and cpu.BLOCK_PREFILL[cpu.CLASS] == "bf16":  # the class's faster path (cpu.BLOCK_PREFILL)
@@ -210,7 +211,8 @@ class Engine:
         by_format = Counter()
         names = {v: k for k, v in formats.FORMAT_NAMES.items()}
         for a in _weight_arrays(self.model):
-            by_format[quant.block_name(a) or names[self.fmt if a.ndim >= 2 else formats.F32]] += a.nbytes
+            name = "Q8_0" if lanes.is_tiles(a) else quant.block_name(a)
+            by_format[name or names[self.fmt if a.ndim >= 2 else formats.F32]] += a.nbytes
         return {
             "weights": sum(by_format.values()),
             **{f"weights:{name}": n for name, n in sorted(by_format.items(), key=lambda kv: -kv[1])},

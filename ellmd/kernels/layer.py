@@ -42,7 +42,7 @@ import numpy as np
 from numba import prange
 from numba.extending import overload
 
-from ellmd.kernels import attention, moe, norm, quant
+from ellmd.kernels import attention, lanes, moe, norm, quant
 from ellmd.kernels.activations import PARALLEL_MIN, silu_mul
 from ellmd.kernels.matmul import ROW_BLOCK, matmul, path_rows
 from ellmd.kernels.norm import _rmsnorm_rows, qk_norm
@@ -280,7 +280,7 @@ def _parts_rows_overload(x, parts, out, j0, j1, acc, q8, integer):
         return impl_one
 
     def impl(x, parts, out, j0, j1, acc, q8, integer):
-        m0 = parts[0].shape[0]
+        m0 = lanes.part_rows(parts[0])
         if j0 < m0:
             path_rows(x, q8, parts[0], out, j0, min(j1, m0), acc, integer)
         if j1 > m0:
@@ -289,15 +289,17 @@ def _parts_rows_overload(x, parts, out, j0, j1, acc, q8, integer):
     return impl
 
 
-def _has_integer_part(parts):
-    """True (a compile-time constant) when a part is in a block type of the integer paths."""
+def _quantizes(parts, integer):
+    """True when the activations are quantized for parts: a part in Q8_0 tiles (lanes.py), or in a
+    block type of the integer paths when they are on (the block types: a compile-time constant)."""
     raise NotImplementedError("numba only")
 
 
-@overload(_has_integer_part)
-def _has_integer_part_overload(parts):
-    flag = any(quant.record_name(t.dtype) in quant.VNNI_BLOCKS for t in parts)
-    return lambda parts: flag
+@overload(_quantizes)
+def _quantizes_overload(parts, integer):
+    blocks = any(quant.record_name(t.dtype) in quant.VNNI_BLOCKS for t in parts)
+    tiles = any(lanes.tiles_type(t) for t in parts)
+    return lambda parts, integer: tiles or (integer and blocks)
 
 
 @numba.njit(cache=True, nogil=True, fastmath=True, parallel=True)
@@ -309,7 +311,7 @@ def _linear(x, parts, out, acc, q8buf, integer, workers):
     xq = q8buf[0][: n * k].reshape((n, k))
     xd = q8buf[1][: n * (k // 32)].reshape((n, k // 32))
     xs = q8buf[2][: n * (k // 16)].reshape((n, k // 16))
-    if integer and _has_integer_part(parts):
+    if _quantizes(parts, integer):
         quant.quantize_activations(x, xq, xd, xs)
     q8 = (xq, xd, xs)
     if n * m * k < 8 * PARALLEL_MIN:

@@ -34,7 +34,7 @@ from numba import prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
-from ellmd.kernels import bf16, cpu, gemm, quant, quant_f32, quant_int
+from ellmd.kernels import bf16, cpu, gemm, lanes, quant, quant_f32, quant_int
 from ellmd.kernels.activations import PARALLEL_MIN
 from ellmd.kernels.formats import BF16, kernel_view, to_f32
 from ellmd.kernels.quant import decode_row
@@ -210,6 +210,14 @@ def path_rows(x, q, w, out, j0, j1, acc, integer):
 
 @overload(path_rows, jit_options={"fastmath": True, "nogil": True})
 def _path_rows_overload(x, q, w, out, j0, j1, acc, integer):
+    if lanes.tiles_type(w):  # Q8_0 tiles: from the int16 codes, whatever `integer` says (lanes.wanted)
+        if q[0].dtype != types.int16:
+            raise numba.errors.TypingError("Q8_0 tiles take int16 activation codes: the int16 path, not vnni")
+
+        def impl_tiles(x, q, w, out, j0, j1, acc, integer):
+            lanes.lanes_rows(q[0], q[1], w, out, j0 // lanes.LANES, (j1 + lanes.LANES - 1) // lanes.LANES)
+
+        return impl_tiles
     if quant.record_name(w.dtype) in quant.VNNI_BLOCKS:
 
         def impl_integer(x, q, w, out, j0, j1, acc, integer):
@@ -298,7 +306,9 @@ def linear(x, w, fmt, out):
     ("vnni" wins when both are on).
     """
     for part, cols in _parts(w, out):
-        if _integer(part):
+        if lanes.is_tiles(part):
+            lanes.linear_lanes(x, part, cols, numba.get_num_threads())
+        elif _integer(part):
             _linear_integer(x, part, cols)
         else:
             _linear(x, kernel_view(part, fmt), cols)
@@ -308,14 +318,15 @@ def _parts(w, out):
     """(matrix, out columns) of a weight or of each part of a tuple of weights."""
     if not isinstance(w, tuple):
         return ((w, out),)
-    bounds = np.cumsum([0] + [p.shape[0] for p in w])
+    bounds = np.cumsum([0] + [lanes.rows(p) for p in w])
     return tuple((p, out[:, a:b]) for p, a, b in zip(w, bounds[:-1], bounds[1:]))
 
 
 def linear_ref(x, w, fmt, out):
     """numpy reference of linear."""
     for part, cols in _parts(w, out):
-        cols[:] = (x.astype(np.float64) @ to_f32(part, fmt).T.astype(np.float64)).astype(np.float32)
+        w32 = lanes.dequantize_ref(part)[: cols.shape[1]] if lanes.is_tiles(part) else to_f32(part, fmt)
+        cols[:] = (x.astype(np.float64) @ w32.T.astype(np.float64)).astype(np.float32)
 
 
 def _worker_floats(k):
@@ -403,7 +414,9 @@ def linear_prefill(x, w, fmt, out, scratch):
     workers = max(1, min(numba.get_num_threads(), scratch.size // per))
     work = scratch[: workers * per].reshape(workers, per)  # [workers, per]
     for part, cols in _parts(w, out):
-        if _integer_prefill(x, part, fmt):
+        if lanes.is_tiles(part):  # decode's kernel: the same sums
+            lanes.linear_lanes(x, part, cols, workers)
+        elif _integer_prefill(x, part, fmt):
             _linear_integer(x, part, cols)
         elif _on_bf16_path(x, part, fmt):
             bf16.gemm(x, part, cols, work)

@@ -9,6 +9,8 @@ Shapes (h hidden, H query heads, G kv heads, d head_dim, I intermediate):
   gate_up_proj           [2*I, h]     storage format; gate and up fused at load
 A weight in a block format (ellmd.kernels.quant) is [rows, h / block size] of its block dtype;
 a fusion of tensors of different formats is the tuple of its parts (kernels.matmul takes both).
+On the int16 path, Q8_0 matrices are repacked at load to tiles of 16 rows (kernels.lanes: the same
+bytes, the 16 rows' outputs in a vector's lanes), which decode and prefill share.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 
 from ellmd import kernels
-from ellmd.kernels import formats, quant
+from ellmd.kernels import formats, lanes, quant
 from ellmd.kernels.formats import kernel_view
 from ellmd.model.registry import Family, register
 from ellmd.model.spec import ModelSpec
@@ -61,7 +63,16 @@ def logical_shape(w) -> tuple:
     if isinstance(w, tuple):
         shapes = [logical_shape(p) for p in w]
         return (sum(s[0] for s in shapes), *shapes[0][1:])
+    if lanes.is_tiles(w):
+        return (lanes.rows(w), 32 * w.shape[1])
     return (*w.shape[:-1], quant.columns(w)) if w.ndim >= 2 else w.shape
+
+
+def repacked(w):
+    """A weight (or each part of a fusion) as Q8_0 tiles where lanes.wanted, else as it is."""
+    if isinstance(w, tuple):
+        return tuple(repacked(p) for p in w)
+    return lanes.repack_q8_0(w) if lanes.wanted(w) else w
 
 
 class Llama:
@@ -72,8 +83,9 @@ class Llama:
         self.fmt = fmt
         self.embed_tokens = weights["embed_tokens"]
         self.norm = weights["norm"]
-        self.lm_head = weights["lm_head"]
-        self.layers = weights["layers"]
+        tied = weights["lm_head"] is weights["embed_tokens"]  # embed reads the table as blocks
+        self.lm_head = weights["lm_head"] if tied else repacked(weights["lm_head"])
+        self.layers = [{name: repacked(w) for name, w in layer.items()} for layer in weights["layers"]]
         self.scale = float(spec.head_dim) ** -0.5
 
     # ---- loading -------------------------------------------------------------------------

@@ -1,0 +1,84 @@
+"""Q8_0 with outputs in lanes (kernels/lanes.py) against today's integer GEMM and the f32 GEMM.
+
+One thread (run with NUMBA_NUM_THREADS=1): n input rows times a [m, k] weight at the shapes of
+SmolLM2-135M and Qwen3-1.7B, on linear_lanes (Q8_0 repacked to tiles), matmul._linear_int16
+(rows_vnni on the Q8_0 blocks) and gemm.product (bf16 weights), interleaved round by round; the
+best CPU time of the calling thread (time.thread_time), so other work on a shared machine weighs
+less. GFLOP/s for n > 1; for n = 1 (decode) GB/s of the weights (Q8_0: 34 bytes per 32 values).
+
+    NUMBA_NUM_THREADS=1 .venv/bin/python scripts/lanes_bench.py --rows 512
+    NUMBA_NUM_THREADS=1 .venv/bin/python scripts/lanes_bench.py --rows 1 --repeats 20
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from ellmd.kernels import cpu, gemm, lanes, quant  # noqa: E402
+
+matmul = importlib.import_module("ellmd.kernels.matmul")  # the module (the package exports its function)
+
+SHAPES = ((576, 1536), (1536, 576), (576, 576), (2048, 6144), (6144, 2048))  # (k, m)
+KERNELS = ("lanes", "rows_vnni", "gemm f32 (bf16 w)")
+
+
+def best_seconds(run, repeats: int) -> float:
+    run()  # compile, touch the pages
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.thread_time()
+        run()
+        best = min(best, time.thread_time() - start)
+    return best
+
+
+def rates(n: int, k: int, m: int, repeats: int, rng) -> list[float]:
+    """GFLOP/s (n > 1) or GB/s of weights (n = 1) of each kernel of KERNELS at one shape."""
+    x = rng.standard_normal((n, k)).astype(np.float32)
+    w = quant.quantize(rng.standard_normal((m, k)).astype(np.float32) * 0.05, "Q8_0")
+    tiles = lanes.repack_q8_0(w)
+    bf16 = (rng.standard_normal((m, k)).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
+    out = np.zeros((n, m), np.float32)
+    work = np.zeros((1, gemm.PANEL * k), np.float32)
+    runs = (lambda: lanes.linear_lanes(x, tiles, out, 1), lambda: matmul._linear_int16(x, w, out, 1),
+            lambda: gemm.product(x, bf16, out, work))
+    best = [float("inf")] * len(runs)
+    for _ in range(3):
+        for i, run in enumerate(runs):
+            best[i] = min(best[i], best_seconds(run, repeats))
+    if n > 1:
+        return [2 * n * m * k / s / 1e9 for s in best]
+    return [size / s / 1e9 for size, s in zip((w.nbytes, w.nbytes, bf16.nbytes), best)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, default=512, help="input rows n (1: decode)")
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs per kernel and round")
+    args = parser.parse_args()
+    if "int16" not in cpu.host_paths():
+        parser.error("the lanes kernel needs the int16 path (AVX512-VNNI+BW or AVX2)")
+    from rich.console import Console
+    from rich.table import Table
+
+    unit = "GFLOP/s" if args.rows > 1 else "GB/s of weights"
+    table = Table(title=f"{args.rows} input rows, one thread, {unit}, {cpu.CLASS}")
+    for column in ("(k, m)", *KERNELS, "lanes / rows_vnni"):
+        table.add_column(column, justify="right")
+    rng = np.random.default_rng(0)
+    for k, m in SHAPES:
+        found = rates(args.rows, k, m, args.repeats, rng)
+        table.add_row(f"({k}, {m})", *(f"{r:.1f}" for r in found), f"{found[0] / found[1]:.2f}x")
+    Console().print(table)
+
+
+if __name__ == "__main__":
+    main()
