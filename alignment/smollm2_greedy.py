@@ -6,7 +6,10 @@ For each chat prompt, rendered by the model's chat template with the generation 
   - the greedy continuation of up to 32 tokens: ellm's generate() vs transformers'
     generate(do_sample=False) must be IDENTICAL token ids;
   - the logits of every prompt position (prefill) and of every decode step that generate() ran,
-    vs one transformers forward over prompt + continuation.
+    vs one transformers forward over prompt + continuation;
+  - the greedy continuation with q8_0 KV (the default) must be IDENTICAL to the one with bf16 KV
+    (the format it replaced), same weights; how each compares with transformers' (f32 KV there)
+    is reported beside it: both part from it at the same near tie, where they do.
 
 Shapes: logits [n, V], V = 49152.
 """
@@ -84,6 +87,8 @@ def main(argv=None) -> int:
     reference = common.reference_model(path)
     tokenizer = common.reference_tokenizer(path)
     engine = common.make_engine(path, weight_dtype="f32", kv_dtype="f32", sequence_length=256, chunk_size=64)
+    kv_engines = {kv: common.make_engine(path, weight_dtype="f32", kv_dtype=kv, sequence_length=256, chunk_size=64)
+                  for kv in ("bf16", "q8_0")}
     template = ChatTemplate.from_tokenizer(engine.tokenizer)
     eos = sorted(set(engine.spec.eos_token_id))
     report.note(f"eos ids: engine {eos}, transformers {reference.generation_config.eos_token_id}")
@@ -103,6 +108,12 @@ def main(argv=None) -> int:
         report.compare(f"{tag}: prompt logits ({len(ids)} positions)", logits[: len(ids)], ref_logits[: len(ids)])
         report.compare(f"{tag}: decode logits ({len(tokens) - 1} steps)", logits[len(ids) :], ref_logits[len(ids) :])
         report.check(f"{tag}: greedy tokens, generate()", tokens == ref_tokens, _diverge(tokens, ref_tokens, ref_logits, len(ids)))
+        by_kv = {}
+        for kv, kv_engine in kv_engines.items():
+            kv_engine.rewind(0, 0)
+            by_kv[kv] = list(kv_engine.generate(0, ids, SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0)))
+        vs_reference = "; ".join(f"{kv} KV vs transformers: {_diverge(t, ref_tokens, ref_logits, len(ids))}" for kv, t in by_kv.items())
+        report.check(f"{tag}: greedy tokens, q8_0 KV = bf16 KV", by_kv["q8_0"] == by_kv["bf16"], vs_reference)
         report.note(f"{tag}: {tokenizer.decode(ref_tokens)!r}")
     return report.exit_code()
 

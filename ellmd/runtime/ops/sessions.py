@@ -121,8 +121,11 @@ def session_release(rt, request, session_id):
 
 
 def session_delete(rt, request, session_id):
-    write = rt.residency.delete(idle(rt.residency.session(session_id, request.owner)))
-    return after(rt.acknowledged(write), lambda _: {"session_id": session_id})
+    """Remove a session; in a fleet its lease is back before the reply, so that the next replica
+    asked finds no session rather than one held."""
+    session = idle(rt.residency.session(session_id, request.owner))
+    write = rt.residency.delete(session)
+    return after(rt.acknowledged(write), lambda _: after(forget(rt, session), lambda _: {"session_id": session_id}))
 
 
 def session_grant(rt, request, session_id, key=None):
