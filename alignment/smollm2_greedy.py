@@ -7,9 +7,9 @@ For each chat prompt, rendered by the model's chat template with the generation 
     generate(do_sample=False) must be IDENTICAL token ids;
   - the logits of every prompt position (prefill) and of every decode step that generate() ran,
     vs one transformers forward over prompt + continuation;
-  - the greedy continuation with q8_0 KV (the default) must be IDENTICAL to the one with bf16 KV
-    (the format it replaced), same weights; how each compares with transformers' (f32 KV there)
-    is reported beside it: both part from it at the same near tie, where they do.
+  - the greedy continuation with q8_0 KV must be IDENTICAL to the one with bf16 KV (the default),
+    same weights; how each compares with transformers' (f32 KV there) is reported beside it:
+    both part from it at the same near tie, where they do.
 
 Shapes: logits [n, V], V = 49152.
 """
