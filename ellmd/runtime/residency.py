@@ -393,8 +393,8 @@ class Residency:
         return self.store.get_note(session_id, name)
 
     def delete(self, session: Session) -> StoreWrite:
-        """Queue a session's removal from the store; the caller then forgets it (a fleet replica's
-        lease goes after the removal)."""
+        """Queue a session's removal from the store; the caller forgets it next (a fleet replica's
+        lease then goes after the removal)."""
         session_id = session.session_id
         write = self.writer.submit(StoreWrite("delete", session_id, lambda store: store.delete(session_id)))
         self.donors.remove(session_id)

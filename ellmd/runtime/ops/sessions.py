@@ -125,7 +125,8 @@ def session_delete(rt, request, session_id):
     asked finds no session rather than one held."""
     session = idle(rt.residency.session(session_id, request.owner))
     write = rt.residency.delete(session)
-    return after(rt.acknowledged(write), lambda _: after(forget(rt, session), lambda _: {"session_id": session_id}))
+    released = forget(rt, session)  # out of memory at once (no op finds it meanwhile); the lease after the removal
+    return after(rt.acknowledged(write), lambda _: after(released, lambda _: {"session_id": session_id}))
 
 
 def session_grant(rt, request, session_id, key=None):
