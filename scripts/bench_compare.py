@@ -390,11 +390,11 @@ def _arrays(value):
 
 def ellm_weights(model) -> tuple[str, int]:
     """What ellm holds in memory ("bf16", "Q4_K+Q6_K+f32", ...) and its decode bytes per token."""
-    from ellmd.kernels import formats, lanes, quant
+    from ellmd.engine.engine import held_block_name
+    from ellmd.kernels import formats
 
-    def fmt(a):  # Q8_0 repacked to lanes tiles is still Q8_0 (Engine.memory_budget names it so)
-        name = "Q8_0" if lanes.is_tiles(a) else quant.block_name(a)
-        return name or ("f32" if a.dtype == np.float32 else {v: k for k, v in formats.FORMAT_NAMES.items()}[model.fmt])
+    def fmt(a):
+        return held_block_name(a) or ("f32" if a.dtype == np.float32 else {v: k for k, v in formats.FORMAT_NAMES.items()}[model.fmt])
 
     spec = model.spec
     tied = model.lm_head is model.embed_tokens

@@ -211,8 +211,7 @@ class Engine:
         by_format = Counter()
         names = {v: k for k, v in formats.FORMAT_NAMES.items()}
         for a in _weight_arrays(self.model):
-            name = "Q8_0" if lanes.is_tiles(a) else quant.block_name(a)
-            by_format[name or names[self.fmt if a.ndim >= 2 else formats.F32]] += a.nbytes
+            by_format[held_block_name(a) or names[self.fmt if a.ndim >= 2 else formats.F32]] += a.nbytes
         return {
             "weights": sum(by_format.values()),
             **{f"weights:{name}": n for name, n in sorted(by_format.items(), key=lambda kv: -kv[1])},
@@ -370,6 +369,11 @@ def load_tokenizer(checkpoint) -> Tokenizer | None:
             return None
         return Tokenizer.from_gguf(checkpoint.reader)
     return Tokenizer.from_dir(checkpoint.directory)
+
+
+def held_block_name(a: np.ndarray) -> str | None:
+    """The GGUF block type a weight array holds ("Q8_0" for Q8_0 repacked to lanes tiles), or None."""
+    return "Q8_0" if lanes.is_tiles(a) else quant.block_name(a)
 
 
 def _weight_arrays(model):
