@@ -41,8 +41,9 @@ def _weights(rng, m, k):
     return formats.to_storage(rng.standard_normal((m, k)).astype(np.float32), BF16)
 
 
-def _work(k, workers):
-    return np.full((workers, bf16.worker_floats(k)), np.nan, np.float32)  # must not be read unwritten
+def _work(m, k, workers):
+    """Scratch for `workers` work areas: gemm takes as many as fit."""
+    return np.full(workers * bf16.worker_floats(m, k, workers), np.nan, np.float32)  # must not be read unwritten
 
 
 def test_amx_is_detected_from_the_cpu():
@@ -63,7 +64,7 @@ def test_split_keeps_sixteen_bits(rng):
 def test_pack_activations_layout(rng, amx, n, k):
     tokens = 64
     x = rng.standard_normal((n + 3, k)).astype(np.float32)
-    xh, xl = np.zeros((k // 2, 2 * tokens), np.uint16), np.zeros((k // 2, 2 * tokens), np.uint16)
+    xh, xl = np.zeros((tokens // 16, k * 16), np.uint16), np.zeros((tokens // 16, k * 16), np.uint16)
 
     @numba.njit
     def pack(x, xh, xl):
@@ -74,9 +75,10 @@ def test_pack_activations_layout(rng, amx, n, k):
     tokens_x = np.concatenate([x[2 : 2 + n], np.repeat(x[1 + n : 2 + n], rows - n, axis=0)])  # repeats the last
     for packed, half in zip((xh, xl), bf16.split(tokens_x)):
         bits = formats.to_storage(half, BF16)  # [rows, k]
-        assert np.array_equal(packed[:, 0 : 2 * rows : 2], bits[:, 0::2].T)  # even depth of each pair first
-        assert np.array_equal(packed[:, 1 : 2 * rows : 2], bits[:, 1::2].T)
-        assert not packed[:, 2 * rows :].any()  # columns past the last group of 16 untouched
+        # group of 16 tokens g, pair p, token t: the pair (bits[16 g + t, 2p], bits[16 g + t, 2p + 1])
+        want = bits.reshape(rows // 16, 16, k // 2, 2).transpose(0, 2, 1, 3).reshape(rows // 16, k * 16)
+        assert np.array_equal(packed[: rows // 16], want)
+        assert not packed[rows // 16 :].any()  # groups past the last token untouched
 
 
 @pytest.mark.parametrize("n,m,k", [(70, 64, 64), (300, 48, 576), (64, 96, 1024), (257, 160, 96)])
@@ -86,7 +88,7 @@ def test_gemm_matches_reference(rng, amx, n, m, k, workers):
     x = rng.standard_normal((n, k)).astype(np.float32)
     w = _weights(rng, m, k)
     got, want = np.empty((n, m), np.float32), np.empty((n, m), np.float32)
-    bf16.gemm(x, w, got, _work(k, workers))
+    bf16.gemm(x, w, got, _work(m, k, workers))
     bf16.gemm_ref(x, w, want, None)
     np.testing.assert_allclose(got, want, **TOL)
 
@@ -99,7 +101,7 @@ def test_gemm_of_blocks_matches_reference(rng, amx, name, workers):
     x = rng.standard_normal((n, k)).astype(np.float32)
     w = blocks(rng, name, m, k)
     got, want = np.empty((n, m), np.float32), np.empty((n, m), np.float32)
-    bf16.gemm(x, w, got, _work(k, workers))
+    bf16.gemm(x, w, got, _work(m, k, workers))
     bf16.gemm_ref(x, w, want, None)
     np.testing.assert_allclose(got, want, **TOL)
     exact = x.astype(np.float64) @ quant.dequantize(w).T.astype(np.float64)

@@ -103,12 +103,13 @@ def _halves(builder, vals):
 
 @intrinsic
 def pack_activations(typingctx, x, i0, nb, nbp, xh, xl):
-    """xh, xl as uint32 [pairs, tokens]: the bf16 pairs of hi and lo of x[i0+i, 2p:2p+2], i < nbp.
+    """xh, xl as uint32 [tokens // 16, pairs, 16]: the bf16 pairs of hi and lo of x[i0+i, 2p:2p+2],
+    i < nbp, each 16 tokens' pairs a run of 64-byte rows (a B tile of AMX: 1 KiB in one piece).
 
-    x: [n, k] float32, k % CHUNK == 0; xh, xl: [pairs, 2 * tokens] uint16 (the pairs of a token
-    side by side); nbp % 16 == 0; tokens from nb on repeat token nb - 1 (padding that stays
-    finite). hi = bf16(x), lo = bf16(x - hi), rounded to nearest even (vcvtneps2bf16). Per 16
-    tokens x 16 pairs: 16 row loads, two transposes in registers, 32 row stores.
+    x: [n, k] float32, k % CHUNK == 0; xh, xl: [tokens // 16, pairs * 32] uint16; nbp % 16 == 0;
+    tokens from nb on repeat token nb - 1 (padding that stays finite). hi = bf16(x),
+    lo = bf16(x - hi), rounded to nearest even (vcvtneps2bf16). Per 16 tokens x 16 pairs: 16 row
+    loads, two transposes in registers, 32 row stores.
     """
     if not (_is_matrix(x, types.float32) and _is_matrix(xh, types.uint16) and _is_matrix(xl, types.uint16)):
         return None
@@ -125,10 +126,11 @@ def pack_activations(typingctx, x, i0, nb, nbp, xh, xl):
             return ir.Constant(intp, v)
 
         halves = [builder.bitcast(ptr, ir.IntType(32).as_pointer()) for ptr in (xh_p, xl_p)]
-        ld = builder.udiv(ld2, const(2))
+        run = builder.udiv(ld2, const(2))  # u32 elements of a group of 16 tokens
         last = builder.sub(nb, const(1))
         with cgutils.for_range(builder, builder.udiv(nbp, const(_LANES))) as groups:
             t0 = builder.mul(groups.index, const(_LANES))
+            run0 = builder.mul(groups.index, run)
             starts = []
             for r in range(_LANES):
                 t = builder.add(t0, const(r))
@@ -145,7 +147,7 @@ def pack_activations(typingctx, x, i0, nb, nbp, xh, xl):
                 p0 = builder.udiv(c, const(2))
                 for dst, words in zip(halves, (his, los)):
                     for lane, col in enumerate(_transpose16(builder, words)):
-                        at = builder.add(builder.mul(builder.add(p0, const(lane)), ld), t0)
+                        at = builder.add(run0, builder.mul(builder.add(p0, const(lane)), const(_LANES)))
                         builder.store(col, builder.bitcast(builder.gep(dst, [at]), _I32X16.as_pointer()), align=4)
         return context.get_dummy_value()
 
@@ -221,13 +223,13 @@ def _make_amx_block(row_tiles, accumulate):
                 return ir.Constant(intp, v)
 
             rows, width = ir.Constant(ir.IntType(16), TILE), ir.Constant(ir.IntType(16), 4 * TILE)
-            w_stride, x_stride = builder.mul(k, const(2)), builder.mul(ld2, const(2))
+            w_stride, x_stride, run = builder.mul(k, const(2)), const(4 * TILE), builder.mul(ld2, const(2))
             c_stride = builder.mul(ldc, const(4))
             x_halves = [builder.bitcast(ptr, i8p) for ptr in (xh_p, xl_p)]
             c_bytes = builder.bitcast(c_p, i8p)
             a_base = [builder.add(builder.mul(builder.add(j0, const(TILE * a)), w_stride), builder.mul(p0, const(4)))
                       for a in range(row_tiles)]
-            b_base = [builder.add(builder.mul(p0, x_stride), builder.mul(builder.add(t0, const(TILE * b)), const(4)))
+            b_base = [builder.add(builder.mul(p0, x_stride), builder.mul(builder.add(builder.udiv(t0, const(TILE)), const(b)), run))
                       for b in range(2)]
             c_at = [[builder.add(builder.mul(const(TILE * a), c_stride), builder.mul(builder.add(t0, const(TILE * b)),
                                                                                     const(4)))
@@ -245,14 +247,14 @@ def _make_amx_block(row_tiles, accumulate):
                 w_bytes = builder.bitcast(weights, i8p)
                 a_tiles = [builder.call(f["load"], [rows, width, builder.gep(w_bytes, [builder.add(base, builder.mul(
                     s, const(4 * TILE)))]), w_stride]) for base in a_base]
-                for b in range(2):
-                    for half in halves:
-                        at = builder.gep(half, [builder.add(b_base[b], step)])
-                        b_tile = builder.call(f["load"], [rows, width, at, x_stride])
+                for half in halves:
+                    b_tiles = [builder.call(f["load"], [rows, width, builder.gep(half, [builder.add(b_base[b], step)]),
+                                                        x_stride]) for b in range(2)]
+                    for b in range(2):
                         for a in range(row_tiles):
                             slot = accs[2 * a + b]
                             acc = builder.call(f["tile"], [builder.load(slot)])
-                            acc = builder.call(f["dp"], [rows, width, width, acc, a_tiles[a], b_tile])
+                            acc = builder.call(f["dp"], [rows, width, width, acc, a_tiles[a], b_tiles[b]])
                             builder.store(builder.call(f["vec"], [acc]), slot)
 
             with cgutils.for_range(builder, builder.udiv(pairs, const(TILE))) as loop:
@@ -483,14 +485,24 @@ def _request_amx():
 
 
 AMX = _request_amx()  # tests set it False to run the f32 kernels in its place
-TOKENS = 256  # tokens per packed block of activations (a multiple of AMX_TOKENS)
-DEPTH = 256  # pairs per block call: a block's [DEPTH, TOKENS] packed pairs stay in L2
+TOKENS = 64  # tokens per packed block of activations (a multiple of AMX_TOKENS)
+PASS_BYTES = 1 << 20  # the packed pairs of both halves a pass over a worker's rows reads (in L2)
+# A group's rows are copied to rows of k + ROW_PAD values: at k a multiple of 2048 the 32 rows of a
+# tile block, 4 KiB apart, all fell in one L1 set and evicted each other (half the tile rate)
+ROW_PAD = 32
 
 
-def worker_floats(k):
-    """float32 elements of one worker's area in gemm: both halves of the packed tokens, a block of
-    c, and for block weights a group of rows decoded to f32 and split into two bf16 halves."""
-    return k * TOKENS + AMX_ROWS * TOKENS + 2 * AMX_ROWS * k
+@numba.njit(cache=True, nogil=True)
+def groups_of(m, workers):
+    """Groups of AMX_ROWS weight rows of one worker (dealt round-robin) at most."""
+    return ((m + AMX_ROWS - 1) // AMX_ROWS + workers - 1) // workers
+
+
+def worker_floats(m, k, workers):
+    """float32 elements of one worker's area in gemm: both halves of the packed tokens, the sums of
+    its rows for a block of tokens, and a group of rows decoded to f32 (block weights) and its two
+    bf16 halves at padded rows."""
+    return k * TOKENS + groups_of(m, workers) * AMX_ROWS * TOKENS + AMX_ROWS * k + AMX_ROWS * (k + ROW_PAD)
 
 
 def usable(m, k):
@@ -499,84 +511,106 @@ def usable(m, k):
 
 
 @intrinsic
-def split_rows(typingctx, w, wh, wl):
-    """wh, wl = the bf16 bits of the halves of w (_halves, as pack_activations splits x).
+def split_rows(typingctx, w, wh, wl, c0, width):
+    """wh, wl[:, c0:c0+width] = the bf16 bits of the halves of w[:, c0:c0+width] (_halves, as
+    pack_activations splits x).
 
-    w: [rows, k] float32; wh, wl: [rows, k] uint16; all C-contiguous, rows * k % CHUNK == 0.
+    w: [rows, k] float32; wh, wl: [rows, >= k] uint16; all C-contiguous; c0, width % CHUNK == 0.
     """
     if not (_is_matrix(w, types.float32) and _is_matrix(wh, types.uint16) and _is_matrix(wl, types.uint16)):
         return None
-    sig = types.void(w, wh, wl)
+    sig = types.void(w, wh, wl, types.intp, types.intp)
 
     def codegen(context, builder, signature, args):
         w_p, (rows, k), _ = _data(context, builder, signature.args[0], args[0])
-        halves = [_data(context, builder, t, v)[0] for t, v in zip(signature.args[1:], args[1:])]
+        (wh_p, (_, ld), _), (wl_p, _, _) = (_data(context, builder, t, v) for t, v in zip(signature.args[1:3], args[1:3]))
+        c0, width = args[3], args[4]
         intp = context.get_value_type(types.intp)
-        with cgutils.for_range(builder, builder.udiv(builder.mul(rows, k), ir.Constant(intp, CHUNK))) as chunks:
-            at = builder.mul(chunks.index, ir.Constant(intp, CHUNK))
-            vals = builder.load(builder.bitcast(builder.gep(w_p, [at]), _F32X32.as_pointer()), align=4)
-            for half, value in zip(halves, _halves(builder, vals)):
-                builder.store(value, builder.bitcast(builder.gep(half, [at]), _BF16X32.as_pointer()), align=2)
+        with cgutils.for_range(builder, rows) as row:
+            src, dst = builder.add(builder.mul(row.index, k), c0), builder.add(builder.mul(row.index, ld), c0)
+            with cgutils.for_range(builder, builder.udiv(width, ir.Constant(intp, CHUNK))) as chunks:
+                at = builder.mul(chunks.index, ir.Constant(intp, CHUNK))
+                vals = builder.load(builder.bitcast(builder.gep(w_p, [builder.add(src, at)]), _F32X32.as_pointer()),
+                                    align=4)
+                for half, value in zip((wh_p, wl_p), _halves(builder, vals)):
+                    builder.store(value, builder.bitcast(builder.gep(half, [builder.add(dst, at)]),
+                                                         _BF16X32.as_pointer()), align=2)
         return context.get_dummy_value()
 
     return sig, cpu.compiled_for("bf16", codegen)
 
 
-def group_weights(w, j0, wf, wh, wl):
-    """(a, a_lo, row, split): the rows j0.. of w as operands of an AMX block (a[row:] and, when
-    split, a_lo[row:]), inside kernels: bf16 weights as stored (w, w, j0, False); weights in GGUF
-    blocks decoded (its rows j0 .. j0 + len(wf), fewer at the end of w) into wf and split into
-    wh, wl (wh, wl, 0, True)."""
+def group_weights(w, j0, p0, pairs, wf, wh, wl):
+    """split: the pairs p0 .. p0 + pairs of the rows j0.. of w (up to len(wh), fewer at its end) as
+    operands of AMX blocks, at the same columns of the padded rows of wh and, when split, of wl,
+    inside kernels: bf16 weights copied to wh (False); weights in GGUF blocks (whose blocks the
+    columns align with) decoded into wf and split into wh, wl (True)."""
     raise NotImplementedError("numba only")
 
 
 @overload(group_weights, jit_options={"fastmath": True, "nogil": True})
-def _group_weights_overload(w, j0, wf, wh, wl):
+def _group_weights_overload(w, j0, p0, pairs, wf, wh, wl):
     if quant.record_name(w.dtype) is None:
-        return lambda w, j0, wf, wh, wl: (w, w, j0, False)
+        def copy(w, j0, p0, pairs, wf, wh, wl):
+            for r in range(min(wh.shape[0], w.shape[0] - j0)):
+                wh[r, 2 * p0 : 2 * (p0 + pairs)] = w[j0 + r, 2 * p0 : 2 * (p0 + pairs)]
+            return False
 
-    def impl(w, j0, wf, wh, wl):
+        return copy
+
+    def impl(w, j0, p0, pairs, wf, wh, wl):
         rows = min(wf.shape[0], w.shape[0] - j0)
+        per_block = wf.shape[1] // w.shape[1]
+        c0, width = 2 * p0, 2 * pairs
         for r in range(rows):
-            quant.decode_row(w[j0 + r], wf[r])
-        split_rows(wf[:rows], wh[:rows], wl[:rows])
-        return wh, wl, 0, True
+            quant.decode_row(w[j0 + r, c0 // per_block : (c0 + width) // per_block], wf[r, c0 : c0 + width])
+        split_rows(wf[:rows], wh[:rows], wl[:rows], c0, width)
+        return True
 
     return impl
 
 
 @numba.njit(cache=True, nogil=True, fastmath=True)
-def _rows_product(w, wl, split, j0, rows, xh, xl, nbp, cb):
-    """cb[:rows, :nbp] = w[j0:j0+rows] (+ wl, when split) . the packed tokens, rows = 32 or 16."""
-    pairs = w.shape[1] // 2
-    for kb in range(0, pairs, DEPTH):
-        d = min(DEPTH, pairs - kb)
-        for t in range(0, nbp, AMX_TOKENS):
-            if rows == AMX_ROWS:
-                if kb == 0:
-                    _amx_2(w, wl, split, j0, xh, xl, t, cb, kb, d)
-                else:
-                    _amx_2_acc(w, wl, split, j0, xh, xl, t, cb, kb, d)
-            elif kb == 0:
-                _amx_1(w, wl, split, j0, xh, xl, t, cb, kb, d)
+def _rows_product(w, wl, split, rows, xh, xl, p0, pairs, nbp, cb, accumulate):
+    """cb[:rows, :nbp] (+)= w[:rows] (+ wl, when split) . the packed tokens, over pairs p0.. of both;
+    rows = 32 or 16."""
+    for t in range(0, nbp, AMX_TOKENS):
+        if rows == AMX_ROWS:
+            if accumulate:
+                _amx_2_acc(w, wl, split, 0, xh, xl, t, cb, p0, pairs)
             else:
-                _amx_1_acc(w, wl, split, j0, xh, xl, t, cb, kb, d)
+                _amx_2(w, wl, split, 0, xh, xl, t, cb, p0, pairs)
+        elif accumulate:
+            _amx_1_acc(w, wl, split, 0, xh, xl, t, cb, p0, pairs)
+        else:
+            _amx_1(w, wl, split, 0, xh, xl, t, cb, p0, pairs)
 
 
 @numba.njit(cache=True, nogil=True, fastmath=True)
 def _block_product(w, out, i0, nb, xh, xl, cb, wf, wh, wl, wk, workers):
-    """out[i0:i0+nb, this worker's groups of rows] from the packed tokens; cb: [AMX_ROWS, TOKENS]."""
-    m = w.shape[0]
+    """out[i0:i0+nb, this worker's groups of rows] from the packed tokens; cb: [groups, AMX_ROWS,
+    TOKENS], the sums of each group. In passes over a range of depths, each over all the worker's
+    groups: a pass's packed tokens stay in L2 (PASS_BYTES), a group's rows of it in L1, and the
+    weights are read once per block of tokens (a group at a time over all depths streamed the
+    tokens from L3 or the weights from memory once per 32 tokens)."""
+    m, pairs = w.shape[0], xh.shape[1] // (2 * TILE)
     nbp = (nb + AMX_TOKENS - 1) // AMX_TOKENS * AMX_TOKENS
-    for g in range(wk, (m + AMX_ROWS - 1) // AMX_ROWS, workers):  # dealt round-robin: equal shares
-        j0 = g * AMX_ROWS
-        rows = min(AMX_ROWS, m - j0)
-        a, a_lo, row, split = group_weights(w, j0, wf, wh, wl)
-        _rows_product(a, a_lo, split, row, rows, xh, xl, nbp, cb)
-        for i in range(nb):  # token-major: contiguous runs of out, cb (in L1) read across
-            dst = out[i0 + i]
-            for r in range(rows):
-                dst[j0 + r] = cb[r, i]
+    groups = (m + AMX_ROWS - 1) // AMX_ROWS
+    passes = (pairs * nbp * 8 + PASS_BYTES - 1) // PASS_BYTES
+    depth = ((pairs + passes - 1) // passes + TILE - 1) // TILE * TILE
+    for p0 in range(0, pairs, depth):
+        d = min(depth, pairs - p0)
+        for g in range(wk, groups, workers):  # dealt round-robin: equal shares
+            j0 = g * AMX_ROWS
+            rows = min(AMX_ROWS, m - j0)
+            sums = cb[g // workers]
+            split = group_weights(w, j0, p0, d, wf, wh, wl)
+            _rows_product(wh, wl, split, rows, xh, xl, p0, d, nbp, sums, p0 > 0)
+            if p0 + d == pairs:
+                for i in range(nb):  # token-major: contiguous runs of out, sums (in L1) read across
+                    dst = out[i0 + i]
+                    for r in range(rows):
+                        dst[j0 + r] = sums[r, i]
 
 
 @numba.njit(cache=True, nogil=True, fastmath=True, parallel=True)
@@ -584,30 +618,44 @@ def _gemm(x, w, out, work):
     n, k = x.shape
     workers = work.shape[0]
     half = k * TOKENS // 2
+    groups = groups_of(w.shape[0], workers)
+    padded = AMX_ROWS * (k + ROW_PAD) // 2
     for wk in numba.prange(workers):
         area = work[wk]
-        xh = area[:half].view(np.uint16).reshape((k // 2, 2 * TOKENS))
-        xl = area[half : 2 * half].view(np.uint16).reshape((k // 2, 2 * TOKENS))
-        at = 2 * half + AMX_ROWS * TOKENS
-        cb = area[2 * half : at].reshape((AMX_ROWS, TOKENS))
+        xh = area[:half].view(np.uint16).reshape((TOKENS // TILE, k * TILE))
+        xl = area[half : 2 * half].view(np.uint16).reshape((TOKENS // TILE, k * TILE))
+        at = 2 * half + groups * AMX_ROWS * TOKENS
+        cb = area[2 * half : at].reshape((groups, AMX_ROWS, TOKENS))
         wf = area[at : at + AMX_ROWS * k].reshape((AMX_ROWS, k))
-        wh = area[at + AMX_ROWS * k : at + AMX_ROWS * k + AMX_ROWS * k // 2].view(np.uint16).reshape((AMX_ROWS, k))
-        wl = area[at + AMX_ROWS * k + AMX_ROWS * k // 2 : at + 2 * AMX_ROWS * k].view(np.uint16).reshape((AMX_ROWS, k))
+        at += AMX_ROWS * k
+        wh = area[at : at + padded].view(np.uint16).reshape((AMX_ROWS, k + ROW_PAD))
+        wl = area[at + padded : at + 2 * padded].view(np.uint16).reshape((AMX_ROWS, k + ROW_PAD))
         for i0 in range(0, n, TOKENS):
             nb = min(TOKENS, n - i0)
             pack_activations(x, i0, nb, (nb + AMX_TOKENS - 1) // AMX_TOKENS * AMX_TOKENS, xh, xl)
             _block_product(w, out, i0, nb, xh, xl, cb, wf, wh, wl, wk, workers)
 
 
-def gemm(x, w, out, work):
+def scratch_floats(m, k):
+    """float32 elements of the scratch gemm needs for a [m, k] weight, a work area per numba thread."""
+    workers = numba.get_num_threads()
+    return workers * worker_floats(m, k, workers)
+
+
+def gemm(x, w, out, scratch):
     """out = x @ w.T on AMX, x as the sum of two bf16 halves, products and sums in f32.
 
     x: [n, k] float32 (C-contiguous); w: [m, k] bf16 bits, or [m, k // 32 or 256] blocks of a GGUF
     type (quant.py; their values split in two halves as well), with usable(m, k); out: [n, m]
-    float32 (any strides); work: [workers, worker_floats(k)] float32, one area per worker
-    (its first dimension is the parallelism).
+    float32 (any strides); scratch: 1-D float32, scratch_floats(m, k) elements (room for fewer
+    threads only lowers the parallelism).
     """
-    _gemm(x, w, out, work)
+    m, k = w.shape[0], x.shape[1]
+    workers = numba.get_num_threads()
+    while workers > 1 and workers * worker_floats(m, k, workers) > scratch.size:
+        workers -= 1
+    per = worker_floats(m, k, workers)
+    _gemm(x, w, out, scratch[: workers * per].reshape(workers, per))
 
 
 def split(x):
@@ -616,7 +664,7 @@ def split(x):
     return hi, to_f32(to_storage(x - hi, BF16), BF16)
 
 
-def gemm_ref(x, w, out, work):
+def gemm_ref(x, w, out, scratch):
     """numpy reference of gemm: the products of the halves (split) in float64; of block weights,
     (hi + lo) . wh + hi . wl, the halves of their values."""
     hi, lo = split(x)

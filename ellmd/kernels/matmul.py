@@ -330,7 +330,7 @@ def linear_ref(x, w, fmt, out):
 
 
 def _worker_floats(k):
-    return max(k * PANEL + INPUT_BLOCK * PANEL + INPUT_BLOCK * k, gemm.PANEL * k, bf16.worker_floats(k))
+    return max(k * PANEL + INPUT_BLOCK * PANEL + INPUT_BLOCK * k, gemm.PANEL * k)
 
 
 def prefill_scratch_size(m, k):
@@ -338,7 +338,7 @@ def prefill_scratch_size(m, k):
 
     One work area per numba thread (the count at the time of the call).
     """
-    return numba.get_num_threads() * _worker_floats(k)
+    return max(numba.get_num_threads() * _worker_floats(k), bf16.scratch_floats(m, k) if bf16.AMX else 0)
 
 
 @numba.njit(cache=True, nogil=True, fastmath=True)
@@ -419,7 +419,7 @@ def linear_prefill(x, w, fmt, out, scratch):
         elif _integer_prefill(x, part, fmt):
             _linear_integer(x, part, cols)
         elif _on_bf16_path(x, part, fmt):
-            bf16.gemm(x, part, cols, work)
+            bf16.gemm(x, part, cols, scratch)
         elif quant.is_blocks(part):
             _prefill_product(x, part, cols, work)
         else:  # float weights: decode's order of sums, so a token's numbers do not depend on its chunk
