@@ -8,6 +8,8 @@ Paths (each needs its CPU features; without them the portable f32 FMA kernels ru
            32 values as llama.cpp does (~1% of a product: it changes some greedy answers)
   "bf16"   AMX tdpbf16ps for the prefill matmuls of bf16 weights, activations as two bf16 halves
            (~3e-6 of a product; bf16.py also needs Linux to grant the tile state)
+  "dpbf16" vdpbf16ps (AVX512-BF16) for the same bf16 products on CPUs without AMX (Zen 4/5, Xeons
+           from Cooper Lake): dpbf16.py's block, the AMX block's operands with tokens in lanes
 
 ELLM_KERNELS picks them: "auto" (every path this CPU has), "portable" (none), or a comma-separated
 list of paths (those this CPU lacks are left out). Unset, DEFAULT applies. Kernels test
@@ -21,7 +23,7 @@ from numba.core import cgutils
 
 # path -> the sets of CPU features that each let it run
 PATHS = {"int16": (("avx512vnni", "avx512bw"), ("avx2",)), "vnni": (("avx512vnni", "avx512vl"),),
-         "bf16": (("amx-bf16", "amx-tile"),)}
+         "bf16": (("amx-bf16", "amx-tile"),), "dpbf16": (("avx512bf16", "avx512f"),)}
 INTEGER = frozenset({"int16", "vnni"})  # the paths of block weights; "vnni" wins when both are on
 # Only paths whose prefill sums are decode's are on by default (a token's logits must not depend on
 # how it was computed): int8 activations ("vnni") also move logits too far; AMX ("bf16": its tiles
