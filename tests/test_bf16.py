@@ -125,9 +125,15 @@ def test_linear_prefill_takes_the_gemm_for_blocks(rng, amx, monkeypatch):
 
 
 def test_usable_shapes(monkeypatch):
+    monkeypatch.setattr(cpu, "ENABLED", frozenset({"bf16"}))
     monkeypatch.setattr(bf16, "AMX", True)
     assert bf16.usable(48, 64) and not bf16.usable(70, 64) and not bf16.usable(64, 48)
     monkeypatch.setattr(bf16, "AMX", False)  # a CPU without AMX: the f32 kernels
+    assert not bf16.usable(48, 64)
+    monkeypatch.setattr(cpu, "ENABLED", frozenset({"bf16", "dpbf16"}))  # vdpbf16ps in AMX's place
+    assert bf16.usable(48, 64) and not bf16.tiles()
+    monkeypatch.setattr(cpu, "ENABLED", frozenset())  # the paths off
+    monkeypatch.setattr(bf16, "AMX", True)
     assert not bf16.usable(48, 64)
 
 

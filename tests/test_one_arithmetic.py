@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from ellmd.engine import Engine
-from ellmd.kernels import attention, bf16, cpu, formats, gemm
+from ellmd.kernels import attention, bf16, formats, gemm
 from ellmd.kernels.matmul import linear
 from ellmd.model.weights import RandomCheckpoint
 
@@ -78,13 +78,13 @@ def test_a_tokens_logits_do_not_depend_on_how_it_was_computed(alignment_dir, var
     assert_one_arithmetic(each_way(make_engine(alignment_dir / variant, weight_dtype)))
 
 
-@pytest.mark.parametrize("kernels", ["portable", "vnni", "bf16"])
+@pytest.mark.parametrize("kernels", ["portable", "vnni", "bf16", "dpbf16"])
 def test_on_every_kernel_path(alignment_dir, use_kernels, kernels):
     """The default path is the test above; the float kernels are the same on the integer paths, and
-    on AMX ("bf16") prefill runs its own tiles, which decode does not share yet."""
+    on AMX ("bf16") or vdpbf16ps ("dpbf16") prefill runs its own GEMM, which decode does not share yet."""
     use_kernels(kernels)
-    if "bf16" in cpu.ENABLED and bf16.AMX:
-        pytest.xfail("AMX prefill (bf16 tiles, activations as two halves) does not share decode's sums yet")
+    if bf16.enabled():
+        pytest.xfail("bf16 prefill (AMX tiles or vdpbf16ps, two bf16 halves) does not share decode's sums yet")
     assert_one_arithmetic(each_way(make_engine(alignment_dir / "qwen3", "bf16")))
 
 

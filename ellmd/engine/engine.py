@@ -201,7 +201,12 @@ class Engine:
             block_prefill = "the same, a GEMM over tiles of tokens (a token's numbers as in decode)"
         else:
             block_prefill = "decoded to f32 panels, f32 FMA"
-        prefill = "AMX tdpbf16ps (activations as two bf16 halves)" if amx else "f32 FMA"
+        if amx:
+            prefill = "AMX tdpbf16ps (activations as two bf16 halves)"
+        elif bf16.enabled():
+            prefill = "vdpbf16ps (activations as two bf16 halves)"
+        else:
+            prefill = "f32 FMA"
         attention = "AMX tdpbf16ps over bf16 KV in prefill, f32 FMA in decode" if amx else "f32 FMA in prefill and decode"
         return (f"{blocks} in decode, in prefill {block_prefill}; bf16/f16/f32 weights: f32 FMA in decode, "
                 f"{prefill} for bf16 in prefill; attention: {attention} [CPU class {cpu.CLASS}]" + more)

@@ -1,4 +1,4 @@
-"""The bf16 GEMM of prefill on AMX (tdpbf16ps): weights as stored, f32 accumulation; AMX tile products.
+"""The bf16 GEMM of prefill on AMX (tdpbf16ps) or vdpbf16ps: weights as stored, f32 accumulation.
 
 Shape legend:
   n       input rows (tokens)
@@ -26,9 +26,11 @@ lo(w) . lo(x) is ~2**-18), where the f32 panels of matmul.py ran at a third of t
 tile_product builds the same kind of block for operands at any offsets (attention.py's AMX
 prefill: keys . queries and values^T . probabilities).
 
-Why not vdpbf16ps (AVX512-BF16): on the Xeon these figures come from it retires ~0.5 a cycle,
-so with the two halves it would run at half the f32 FMA kernels' speed; CPUs without AMX keep
-the f32 kernels.
+Without AMX (or with the "bf16" path off), the "dpbf16" path (cpu.py), when on, runs the GEMM on
+dpbf16.py's block (vdpbf16ps, AVX512-BF16: tokens in lanes, a weight pair broadcast), on the same
+packed operands. On the Xeon these figures come from vdpbf16ps retires ~0.5 a cycle: the GEMM on it
+ran at 0.4x the f32 FMA kernels (47 against 115 GFLOP/s a core, [2048 x 2048], 512 tokens), so it
+is for CPUs where vdpbf16ps issues faster (Zen 4/5: not measured yet).
 """
 
 import ctypes
@@ -40,11 +42,12 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
-from ellmd.kernels import cpu, quant
+from ellmd.kernels import cpu, dpbf16, quant
 from ellmd.kernels.formats import BF16, to_f32, to_storage
 
 _LANES = 16  # 32-bit lanes of a zmm register
 CHUNK = 32  # depths converted per step by pack_activations (and of an AMX tile)
+PATHS = ("bf16", "dpbf16")  # the paths (cpu.py) of this GEMM: AMX tiles, vdpbf16ps; both split with vcvtneps2bf16
 
 
 class _BFloat(ir.Type):
@@ -151,7 +154,7 @@ def pack_activations(typingctx, x, i0, nb, nbp, xh, xl):
                         builder.store(col, builder.bitcast(builder.gep(dst, [at]), _I32X16.as_pointer()), align=4)
         return context.get_dummy_value()
 
-    return sig, cpu.compiled_for("bf16", codegen)
+    return sig, cpu.compiled_for(PATHS, codegen)
 
 
 class _Tile(ir.Type):
@@ -485,6 +488,7 @@ def _request_amx():
 
 
 AMX = _request_amx()  # tests set it False to run the f32 kernels in its place
+DPBF16 = "dpbf16" in cpu.host_paths()  # gemm can run on vdpbf16ps here (dpbf16.py)
 TOKENS = 64  # tokens per packed block of activations (a multiple of AMX_TOKENS)
 PASS_BYTES = 1 << 20  # the packed pairs of both halves a pass over a worker's rows reads (in L2)
 # A group's rows are copied to rows of k + ROW_PAD values: at k a multiple of 2048 the 32 rows of a
@@ -505,9 +509,19 @@ def worker_floats(m, k, workers):
     return k * TOKENS + groups_of(m, workers) * AMX_ROWS * TOKENS + AMX_ROWS * k + AMX_ROWS * (k + ROW_PAD)
 
 
+def tiles():
+    """Whether gemm runs on AMX tiles: the "bf16" path on, and AMX granted."""
+    return "bf16" in cpu.ENABLED and AMX
+
+
+def enabled():
+    """Whether gemm runs on this CPU with the paths on: on AMX tiles, else on vdpbf16ps ("dpbf16")."""
+    return tiles() or "dpbf16" in cpu.ENABLED
+
+
 def usable(m, k):
-    """Whether gemm takes a [m, k] weight on this CPU."""
-    return AMX and k % CHUNK == 0 and m % TILE == 0
+    """Whether gemm takes a [m, k] weight on this CPU with the paths on."""
+    return enabled() and k % CHUNK == 0 and m % TILE == 0
 
 
 @intrinsic
@@ -537,7 +551,7 @@ def split_rows(typingctx, w, wh, wl, c0, width):
                                                          _BF16X32.as_pointer()), align=2)
         return context.get_dummy_value()
 
-    return sig, cpu.compiled_for("bf16", codegen)
+    return sig, cpu.compiled_for(PATHS, codegen)
 
 
 def group_weights(w, j0, p0, pairs, wf, wh, wl):
@@ -571,23 +585,33 @@ def _group_weights_overload(w, j0, p0, pairs, wf, wh, wl):
 
 
 @numba.njit(cache=True, nogil=True, fastmath=True)
-def _rows_product(w, wl, split, rows, xh, xl, p0, pairs, nbp, cb, accumulate):
+def _rows_product(w, wl, split, rows, xh, xl, p0, pairs, nbp, cb, accumulate, tiles):
     """cb[:rows, :nbp] (+)= w[:rows] (+ wl, when split) . the packed tokens, over pairs p0.. of both;
-    rows = 32 or 16."""
+    rows = 32 or 16; by AMX blocks when tiles, else by vdpbf16ps blocks (dpbf16.py)."""
     for t in range(0, nbp, AMX_TOKENS):
-        if rows == AMX_ROWS:
-            if accumulate:
-                _amx_2_acc(w, wl, split, 0, xh, xl, t, cb, p0, pairs)
+        if tiles:
+            if rows == AMX_ROWS:
+                if accumulate:
+                    _amx_2_acc(w, wl, split, 0, xh, xl, t, cb, p0, pairs)
+                else:
+                    _amx_2(w, wl, split, 0, xh, xl, t, cb, p0, pairs)
+            elif accumulate:
+                _amx_1_acc(w, wl, split, 0, xh, xl, t, cb, p0, pairs)
             else:
-                _amx_2(w, wl, split, 0, xh, xl, t, cb, p0, pairs)
+                _amx_1(w, wl, split, 0, xh, xl, t, cb, p0, pairs)
+        elif rows == AMX_ROWS:
+            if accumulate:
+                dpbf16.block_2_acc(w, wl, split, 0, xh, xl, t, cb, p0, pairs)
+            else:
+                dpbf16.block_2(w, wl, split, 0, xh, xl, t, cb, p0, pairs)
         elif accumulate:
-            _amx_1_acc(w, wl, split, 0, xh, xl, t, cb, p0, pairs)
+            dpbf16.block_1_acc(w, wl, split, 0, xh, xl, t, cb, p0, pairs)
         else:
-            _amx_1(w, wl, split, 0, xh, xl, t, cb, p0, pairs)
+            dpbf16.block_1(w, wl, split, 0, xh, xl, t, cb, p0, pairs)
 
 
 @numba.njit(cache=True, nogil=True, fastmath=True)
-def _block_product(w, out, i0, nb, xh, xl, cb, wf, wh, wl, wk, workers):
+def _block_product(w, out, i0, nb, xh, xl, cb, wf, wh, wl, wk, workers, tiles):
     """out[i0:i0+nb, this worker's groups of rows] from the packed tokens; cb: [groups, AMX_ROWS,
     TOKENS], the sums of each group. In passes over a range of depths, each over all the worker's
     groups: a pass's packed tokens stay in L2 (PASS_BYTES), a group's rows of it in L1, and the
@@ -605,7 +629,7 @@ def _block_product(w, out, i0, nb, xh, xl, cb, wf, wh, wl, wk, workers):
             rows = min(AMX_ROWS, m - j0)
             sums = cb[g // workers]
             split = group_weights(w, j0, p0, d, wf, wh, wl)
-            _rows_product(wh, wl, split, rows, xh, xl, p0, d, nbp, sums, p0 > 0)
+            _rows_product(wh, wl, split, rows, xh, xl, p0, d, nbp, sums, p0 > 0, tiles)
             if p0 + d == pairs:
                 for i in range(nb):  # token-major: contiguous runs of out, sums (in L1) read across
                     dst = out[i0 + i]
@@ -614,7 +638,7 @@ def _block_product(w, out, i0, nb, xh, xl, cb, wf, wh, wl, wk, workers):
 
 
 @numba.njit(cache=True, nogil=True, fastmath=True, parallel=True)
-def _gemm(x, w, out, work):
+def _gemm(x, w, out, work, tiles):
     n, k = x.shape
     workers = work.shape[0]
     half = k * TOKENS // 2
@@ -633,7 +657,7 @@ def _gemm(x, w, out, work):
         for i0 in range(0, n, TOKENS):
             nb = min(TOKENS, n - i0)
             pack_activations(x, i0, nb, (nb + AMX_TOKENS - 1) // AMX_TOKENS * AMX_TOKENS, xh, xl)
-            _block_product(w, out, i0, nb, xh, xl, cb, wf, wh, wl, wk, workers)
+            _block_product(w, out, i0, nb, xh, xl, cb, wf, wh, wl, wk, workers, tiles)
 
 
 def scratch_floats(m, k):
@@ -643,7 +667,8 @@ def scratch_floats(m, k):
 
 
 def gemm(x, w, out, scratch):
-    """out = x @ w.T on AMX, x as the sum of two bf16 halves, products and sums in f32.
+    """out = x @ w.T on AMX tiles (tiles()), else on vdpbf16ps, x as the sum of two bf16 halves,
+    products and sums in f32.
 
     x: [n, k] float32 (C-contiguous); w: [m, k] bf16 bits, or [m, k // 32 or 256] blocks of a GGUF
     type (quant.py; their values split in two halves as well), with usable(m, k); out: [n, m]
@@ -655,7 +680,7 @@ def gemm(x, w, out, scratch):
     while workers > 1 and workers * worker_floats(m, k, workers) > scratch.size:
         workers -= 1
     per = worker_floats(m, k, workers)
-    _gemm(x, w, out, scratch[: workers * per].reshape(workers, per))
+    _gemm(x, w, out, scratch[: workers * per].reshape(workers, per), tiles())
 
 
 def split(x):

@@ -8,8 +8,11 @@ Paths (each needs its CPU features; without them the portable f32 FMA kernels ru
            32 values as llama.cpp does (~1% of a product: it changes some greedy answers)
   "bf16"   AMX tdpbf16ps for the prefill matmuls of bf16 weights, activations as two bf16 halves
            (~3e-6 of a product; bf16.py also needs Linux to grant the tile state)
-  "dpbf16" vdpbf16ps (AVX512-BF16) for the same bf16 products on CPUs without AMX (Zen 4/5, Xeons
-           from Cooper Lake): dpbf16.py's block, the AMX block's operands with tokens in lanes
+  "dpbf16" vdpbf16ps (AVX512-BF16) for the prefill matmuls of bf16 weights where AMX is not on
+           (Zen 4/5, Xeons from Cooper Lake; "bf16" wins where both are): bf16.py's GEMM on
+           dpbf16.py's block, the same two halves. Opt-in (not in DEFAULT: ELLM_KERNELS=auto or a
+           list naming it): its sums are not decode's f32 FMA sums, so a token's logits would
+           depend on how it was computed
 
 ELLM_KERNELS picks them: "auto" (every path this CPU has), "portable" (none), or a comma-separated
 list of paths (those this CPU lacks are left out). Unset, DEFAULT applies. Kernels test
@@ -37,11 +40,12 @@ def host_paths() -> frozenset[str]:
     return frozenset(p for p, options in PATHS.items() if any(all(features.get(f) for f in needs) for needs in options))
 
 
-def compiled_for(path, codegen):
-    """An intrinsic's codegen that emits path's instructions, where this CPU has them; elsewhere a
-    trap in their place: LLVM aborts the process on instructions the target lacks, even in code
-    that never runs, and kernels call a path only when it is in ENABLED (a subset of the host's)."""
-    if path in host_paths():
+def compiled_for(paths, codegen):
+    """An intrinsic's codegen that emits the instructions of a path (or of a tuple of paths that
+    share them), where this CPU has one of them; elsewhere a trap in their place: LLVM aborts the
+    process on instructions the target lacks, even in code that never runs, and kernels call a path
+    only when it is in ENABLED (a subset of the host's)."""
+    if host_paths() & set((paths,) if isinstance(paths, str) else paths):
         return codegen
 
     def trap(context, builder, signature, args):

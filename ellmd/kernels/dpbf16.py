@@ -5,15 +5,16 @@ Shape legend:
   k       the row stride of the weights in bf16 values (even; rows may be padded past 2 * pairs)
   pairs   pairs of depths of one call, counted from p0 (any number: a step is one pair)
   rows    weight rows of a block, 16 * row_tiles (16 or 32), at j0 in w and at 0 in c
-  tokens  the packed tokens (xh, xl: [*, 2 * tokens] uint16; c: [32, tokens] float32); a block
-          takes the 32 from t0
+  tokens  the packed tokens (xh, xl: [tokens // 16, pairs * 32] uint16; c: [32, tokens] float32);
+          a block takes the 32 from t0
 
 The operands are bf16.py's, unchanged: activations x split into hi = bf16(x) and lo = bf16(x - hi),
-packed per pair of depths (xh[p, t] is the 32-bit pair (hi(x[t, 2p]), hi(x[t, 2p + 1]))), and
-the weights as stored ([rows, k] bf16 bits, the two values of a pair adjacent). So one zmm load of
-xh[p, 16 tokens] is the operand of vdpbf16ps with tokens in lanes, and a weight row's pair at p,
-one 32-bit word, is the other operand broadcast to the 16 lanes: the AMX path's pack serves this
-one (its vcvtneps2bf16 is an AVX512-BF16 instruction), and the weights need no packing at load.
+packed per group of 16 tokens and pair of depths (bf16.pack_activations: the group's 32-bit pairs
+(hi(x[t, 2p]), hi(x[t, 2p + 1])) 64 contiguous bytes, a group's pairs one after another), and the
+weights as stored ([rows, k] bf16 bits, the two values of a pair adjacent). So one zmm load of a
+group's pair p is the operand of vdpbf16ps with tokens in lanes, and a weight row's pair at p, one
+32-bit word, is the other operand broadcast to the 16 lanes: the AMX path's pack serves this one
+(its vcvtneps2bf16 is an AVX512-BF16 instruction), and the weights need no packing at load.
 
 A step (one pair) of a register block of 8 weight rows x 2 groups of 16 tokens: 4 loads of the
 tokens (2 groups x hi, lo), and per row one broadcast of its pair and 4 vdpbf16ps into its 2
@@ -24,7 +25,7 @@ pairs and reach c once (stored, or added to it when accumulate). As compiled, a 
 loads, 8 vbroadcastss (one a row, shared by its vdpbf16ps) and 32 vdpbf16ps; with split 4, 16
 and 48, plus 8 reloads of row addresses from the stack (16 weight rows' addresses outnumber the
 general registers; scalar loads beside 48 vdpbf16ps). The 32 rows of c are 4 such blocks, each
-one pass over the tokens' pairs (from L2 at bf16.DEPTH pairs: 64 KiB of both halves).
+one pass over the call's pairs of the 32 tokens (a pass of bf16's GEMM, in L2).
 
 Every lane is one token and runs the same instructions in the same order, so a token's numbers
 do not depend on the other tokens of its block, nor on its lane: one arithmetic whatever the
@@ -39,9 +40,9 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from ellmd.kernels import cpu
-from ellmd.kernels.bf16 import _BF16X32, _LANES, _data, _is_matrix
+from ellmd.kernels import bf16, cpu  # bf16 imports this module too: its names are read when blocks compile
 
+_LANES = 16  # 32-bit lanes of a zmm register
 _F32X16 = ir.VectorType(ir.FloatType(), _LANES)
 _I32X16 = ir.VectorType(ir.IntType(32), _LANES)
 ROWS = 8  # weight rows of a register block: 8 x GROUPS accumulators + 2 x GROUPS token registers
@@ -53,19 +54,20 @@ def _broadcast(builder, word):
     an embedded {1to16} where it has one use)."""
     lanes = builder.insert_element(ir.Constant(_I32X16, None), word, ir.Constant(ir.IntType(32), 0))
     splat = builder.shuffle_vector(lanes, ir.Constant(_I32X16, None), ir.Constant(_I32X16, [0] * _LANES))
-    return builder.bitcast(splat, _BF16X32)
+    return builder.bitcast(splat, bf16._BF16X32)
 
 
 def _vector_at(builder, base, index, vector):
     return builder.bitcast(builder.gep(base, [index]), vector.as_pointer())
 
 
-def _steps(builder, dp, accs, pairs, ldx, x_rows, x_at, w_rows, w_at):
+def _steps(builder, dp, accs, pairs, x_rows, x_at, w_rows, w_at):
     """The loop over the call's pairs: accs[r][g] += each weight row's pair . the tokens of group
     g, for the halves of the tokens (x_rows: hi, lo) and of the weights (w_rows: w, or w and wl)."""
     with cgutils.for_range(builder, pairs) as loop:
-        p, step = loop.index, builder.mul(loop.index, ldx)
-        xs = [[builder.load(_vector_at(builder, half, builder.add(at, step), _BF16X32), align=4) for at in x_at]
+        p = loop.index
+        step = builder.mul(p, ir.Constant(p.type, _LANES))  # a group's pairs: 16 words each
+        xs = [[builder.load(_vector_at(builder, half, builder.add(at, step), bf16._BF16X32), align=4) for at in x_at]
               for half in x_rows]  # [half][group]
         for at, row_accs in zip(w_at, accs):
             ws = [_broadcast(builder, builder.load(builder.gep(half, [builder.add(at, p)]))) for half in w_rows]
@@ -91,30 +93,29 @@ def make_block(row_tiles, accumulate):
     @intrinsic
     def dpbf16_block(typingctx, w, wl, split, j0, xh, xl, t0, c, p0, pairs):
         u16 = types.uint16
-        if not (_is_matrix(w, u16) and _is_matrix(wl, u16) and _is_matrix(xh, u16) and _is_matrix(xl, u16)
-                and _is_matrix(c, types.float32)):
+        if not (all(bf16._is_matrix(a, u16) for a in (w, wl, xh, xl)) and bf16._is_matrix(c, types.float32)):
             return None
         sig = types.void(w, wl, types.boolean, types.intp, xh, xl, types.intp, c, types.intp, types.intp)
 
         def codegen(context, builder, signature, args):
-            w_p, (_, k), _ = _data(context, builder, signature.args[0], args[0])
-            wl_p, _, _ = _data(context, builder, signature.args[1], args[1])
-            xh_p, (_, ld2), _ = _data(context, builder, signature.args[4], args[4])
-            xl_p, _, _ = _data(context, builder, signature.args[5], args[5])
-            c_p, (_, ldc), _ = _data(context, builder, signature.args[7], args[7])
+            w_p, (_, k), _ = bf16._data(context, builder, signature.args[0], args[0])
+            wl_p, _, _ = bf16._data(context, builder, signature.args[1], args[1])
+            xh_p, (_, ld2), _ = bf16._data(context, builder, signature.args[4], args[4])
+            xl_p, _, _ = bf16._data(context, builder, signature.args[5], args[5])
+            c_p, (_, ldc), _ = bf16._data(context, builder, signature.args[7], args[7])
             _, _, split, j0, _, _, t0, _, p0, pairs = args
             intp = context.get_value_type(types.intp)
             i32p = ir.IntType(32).as_pointer()
-            dp = cgutils.get_or_insert_function(builder.module, ir.FunctionType(
-                _F32X16, [_F32X16, _BF16X32, _BF16X32]), "llvm.x86.avx512bf16.dpbf16ps.512")  # acc, w pairs, x pairs
+            dp = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_F32X16, [
+                _F32X16, bf16._BF16X32, bf16._BF16X32]), "llvm.x86.avx512bf16.dpbf16ps.512")  # acc, w pairs, x pairs
 
             def const(v):
                 return ir.Constant(intp, v)
 
-            # pairs as 32-bit words: a weight row is k // 2 words, a row of packed tokens ld2 // 2
+            # pairs as 32-bit words: a weight row is k // 2 words, a group of 16 packed tokens ld2 // 2
             w_words = [builder.bitcast(ptr, i32p) for ptr in (w_p, wl_p)]
             x_words = [builder.bitcast(ptr, i32p) for ptr in (xh_p, xl_p)]
-            ldw, ldx = builder.udiv(k, const(2)), builder.udiv(ld2, const(2))
+            ldw, run = builder.udiv(k, const(2)), builder.udiv(ld2, const(2))
             accs = [[cgutils.alloca_once(builder, _F32X16) for _ in range(GROUPS)] for _ in range(ROWS)]  # registers
             zero = ir.Constant(_F32X16, [0.0] * _LANES)
             with cgutils.for_range(builder, const(rows // ROWS)) as blocks:
@@ -127,12 +128,13 @@ def make_block(row_tiles, accumulate):
                         builder.store(builder.load(c_g, align=4) if accumulate else zero, slot)
                 w_at = [builder.add(builder.mul(builder.add(j0, builder.add(r0, const(r))), ldw), p0)
                         for r in range(ROWS)]
-                x_at = [builder.add(builder.mul(p0, ldx), builder.add(t0, const(_LANES * g))) for g in range(GROUPS)]
+                x_at = [builder.add(builder.mul(builder.add(builder.udiv(t0, const(_LANES)), const(g)), run),
+                                    builder.mul(p0, const(_LANES))) for g in range(GROUPS)]
                 with builder.if_else(split) as (with_split, without):  # a pairs loop for each: no branch inside
                     with with_split:
-                        _steps(builder, dp, accs, pairs, ldx, x_words, x_at, w_words, w_at)
+                        _steps(builder, dp, accs, pairs, x_words, x_at, w_words, w_at)
                     with without:
-                        _steps(builder, dp, accs, pairs, ldx, x_words, x_at, w_words[:1], w_at)
+                        _steps(builder, dp, accs, pairs, x_words, x_at, w_words[:1], w_at)
                 for at, row_accs in zip(c_at, accs):
                     for c_g, slot in zip(at, row_accs):
                         builder.store(builder.load(slot), c_g, align=4)
@@ -141,3 +143,8 @@ def make_block(row_tiles, accumulate):
         return sig, cpu.compiled_for("dpbf16", codegen)
 
     return dpbf16_block
+
+
+# the blocks of bf16._rows_product on this path, beside its AMX blocks
+block_2, block_2_acc = make_block(2, False), make_block(2, True)
+block_1, block_1_acc = make_block(1, False), make_block(1, True)

@@ -18,6 +18,7 @@ way a token's numbers are the same to the bit whatever the chunk it comes in, or
 decode step. On the "bf16" path (cpu.py), where the CPU has AMX, bf16 weights go to the AMX GEMM
 of bf16.py instead (activations split into two bf16 halves), and so do GGUF blocks on the CPU
 classes where cpu.BLOCK_PREFILL says so (decoded per group of rows, their values split as well);
+on the "dpbf16" path, where AMX is not on, bf16 weights alone go to the same GEMM on vdpbf16ps;
 without an integer path, blocks are packed in panels of PANEL rows decoded to float32
 (transposed) for the SIMD micro-kernel of tile.py. `matmul` picks one by n.
 
@@ -338,7 +339,7 @@ def prefill_scratch_size(m, k):
 
     One work area per numba thread (the count at the time of the call).
     """
-    return max(numba.get_num_threads() * _worker_floats(k), bf16.scratch_floats(m, k) if bf16.AMX else 0)
+    return max(numba.get_num_threads() * _worker_floats(k), bf16.scratch_floats(m, k) if bf16.AMX or bf16.DPBF16 else 0)
 
 
 @numba.njit(cache=True, nogil=True, fastmath=True)
@@ -408,7 +409,7 @@ def linear_prefill(x, w, fmt, out, scratch):
     Each weight row is converted once. Float weights: gemm.product, decode's sums. On the
     "bf16" path, bf16 weights and GGUF blocks go to bf16.gemm where it is usable (AMX; several
     times faster, but not decode's sums); blocks on an integer path take the integer kernel instead
-    (_integer_prefill).
+    (_integer_prefill). On the "dpbf16" path (vdpbf16ps, where AMX is not on) only bf16 weights do.
     """
     per = _worker_floats(x.shape[1])
     workers = max(1, min(numba.get_num_threads(), scratch.size // per))
@@ -433,10 +434,10 @@ def _integer_prefill(x, w, fmt):
 
 
 def _on_bf16_path(x, w, fmt):
-    if "bf16" not in cpu.ENABLED or w.ndim != 2 or not (w.flags.c_contiguous and x.flags.c_contiguous):
+    if not bf16.enabled() or w.ndim != 2 or not (w.flags.c_contiguous and x.flags.c_contiguous):
         return False
-    if quant.is_blocks(w):
-        return bf16.usable(w.shape[0], quant.columns(w))
+    if quant.is_blocks(w):  # AMX tiles only: on the "dpbf16" path blocks keep their own GEMMs
+        return bf16.tiles() and bf16.usable(w.shape[0], quant.columns(w))
     return fmt == BF16 and w.dtype == np.uint16 and bf16.usable(*w.shape)
 
 
