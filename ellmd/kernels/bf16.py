@@ -6,20 +6,23 @@ Shape legend:
   m       output features (weight rows), m % TILE == 0
   tokens  tokens of a packed block of activations (TOKENS)
 
-The weights are read as stored ([m, k] bf16 bits, the two values of a pair of depths adjacent):
-no packing at load, no second copy in memory. Each f32 activation x is split into
+The weights stay as stored ([m, k] bf16 bits, the two values of a pair of depths adjacent): a
+group of 32 rows is copied per pass into rows padded by ROW_PAD values (4 KiB apart at k = 2048,
+its rows all fell in one L1 set). Each f32 activation x is split into
 hi = bf16(x) and lo = bf16(x - hi), so x . w = hi . w + lo . w keeps ~16 bits of x (relative
 error ~2**-17, the f32 kernels' figures within the alignment tolerance; bf16(x) alone moved
 1,100-token prefill logits by 7e-3 of the largest, past the 1e-3 the suite allows). The two
-halves of a block of tokens are packed per pair of depths (`pack_activations`: xh[p, i] is the
-32-bit pair (hi(x[i, 2p]), hi(x[i, 2p+1]))), the layout of the B operand of tdpbf16ps; a block of
+halves of a block of tokens are packed per pair of depths in runs of 16 tokens
+(`pack_activations`: for tokens 16 g.., pair p, 64 bytes of (hi(x[i, 2p]), hi(x[i, 2p+1]))
+pairs), so a B operand of tdpbf16ps (16 pairs x 16 tokens) is 1 KiB in one piece; a block of
 32 weight rows x 32 tokens is four 16 x 16 f32 tiles, fed per 32 depths by two tiles of weights
-(16 rows x 32 depths) and two tiles of each half of the tokens. The product is c[weight row,
-token], copied transposed into out. Products of bf16 values are exact in f32 and every sum is
-an f32 sum.
+(16 rows x 32 depths) and two tiles of each half of the tokens. The depth runs in passes (about
+1 MiB of packed tokens each, kept in L2) over all of a worker's groups, each group's sums kept
+between passes; the sums are c[weight row, token], copied transposed into out after the last
+pass. Products of bf16 values are exact in f32 and every sum is an f32 sum.
 
 Weights in GGUF blocks (quant.py) take the same GEMM: each group of 32 weight rows is decoded to
-f32 once per block of tokens and split like the activations into hi and lo halves (`split_rows`),
+f32 once per pass and split like the activations into hi and lo halves (`split_rows`),
 and the block adds lo(w) . hi(x) to the two products: w . x to ~2**-16 of each term (the dropped
 lo(w) . lo(x) is ~2**-18), where the f32 panels of matmul.py ran at a third of the bf16 speed.
 
@@ -489,7 +492,7 @@ def _request_amx():
 
 AMX = _request_amx()  # tests set it False to run the f32 kernels in its place
 DPBF16 = "dpbf16" in cpu.host_paths()  # gemm can run on vdpbf16ps here (dpbf16.py)
-TOKENS = 64  # tokens per packed block of activations (a multiple of AMX_TOKENS)
+TOKENS = 256  # tokens per packed block of activations (a multiple of AMX_TOKENS)
 PASS_BYTES = 1 << 20  # the packed pairs of both halves a pass over a worker's rows reads (in L2)
 # A group's rows are copied to rows of k + ROW_PAD values: at k a multiple of 2048 the 32 rows of a
 # tile block, 4 KiB apart, all fell in one L1 set and evicted each other (half the tile rate)
