@@ -117,11 +117,11 @@ def test_linear_prefill_takes_the_gemm_for_blocks(rng, amx, monkeypatch):
     matmul.matmul(x, w, BF16, got, np.empty(matmul.prefill_scratch_size(m, k), np.float32))
     matmul.linear_ref(x, w, BF16, want)
     assert np.abs(got - want).max() <= 2e-5 * np.abs(want).max()
-    assert calls == [w.shape]
+    assert calls == [(w.shape, True)]
     monkeypatch.setattr(cpu, "ENABLED", frozenset())  # the portable path: f32 panels
     matmul.matmul(x, w, BF16, got, np.empty(matmul.prefill_scratch_size(m, k), np.float32))
     np.testing.assert_allclose(got, want, **TOL)
-    assert calls == [w.shape]
+    assert calls == [(w.shape, True)]
 
 
 def test_usable_shapes(monkeypatch):
@@ -138,11 +138,12 @@ def test_usable_shapes(monkeypatch):
 
 
 def _counting_gemm(monkeypatch):
+    """bf16.gemm's calls: (weight shape, on AMX tiles)."""
     calls = []
     real = bf16.gemm
 
     def gemm(x, w, out, work):
-        calls.append(w.shape)
+        calls.append((w.shape, bf16.tiles()))
         real(x, w, out, work)
 
     monkeypatch.setattr(bf16, "gemm", gemm)
@@ -159,7 +160,7 @@ def test_linear_prefill_takes_the_gemm_only_on_its_path(rng, amx, monkeypatch):
     matmul.matmul(x, w, BF16, got, scratch)
     matmul.linear_ref(x, w, BF16, want)
     assert np.abs(got - want).max() <= 2e-5 * np.abs(want).max()  # hi + lo: ~16 bits of each activation
-    assert calls == [(m, k)]
+    assert calls == [((m, k), True)]
 
     monkeypatch.setattr(cpu, "ENABLED", frozenset())  # the portable path
     matmul.matmul(x, w, BF16, got, scratch)
@@ -168,7 +169,7 @@ def test_linear_prefill_takes_the_gemm_only_on_its_path(rng, amx, monkeypatch):
     monkeypatch.setattr(bf16, "AMX", False)  # a CPU with AVX512-BF16 but no AMX
     matmul.matmul(x, w, BF16, got, scratch)
     np.testing.assert_allclose(got, want, **TOL)
-    assert calls == [(m, k)]
+    assert calls == [((m, k), True)]
 
 
 def test_other_weights_stay_on_the_f32_kernels(rng, amx, monkeypatch):
@@ -196,7 +197,7 @@ def test_fused_weights_write_their_column_slices(rng, amx, monkeypatch):
     want = np.empty((n, 96), np.float32)
     bf16.gemm_ref(x, np.concatenate(parts), want, None)
     np.testing.assert_allclose(got, want, **TOL)
-    assert calls == [(64, k), (32, k)]
+    assert calls == [((64, k), True), ((32, k), True)]
 
 
 # --- attention prefill on AMX ---------------------------------------------------------------

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from llvmlite import binding
 
+from test_bf16 import _counting_gemm
 from test_quant import blocks
 
 from ellmd.engine import Engine
@@ -223,19 +224,6 @@ def test_a_tokens_numbers_do_not_depend_on_its_chunk(rng, dp, k):
         part = np.empty((i1 - i0, m), np.float32)
         bf16.gemm(x[i0:i1], w, part, work)
         assert np.array_equal(part, full[i0:i1])
-
-
-def _counting_gemm(monkeypatch):
-    """bf16.gemm's calls: (weight shape, on AMX tiles)."""
-    calls = []
-    real = bf16.gemm
-
-    def gemm(x, w, out, work):
-        calls.append((w.shape, bf16.tiles()))
-        real(x, w, out, work)
-
-    monkeypatch.setattr(bf16, "gemm", gemm)
-    return calls
 
 
 def test_linear_prefill_takes_it_for_bf16_weights_only(rng, dp, monkeypatch):
