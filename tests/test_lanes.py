@@ -145,8 +145,6 @@ def q8_0_engine(path, **options):
 @pytest.fixture
 def int16_path(use_kernels):
     use_kernels("int16")
-    if not lanes.wanted(quant.quantize(np.zeros((16, 32), np.float32), "Q8_0")):
-        pytest.skip("this CPU class takes block prefill on AMX (cpu.BLOCK_PREFILL): Q8_0 stays in blocks")
 
 
 def test_an_engine_holds_q8_0_in_tiles_and_agrees_with_the_blocks(alignment_dir, int16_path, monkeypatch):

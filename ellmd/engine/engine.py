@@ -196,7 +196,8 @@ class Engine:
         else:
             blocks = "GGUF blocks: f32 FMA"
         if amx and cpu.BLOCK_PREFILL[cpu.CLASS] == "bf16":  # the class's faster path (cpu.BLOCK_PREFILL)
-            block_prefill = "decoded and split into two bf16 halves, AMX tdpbf16ps"
+            tiles = "Q8_0 tiles the same, other blocks " if cpu.INTEGER & cpu.ENABLED == {"int16"} else ""
+            block_prefill = f"{tiles}decoded and split into two bf16 halves, AMX tdpbf16ps"
         elif cpu.INTEGER & cpu.ENABLED:
             block_prefill = "the same, a GEMM over tiles of tokens (a token's numbers as in decode)"
         else:

@@ -78,9 +78,9 @@ def _part_rows_overload(w):
 def wanted(w) -> bool:
     """True when weight matrix w is best repacked to tiles at load: Q8_0 with rows a multiple of 16
     (a fused weight's parts then start on tiles), on the int16 path alone (the int8 "vnni" path
-    quantizes activations to int8; AMX, where on, takes block prefill on bf16 tiles: cpu.BLOCK_PREFILL)."""
-    amx_blocks = cpu.BLOCK_PREFILL[cpu.CLASS] == "bf16" and "bf16" in cpu.ENABLED
-    int16_only = cpu.INTEGER & cpu.ENABLED == {"int16"} and not amx_blocks
+    quantizes activations to int8). With AMX on too, the tiles still beat its block prefill and keep
+    decode's sums (Qwen3-1.7B shapes, pp512: 145 tok/s against 107 on AMX, Xeon with AMX)."""
+    int16_only = cpu.INTEGER & cpu.ENABLED == {"int16"}
     return int16_only and quant.block_name(w) == "Q8_0" and w.ndim == 2 and w.shape[0] % LANES == 0
 
 
