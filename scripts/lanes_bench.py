@@ -1,12 +1,13 @@
-"""Q8_0 with outputs in lanes (kernels/lanes.py) against today's integer GEMM and the f32 GEMM.
+"""GGUF blocks with outputs in lanes (kernels/lanes.py) against the row integer GEMM and the f32 GEMM.
 
 One thread (run with NUMBA_NUM_THREADS=1): n input rows times a [m, k] weight at the shapes of
-SmolLM2-135M and Qwen3-1.7B, on linear_lanes (Q8_0 repacked to tiles), matmul._linear_int16
-(rows_vnni on the Q8_0 blocks) and gemm.product (bf16 weights), interleaved round by round; the
-best CPU time of the calling thread (time.thread_time), so other work on a shared machine weighs
-less. GFLOP/s for n > 1; for n = 1 (decode) GB/s of the weights (Q8_0: 34 bytes per 32 values).
+SmolLM2-135M and Qwen3-1.7B, on linear_lanes (the blocks repacked to tiles), matmul._linear_int16
+(rows_vnni on the blocks) and gemm.product (bf16 weights), interleaved round by round; the best
+CPU time of the calling thread (time.thread_time), so other work on a shared machine weighs less.
+GFLOP/s for n > 1; for n = 1 (decode) GB/s of the weights in their GGUF size (Q8_0: 34 bytes per
+32 values, Q4_K 144 per 256). Q4_K skips the shapes whose depth 256 does not divide.
 
-    NUMBA_NUM_THREADS=1 .venv/bin/python scripts/lanes_bench.py --rows 512
+    NUMBA_NUM_THREADS=1 .venv/bin/python scripts/lanes_bench.py --rows 512 --format Q4_K
     NUMBA_NUM_THREADS=1 .venv/bin/python scripts/lanes_bench.py --rows 1 --repeats 20
 """
 
@@ -40,11 +41,22 @@ def best_seconds(run, repeats: int) -> float:
     return best
 
 
-def rates(n: int, k: int, m: int, repeats: int, rng) -> list[float]:
+def weights(block: str, m: int, k: int, rng) -> np.ndarray:
+    """A [m, k] weight in block: quantized random values, or random Q6_K blocks with small scales
+    (the gguf package has no Q6_K quantizer; the kernels' speed does not depend on the values)."""
+    if block != "Q6_K":
+        return quant.quantize(rng.standard_normal((m, k)).astype(np.float32) * 0.05, block)
+    dtype = quant.BLOCK_DTYPES[block]
+    w = rng.integers(0, 256, (m, k // 256, dtype.itemsize), np.uint8).view(dtype)[..., 0]
+    w["d"] = rng.uniform(1e-4, 2e-4, w.shape).astype(np.float16).view(np.uint16)
+    return w
+
+
+def rates(n: int, k: int, m: int, block: str, repeats: int, rng) -> list[float]:
     """GFLOP/s (n > 1) or GB/s of weights (n = 1) of each kernel of KERNELS at one shape."""
     x = rng.standard_normal((n, k)).astype(np.float32)
-    w = quant.quantize(rng.standard_normal((m, k)).astype(np.float32) * 0.05, "Q8_0")
-    tiles = lanes.repack_q8_0(w)
+    w = weights(block, m, k, rng)
+    tiles = lanes.repack(w)
     bf16 = (rng.standard_normal((m, k)).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
     out = np.zeros((n, m), np.float32)
     work = np.zeros((1, gemm.PANEL * k), np.float32)
@@ -63,6 +75,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=512, help="input rows n (1: decode)")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per kernel and round")
+    parser.add_argument("--format", choices=sorted(lanes.REPACK), default="Q8_0", help="the weights' GGUF block type")
     args = parser.parse_args()
     if "int16" not in cpu.host_paths():
         parser.error("the lanes kernel needs the int16 path (AVX512-VNNI+BW or AVX2)")
@@ -70,12 +83,13 @@ def main() -> None:
     from rich.table import Table
 
     unit = "GFLOP/s" if args.rows > 1 else "GB/s of weights"
-    table = Table(title=f"{args.rows} input rows, one thread, {unit}, {cpu.CLASS}")
+    table = Table(title=f"{args.format}, {args.rows} input rows, one thread, {unit}, {cpu.CLASS}")
     for column in ("(k, m)", *KERNELS, "lanes / rows_vnni"):
         table.add_column(column, justify="right")
     rng = np.random.default_rng(0)
-    for k, m in SHAPES:
-        found = rates(args.rows, k, m, args.repeats, rng)
+    depth = quant.BLOCK_SIZES[args.format]
+    for k, m in (shape for shape in SHAPES if shape[0] % depth == 0):
+        found = rates(args.rows, k, m, args.format, args.repeats, rng)
         table.add_row(f"({k}, {m})", *(f"{r:.1f}" for r in found), f"{found[0] / found[1]:.2f}x")
     Console().print(table)
 

@@ -378,8 +378,8 @@ def load_tokenizer(checkpoint) -> Tokenizer | None:
 
 
 def held_block_name(a: np.ndarray) -> str | None:
-    """The GGUF block type a weight array holds ("Q8_0" for Q8_0 repacked to lanes tiles), or None."""
-    return "Q8_0" if lanes.is_tiles(a) else quant.block_name(a)
+    """The GGUF block type a weight array holds (tiles included: lanes.py), or None."""
+    return lanes.block_name(a) if lanes.is_tiles(a) else quant.block_name(a)
 
 
 def _weight_arrays(model):

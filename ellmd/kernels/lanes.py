@@ -41,7 +41,25 @@ from ellmd.kernels import cpu, quant
 from ellmd.kernels.quant_int import FASTMATH_IN_ORDER, WORDS_VNNI, _dot_words, _Ir
 
 LANES = 16  # weight rows of a tile: vpdpwssd's int32 lanes
-TILE_BLOCK = 2 * LANES + 16 * 2 * LANES  # bytes of a tile's block: 16 scales, 16 pairs of 16 x 2 codes
+TILE_BLOCK = 2 * LANES + 16 * 2 * LANES  # bytes of a Q8_0 tile's block: 16 scales, 16 pairs of 16 x 2 codes
+# a Q4_K tile's super-block (256 values): the 16 rows' d and dmin (f16), their 8 scales and 8 mins
+# (bytes, [sub-block][row]), then per sub-block 8 runs of 32 code bytes (layout above)
+K4_D, K4_DMIN, K4_SCALES, K4_MINS, K4_CODES = 0, 2 * LANES, 4 * LANES, 12 * LANES, 20 * LANES
+K4_BLOCK = K4_CODES + 8 * 8 * 2 * LANES  # 2,368 bytes for the GGUF's 16 x 144
+# a Q6_K tile's super-block: the 16 rows' d (f16) and 16 scales (int8, [sub-block][row]), the codes'
+# low 4 bits as Q4_K's, then their high 2 bits per 32 values in 4 runs of 32 bytes (layout above)
+K6_D, K6_SCALES, K6_LOW = 0, 2 * LANES, 18 * LANES
+K6_HIGH = K6_LOW + 8 * 8 * 2 * LANES
+K6_BLOCK = K6_HIGH + 8 * 4 * 2 * LANES  # 3,360 bytes: the GGUF's 16 x 210
+# a Q5_0 tile's block: the 16 rows' d (f16), the codes' low 4 bits as Q4_K's sub-blocks, then their
+# fifth bits in 2 runs of 32 bytes (layout above)
+Q5_LOW = 2 * LANES
+Q5_HIGH = Q5_LOW + 8 * 2 * LANES
+Q5_BLOCK = Q5_HIGH + 2 * 2 * LANES  # 352 bytes: the GGUF's 16 x 22
+# block type -> (values, bytes) of a tile's block; tiles are arrays [T, blocks] of a record type
+# named after the block type (TILE_DTYPES), so that numba compiles a kernel for each type it meets
+TILE_BLOCKS = {"Q8_0": (32, TILE_BLOCK), "Q5_0": (32, Q5_BLOCK), "Q4_K": (256, K4_BLOCK), "Q6_K": (256, K6_BLOCK)}
+TILE_DTYPES = {name: np.dtype([(name, np.uint8, (size,))]) for name, (_, size) in TILE_BLOCKS.items()}
 # input rows x tiles of a register block: RB * SB int32 sums and as many float accumulators, SB
 # widened weight vectors and RB broadcast pairs (AVX-512: 4 x 3 -> 24 + 3 + 4 of 32 registers;
 # AVX2 keeps each 16-lane vector in two registers of its 16)
@@ -49,8 +67,24 @@ RB, SB = (4, 3) if WORDS_VNNI else (2, 1)
 
 
 def is_tiles(w) -> bool:
-    """True for Q8_0 weights repacked to tiles (repack_q8_0)."""
-    return isinstance(w, np.ndarray) and w.dtype == np.uint8 and w.ndim == 3 and w.shape[2] == TILE_BLOCK
+    """True for weights repacked to tiles (repack)."""
+    return isinstance(w, np.ndarray) and w.dtype.names is not None and w.dtype.names[0] in TILE_DTYPES \
+        and w.dtype == TILE_DTYPES[w.dtype.names[0]]
+
+
+def block_name(w) -> str:
+    """The GGUF block type tiles hold."""
+    return w.dtype.names[0]
+
+
+def columns(w) -> int:
+    """The depth k of tiles."""
+    return TILE_BLOCKS[block_name(w)][0] * w.shape[1]
+
+
+def _raw(tiles):
+    """Tiles as their bytes, uint8 [T, blocks, bytes of a block]."""
+    return np.ascontiguousarray(tiles).view(np.uint8).reshape(*tiles.shape, TILE_BLOCKS[block_name(tiles)][1])
 
 
 def rows(w) -> int:
@@ -58,9 +92,17 @@ def rows(w) -> int:
     return LANES * w.shape[0] if is_tiles(w) else w.shape[0]
 
 
+def tiles_name(t) -> str | None:
+    """The block type of the numba type of tiles, None for another type (typing time)."""
+    if not (isinstance(t, types.Array) and isinstance(t.dtype, types.Record) and len(t.dtype.fields) == 1):
+        return None
+    name = next(iter(t.dtype.fields))
+    return name if name in TILE_DTYPES and t.dtype.size == TILE_DTYPES[name].itemsize else None
+
+
 def tiles_type(t) -> bool:
     """True for the numba type of tiles (typing time)."""
-    return isinstance(t, types.Array) and t.dtype == types.uint8 and t.ndim == 3
+    return tiles_name(t) is not None
 
 
 def part_rows(w):
@@ -76,15 +118,29 @@ def _part_rows_overload(w):
 
 
 def wanted(w) -> bool:
-    """True when weight matrix w is best repacked to tiles at load: Q8_0 with rows a multiple of 16
-    (a fused weight's parts then start on tiles), on the int16 path alone (the int8 "vnni" path
-    quantizes activations to int8). With AMX on too, the tiles still beat its block prefill and keep
+    """True when weight matrix w is best repacked to tiles at load: Q8_0 or Q4_K with rows a multiple
+    of 16 (a fused weight's parts then start on tiles), on the int16 path alone (the int8 "vnni" path
+    quantizes activations to int8). With AMX on too, Q8_0 tiles still beat its block prefill and keep
     decode's sums (Qwen3-1.7B shapes, pp512: 145 tok/s against 107 on AMX, Xeon with AMX)."""
     int16_only = cpu.INTEGER & cpu.ENABLED == {"int16"}
-    return int16_only and quant.block_name(w) == "Q8_0" and w.ndim == 2 and w.shape[0] % LANES == 0
+    return int16_only and quant.block_name(w) in REPACK and w.ndim == 2 and w.shape[0] % LANES == 0
 
 
-def repack_q8_0(w):
+def repack(w):
+    """GGUF block records [m, blocks] -> their tiles [ceil(m / 16), blocks] (the layouts above)."""
+    name = quant.block_name(w)
+    return REPACK[name](w).view(TILE_DTYPES[name]).reshape(-(-w.shape[0] // LANES), w.shape[1])
+
+
+def _by_tile(a, m):
+    """[m, blocks, ...] -> [T, blocks, 16, ...]: rows padded with zeros to tiles of 16."""
+    tiles = -(-m // LANES)
+    padded = np.zeros((tiles * LANES, *a.shape[1:]), a.dtype)
+    padded[:m] = a
+    return np.ascontiguousarray(padded.reshape(tiles, LANES, *a.shape[1:]).swapaxes(1, 2))
+
+
+def _repack_q8_0(w):
     """Q8_0 block records [m, nb] -> tiles uint8 [ceil(m / 16), nb, 544] (the layout above)."""
     m, nb = w.shape
     tiles = -(-m // LANES)
@@ -98,22 +154,172 @@ def repack_q8_0(w):
     return out
 
 
+def k4_scales_ref(w):
+    """The 6-bit scales and mins of Q4_K records [m, blocks], each uint8 [m, blocks, 8]."""
+    raw = w["scales"]
+    sc = np.concatenate([raw[..., 0:4] & 63, (raw[..., 8:12] & 15) | ((raw[..., 0:4] >> 6) << 4)], -1)
+    mn = np.concatenate([raw[..., 4:8] & 63, (raw[..., 8:12] >> 4) | ((raw[..., 4:8] >> 6) << 4)], -1)
+    return sc, mn
+
+
+def k4_codes_ref(w):
+    """The 4-bit codes of Q4_K records [m, blocks], uint8 [m, blocks, 256] in the values' order."""
+    qs = w["qs"].reshape(*w.shape, 4, 1, 32)  # a byte: value 64 j + l (low nibble), 64 j + 32 + l (high)
+    return np.concatenate([qs & 15, qs >> 4], -2).reshape(*w.shape, 256)
+
+
+def _repack_q4_k(w):
+    """Q4_K block records [m, nb] -> tiles uint8 [ceil(m / 16), nb, 2,368] (the layout above)."""
+    m, nb = w.shape
+    sc, mn = k4_scales_ref(w)
+    out = np.empty((-(-m // LANES), nb, K4_BLOCK), np.uint8)
+    tiles = out.shape[0]
+    for at, field in ((K4_D, "d"), (K4_DMIN, "dmin")):
+        out[..., at : at + 2 * LANES] = _by_tile(w[field], m).view(np.uint8).reshape(tiles, nb, 2 * LANES)
+    for at, values in ((K4_SCALES, sc), (K4_MINS, mn)):  # [T, nb, 16, 8] -> [T, nb, 8, 16]
+        out[..., at : at + 8 * LANES] = _by_tile(values, m).swapaxes(2, 3).reshape(tiles, nb, 8 * LANES)
+    out[..., K4_CODES:] = _nibble_runs(_by_tile(k4_codes_ref(w), m), tiles, nb)
+    return out
+
+
+def k6_codes_ref(w):
+    """The 6-bit codes (value + 32) of Q6_K records [m, blocks], uint8 [m, blocks, 256] in the values' order."""
+    ql = w["ql"].reshape(*w.shape, 2, 1, 64)  # per 128 values: 64 bytes of low bits, 32 of high bits
+    qh = w["qh"].reshape(*w.shape, 2, 1, 32)
+    low = np.concatenate([ql & 15, ql >> 4], -2).reshape(*w.shape, 2, 4, 32)  # values 32 j + l of a half
+    high = np.stack([(qh[..., 0, :] >> (2 * j)) & 3 for j in range(4)], -2)
+    return (low | (high << 4)).reshape(*w.shape, 256)
+
+
+def _nibble_runs(codes, tiles, nb, groups=8):
+    """Codes [T, nb, 16, 32 groups] (low 4 bits) -> [T, nb, groups * 256]: value 32 g + 16 u + 2 c + h
+    of row r in byte (g, c, 2 r + h), its low nibble for u = 0."""
+    codes = (codes & 15).reshape(tiles, nb, LANES, groups, 2, 8, 2)  # [T, nb, r, g, u, c, h]
+    pairs = codes[..., 0, :, :] | (codes[..., 1, :, :] << 4)  # [T, nb, r, g, c, h]
+    return pairs.transpose(0, 1, 3, 4, 2, 5).reshape(tiles, nb, groups * 8 * 2 * LANES)
+
+
+def _repack_q6_k(w):
+    """Q6_K block records [m, nb] -> tiles uint8 [ceil(m / 16), nb, 3,360] (the layout above)."""
+    m, nb = w.shape
+    out = np.empty((-(-m // LANES), nb, K6_BLOCK), np.uint8)
+    tiles = out.shape[0]
+    out[..., K6_D:K6_SCALES] = _by_tile(w["d"], m).view(np.uint8).reshape(tiles, nb, 2 * LANES)
+    out[..., K6_SCALES:K6_LOW] = _by_tile(w["scales"], m).swapaxes(2, 3).view(np.uint8).reshape(tiles, nb, 16 * LANES)
+    codes = _by_tile(k6_codes_ref(w), m)  # [T, nb, r, 256]
+    out[..., K6_LOW:K6_HIGH] = _nibble_runs(codes, tiles, nb)
+    # the high 2 bits of nibble run c = 2 j + e, half u, in run j of byte 2 r + h at bit 4 e + 2 u
+    high = (codes >> 4).reshape(tiles, nb, LANES, 8, 2, 4, 2, 2)  # [T, nb, r, g, u, j, e, h]
+    bits = sum(high[:, :, :, :, u, :, e, :] << (4 * e + 2 * u) for u in (0, 1) for e in (0, 1))  # [T, nb, r, g, j, h]
+    out[..., K6_HIGH:] = bits.astype(np.uint8).transpose(0, 1, 3, 4, 2, 5).reshape(tiles, nb, 8 * 4 * 2 * LANES)
+    return out
+
+
+def q5_codes_ref(w):
+    """The 5-bit codes (value + 16) of Q5_0 records [m, blocks], uint8 [m, blocks, 32] in the values' order."""
+    qs = w["qs"][..., None, :]  # byte j: values j (low nibble) and j + 16 (high)
+    fifth = np.unpackbits(w["qh"], axis=-1, bitorder="little")  # bit l of the little-endian u32: value l's
+    return np.concatenate([qs & 15, qs >> 4], -2).reshape(*w.shape, 32) | (fifth << 4)
+
+
+def _repack_q5_0(w):
+    """Q5_0 block records [m, nb] -> tiles uint8 [ceil(m / 16), nb, 352] (the layout above)."""
+    m, nb = w.shape
+    out = np.empty((-(-m // LANES), nb, Q5_BLOCK), np.uint8)
+    tiles = out.shape[0]
+    out[..., :Q5_LOW] = _by_tile(w["d"], m).view(np.uint8).reshape(tiles, nb, 2 * LANES)
+    codes = _by_tile(q5_codes_ref(w), m)  # [T, nb, r, 32]
+    out[..., Q5_LOW:Q5_HIGH] = _nibble_runs(codes, tiles, nb, 1)
+    # the fifth bit of nibble run c = 4 j + e, half u, in run j of byte 2 r + h at bit 2 e + u
+    fifth = (codes >> 4).reshape(tiles, nb, LANES, 2, 2, 4, 2)  # [T, nb, r, u, j, e, h]
+    bits = sum(fifth[:, :, :, u, :, e, :] << (2 * e + u) for u in (0, 1) for e in range(4))  # [T, nb, r, j, h]
+    out[..., Q5_HIGH:] = bits.astype(np.uint8).transpose(0, 1, 3, 2, 4).reshape(tiles, nb, 2 * 2 * LANES)
+    return out
+
+
+REPACK = {"Q8_0": _repack_q8_0, "Q5_0": _repack_q5_0, "Q4_K": _repack_q4_k, "Q6_K": _repack_q6_k}
+
+
+def k6_tile_fields_ref(tiles):
+    """(d [T * 16, nb] float32, scales [T * 16, nb, 16] int8, codes [T * 16, nb, 256]) of Q6_K tiles."""
+    t, nb = tiles.shape
+    tiles = _raw(tiles)
+
+    def rows(a):  # [T, nb, 16, ...] -> [T * 16, nb, ...]
+        return a.swapaxes(1, 2).reshape(t * LANES, nb, *a.shape[3:])
+
+    d = rows(tiles[..., K6_D:K6_SCALES].copy().view(np.float16)).astype(np.float32)
+    sc = rows(tiles[..., K6_SCALES:K6_LOW].view(np.int8).reshape(t, nb, 16, LANES).swapaxes(2, 3))
+    low = _nibbles_ref(tiles[..., K6_LOW:K6_HIGH], t, nb)
+    bits = tiles[..., K6_HIGH:].reshape(t, nb, 8, 4, LANES, 2)  # [T, nb, g, j, r, h]
+    high = np.stack([np.stack([(bits >> (4 * e + 2 * u)) & 3 for e in (0, 1)], 4) for u in (0, 1)], 3)
+    high = high.reshape(t, nb, 8, 2, 8, LANES, 2)  # [T, nb, g, u, c, r, h]
+    high = rows(high.transpose(0, 1, 5, 2, 3, 4, 6)).reshape(t * LANES, nb, 256)
+    return d, sc, low | (high << 4)
+
+
+def _nibbles_ref(runs, t, nb):
+    """The inverse of _nibble_runs: [T, nb, groups * 256] -> codes [T * 16, nb, groups * 32] (4 bits)."""
+    pairs = runs.reshape(t, nb, -1, 8, LANES, 2)  # [T, nb, g, c, r, h]
+    codes = np.stack([pairs & 15, pairs >> 4], 3)  # [T, nb, g, u, c, r, h]
+    return codes.transpose(0, 5, 1, 2, 3, 4, 6).reshape(t * LANES, nb, -1)
+
+
+def q5_tile_fields_ref(tiles):
+    """(d [T * 16, nb] float32, codes [T * 16, nb, 32]) of Q5_0 tiles."""
+    t, nb = tiles.shape
+    tiles = _raw(tiles)
+    d = tiles[..., :Q5_LOW].copy().view(np.float16).swapaxes(1, 2).reshape(t * LANES, nb).astype(np.float32)
+    bits = tiles[..., Q5_HIGH:].reshape(t, nb, 2, LANES, 2)  # [T, nb, j, r, h]
+    fifth = np.stack([np.stack([(bits >> (2 * e + u)) & 1 for e in range(4)], 3) for u in (0, 1)], 2)  # [T, nb, u, j, e, r, h]
+    fifth = fifth.transpose(0, 5, 1, 2, 3, 4, 6).reshape(t * LANES, nb, 32)
+    return d, _nibbles_ref(tiles[..., Q5_LOW:Q5_HIGH], t, nb) | (fifth << 4)
+
+
+def k4_tile_fields_ref(tiles):
+    """(d, dmin [T * 16, nb] float32, scales, mins [T * 16, nb, 8], codes [T * 16, nb, 256]) of Q4_K tiles."""
+    t, nb = tiles.shape
+    tiles = _raw(tiles)
+
+    def rows(a):  # [T, nb, 16, ...] -> [T * 16, nb, ...]
+        return a.swapaxes(1, 2).reshape(t * LANES, nb, *a.shape[3:])
+
+    d, dmin = (rows(tiles[..., at : at + 2 * LANES].copy().view(np.float16)).astype(np.float32) for at in (K4_D, K4_DMIN))
+    sc, mn = (rows(tiles[..., at : at + 8 * LANES].reshape(t, nb, 8, LANES).swapaxes(2, 3)) for at in (K4_SCALES, K4_MINS))
+    return d, dmin, sc, mn, _nibbles_ref(tiles[..., K4_CODES:], t, nb)
+
+
 def tile_scales_ref(tiles):
-    """The f16 scales of the tiles' rows as float32 [T * 16, nb]."""
-    t, nb = tiles.shape[:2]
+    """The f16 scales of Q8_0 tiles' rows as float32 [T * 16, nb]."""
+    t, nb = tiles.shape
+    tiles = _raw(tiles)
     scales = np.ascontiguousarray(tiles[:, :, : 2 * LANES]).view(np.float16).astype(np.float32)
     return scales.transpose(0, 2, 1).reshape(t * LANES, nb)
 
 
 def tile_codes_ref(tiles):
-    """The int8 codes of the tiles' rows as int32 [T * 16, nb * 32]."""
-    t, nb = tiles.shape[:2]
+    """The int8 codes of Q8_0 tiles' rows as int32 [T * 16, nb * 32]."""
+    t, nb = tiles.shape
+    tiles = _raw(tiles)
     codes = tiles[:, :, 2 * LANES :].view(np.int8).reshape(t, nb, 16, LANES, 2)  # [tile, block, pair, row, 2]
     return codes.transpose(0, 3, 1, 2, 4).reshape(t * LANES, nb * 32).astype(np.int32)
 
 
 def dequantize_ref(tiles):
     """The weights of tiles as float32 [T * 16, k]."""
+    if block_name(tiles) == "Q5_0":
+        d, codes = q5_tile_fields_ref(tiles)
+        values = d[..., None] * (codes.astype(np.float32) - 16)
+        return values.reshape(len(codes), -1).astype(np.float32)
+    if block_name(tiles) == "Q6_K":
+        d, sc, codes = k6_tile_fields_ref(tiles)
+        values = d[..., None, None] * sc[..., None] * (codes.reshape(*codes.shape[:2], 16, 16).astype(np.float32) - 32)
+        return values.reshape(len(codes), -1).astype(np.float32)
+    if block_name(tiles) == "Q4_K":
+        d, dmin, sc, mn, codes = k4_tile_fields_ref(tiles)
+        values = (d[..., None, None] * sc[..., None] * codes.reshape(*codes.shape[:2], 8, 32)
+                  - (dmin[..., None] * mn)[..., None])
+        return values.reshape(len(codes), -1).astype(np.float32)
     codes, scales = tile_codes_ref(tiles), tile_scales_ref(tiles)
     return (codes.reshape(len(codes), -1, 32) * scales[..., None]).reshape(len(codes), -1).astype(np.float32)
 
@@ -127,59 +333,77 @@ def lanes_rows_ref(xq, xd, tiles, out, t0, t1):
     out[:, j0:j1] = (x @ w[: j1 - j0].T).astype(np.float32)
 
 
-def _block_codegen(rows, count):
-    """IR of rows input rows (from i0) times count tiles (from t0), every block, into out."""
+def _one_scale_codegen(name):
+    """The IR generator of a one-scale type's register block (Q8_0 or Q5_0): rows input rows (from
+    i0) times count tiles (from t0), every block, into out."""
+    size = TILE_BLOCK if name == "Q8_0" else Q5_BLOCK
 
-    def emit(context, builder, q, arrays, i0, t0):
-        xq_a, xd_a, tiles_a, out_a = arrays
-        intp = context.get_value_type(types.intp)
-        i32v, f32v, w16 = q.vec(q.i32, LANES), q.vec(q.f32, LANES), q.vec(ir.IntType(16), 2 * LANES)
-        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(f32v, [f32v] * 3), "llvm.fma.v16f32")
+    def make(rows, count):
+        return lambda *args: _one_scale_emit(name, size, rows, count, *args)
 
-        def c(v):
-            return ir.Constant(intp, v)
+    return make
 
-        n, k = cgutils.unpack_tuple(builder, xq_a.shape)
-        nb = builder.udiv(k, c(32))
-        tile_bytes = builder.mul(nb, c(TILE_BLOCK))
-        m = cgutils.unpack_tuple(builder, out_a.shape)[1]
-        out_row = cgutils.unpack_tuple(builder, out_a.strides)[0]
-        xb, outb = (builder.bitcast(a.data, q.i8.as_pointer()) for a in (xq_a, out_a))
-        x_rows = [builder.gep(xb, [builder.mul(builder.add(i0, c(r)), builder.mul(k, c(2)))]) for r in range(rows)]
-        accs = [[cgutils.alloca_once_value(builder, ir.Constant(f32v, [0.0] * LANES)) for _ in range(count)]
-                for _ in range(rows)]
-        with cgutils.for_range(builder, nb) as blocks:
-            blk = blocks.index
-            at = [builder.add(builder.mul(builder.add(t0, c(s)), tile_bytes), builder.mul(blk, c(TILE_BLOCK)))
-                  for s in range(count)]
-            for o in at if rows == 1 else ():  # decode streams the tiles; prefill's strip stays in L2
-                q.prefetch(o, TILE_BLOCK)
-            sums = [[ir.Constant(i32v, [0] * LANES)] * count for _ in range(rows)]
-            for p in range(16):
-                # the pair's 32 code bytes of each tile, widened to int16 (vpmovsxbw), shared by the rows
-                codes = [builder.bitcast(builder.sext(q.bytes(builder.add(o, c(2 * LANES * (1 + p))), 2 * LANES), w16),
-                                         i32v) for o in at]
-                for r in range(rows):
-                    pair = builder.gep(x_rows[r], [builder.add(builder.mul(blk, c(64)), c(4 * p))])
-                    pair = q.splat(builder.load(builder.bitcast(pair, q.i32.as_pointer()), align=2), LANES)
-                    for s in range(count):
-                        sums[r][s] = _dot_words(builder, sums[r][s], codes[s], pair)
-            scales = [builder.fpext(builder.load(builder.bitcast(q.ptr(o), q.vec(ir.HalfType(), LANES).as_pointer()),
-                                                 align=2), f32v) for o in at]
+
+def _one_scale_emit(name, size, rows, count, context, builder, q, arrays, i0, t0):
+    xq_a, xd_a, _, tiles_a, out_a = arrays
+    intp = context.get_value_type(types.intp)
+    i32v, f32v, w16 = q.vec(q.i32, LANES), q.vec(q.f32, LANES), q.vec(ir.IntType(16), 2 * LANES)
+    fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(f32v, [f32v] * 3), "llvm.fma.v16f32")
+
+    def c(v):
+        return ir.Constant(intp, v)
+
+    def codes(o, p):
+        """Pair p's 32 codes (16 rows x 2 depths) of the tile block at o, as signed words."""
+        if name == "Q8_0":  # int8 codes widened (vpmovsxbw)
+            return builder.sext(q.bytes(builder.add(o, c(2 * LANES * (1 + p))), 2 * LANES), w16)
+        run, u = p % 8, p // 8  # Q5_0: 4 bits from a nibble run, the fifth from a bit run, less 16
+        b8 = q.vec(q.i8, 2 * LANES)
+        nibbles = q.bytes(builder.add(o, c(Q5_LOW + 2 * LANES * run)), 2 * LANES)
+        low = builder.and_(nibbles, ir.Constant(b8, [15] * 2 * LANES)) if u == 0 else \
+            builder.lshr(nibbles, ir.Constant(b8, [4] * 2 * LANES))
+        bits = q.bytes(builder.add(o, c(Q5_HIGH + 2 * LANES * (run // 4))), 2 * LANES)
+        fifth = q.field(bits, 2 * (run % 4) + u, 1, 4)
+        return builder.sub(builder.zext(builder.or_(low, fifth), w16), ir.Constant(w16, [16] * 2 * LANES))
+
+    n, k = cgutils.unpack_tuple(builder, xq_a.shape)
+    nb = builder.udiv(k, c(32))
+    tile_bytes = builder.mul(nb, c(size))
+    m = cgutils.unpack_tuple(builder, out_a.shape)[1]
+    out_row = cgutils.unpack_tuple(builder, out_a.strides)[0]
+    xb, outb = (builder.bitcast(a.data, q.i8.as_pointer()) for a in (xq_a, out_a))
+    x_rows = [builder.gep(xb, [builder.mul(builder.add(i0, c(r)), builder.mul(k, c(2)))]) for r in range(rows)]
+    accs = [[cgutils.alloca_once_value(builder, ir.Constant(f32v, [0.0] * LANES)) for _ in range(count)]
+            for _ in range(rows)]
+    with cgutils.for_range(builder, nb) as blocks:
+        blk = blocks.index
+        at = [builder.add(builder.mul(builder.add(t0, c(s)), tile_bytes), builder.mul(blk, c(size)))
+              for s in range(count)]
+        for o in at if rows == 1 else ():  # decode streams the tiles; prefill's strip stays in L2
+            q.prefetch(o, size)
+        sums = [[ir.Constant(i32v, [0] * LANES)] * count for _ in range(rows)]
+        for p in range(16):
+            # the pair's 32 code bytes of each tile, widened to int16 (vpmovsxbw), shared by the rows
+            codes_p = [builder.bitcast(codes(o, p), i32v) for o in at]
             for r in range(rows):
-                dx = builder.load(builder.gep(xd_a.data, [builder.add(builder.mul(builder.add(i0, c(r)), nb), blk)]))
-                dx = q.splat(dx, LANES)
+                pair = builder.gep(x_rows[r], [builder.add(builder.mul(blk, c(64)), c(4 * p))])
+                pair = q.splat(builder.load(builder.bitcast(pair, q.i32.as_pointer()), align=2), LANES)
                 for s in range(count):
-                    step = builder.fmul(scales[s], dx)  # one float product, then one fma: each rounds once
-                    builder.store(builder.call(fma, [builder.sitofp(sums[r][s], f32v), step, builder.load(accs[r][s])]),
-                                  accs[r][s])
+                    sums[r][s] = _dot_words(builder, sums[r][s], codes_p[s], pair)
+        scales = [builder.fpext(builder.load(builder.bitcast(q.ptr(o), q.vec(ir.HalfType(), LANES).as_pointer()),
+                                             align=2), f32v) for o in at]
         for r in range(rows):
-            row_ptr = builder.gep(outb, [builder.mul(builder.add(i0, c(r)), out_row)])
+            dx = builder.load(builder.gep(xd_a.data, [builder.add(builder.mul(builder.add(i0, c(r)), nb), blk)]))
+            dx = q.splat(dx, LANES)
             for s in range(count):
-                j = builder.mul(builder.add(t0, c(s)), c(LANES))
-                _store_lanes(builder, q, builder.load(accs[r][s]), row_ptr, j, m)
-
-    return emit
+                step = builder.fmul(scales[s], dx)  # one float product, then one fma: each rounds once
+                builder.store(builder.call(fma, [builder.sitofp(sums[r][s], f32v), step, builder.load(accs[r][s])]),
+                              accs[r][s])
+    for r in range(rows):
+        row_ptr = builder.gep(outb, [builder.mul(builder.add(i0, c(r)), out_row)])
+        for s in range(count):
+            j = builder.mul(builder.add(t0, c(s)), c(LANES))
+            _store_lanes(builder, q, builder.load(accs[r][s]), row_ptr, j, m)
 
 
 def _store_lanes(builder, q, value, row_ptr, j, m):
@@ -199,56 +423,210 @@ def _store_lanes(builder, q, value, row_ptr, j, m):
                                   builder.gep(base, [ir.Constant(intp, lane)]))
 
 
-def _lanes_block_codegen(context, builder, signature, args):
-    """Dispatch (rows, count) at run time to the register block of that size (every size <= RB x SB
-    is generated: left-over rows and tiles run the same per-output arithmetic)."""
-    arrays = [context.make_array(t)(context, builder, v) for t, v in zip(signature.args[:4], args[:4])]
-    i0, rows, t0, count = args[4:8]
-    q = _Ir(builder, builder.bitcast(arrays[2].data, ir.IntType(8).as_pointer()))
-    intp = context.get_value_type(types.intp)
-    for r in range(1, RB + 1):
-        for s in range(1, SB + 1):
-            this = builder.and_(builder.icmp_signed("==", rows, ir.Constant(intp, r)),
-                                builder.icmp_signed("==", count, ir.Constant(intp, s)))
-            with builder.if_then(this):
-                _block_codegen(r, s)(context, builder, q, arrays, i0, t0)
-    return context.get_dummy_value()
+def _k_block_codegen(name):
+    """The IR generator of a K-quant's register block (Q4_K or Q6_K): rows input rows (from i0) times
+    count tiles (from t0), every super-block, into out. Per pair of depths, a tile's 16 rows of codes
+    are cut from their bits and times their sub-block's scales in int16 (vpmullw; Q6_K's offset 32
+    taken off first), shared by the input rows, then one vpdpwssd a row; per super-block, one
+    conversion and one FMA an output, and Q4_K's mins (times the activations' code sums) one more."""
+    k4 = name == "Q4_K"
+    size, scales_at, d_at = (K4_BLOCK, K4_SCALES, K4_D) if k4 else (K6_BLOCK, K6_SCALES, K6_D)
+
+    def make(rows, count):
+        def emit(context, builder, q, arrays, i0, t0):
+            xq_a, xd_a, xs_a, _, out_a = arrays
+            intp = context.get_value_type(types.intp)
+            i32v, f32v = q.vec(q.i32, LANES), q.vec(q.f32, LANES)
+            w16, b32 = q.vec(ir.IntType(16), 2 * LANES), q.vec(q.i8, 2 * LANES)
+            fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(f32v, [f32v] * 3), "llvm.fma.v16f32")
+
+            def c(v):
+                return ir.Constant(intp, v)
+
+            def b8(v):
+                return ir.Constant(b32, [v] * 2 * LANES)
+
+            def f16s(at):
+                return builder.fpext(builder.load(builder.bitcast(q.ptr(at), q.vec(ir.HalfType(), LANES).as_pointer()),
+                                                  align=2), f32v)
+
+            def scale_words(at):  # the 16 rows' scale bytes -> 32 words, row r's twice (lanes 2 r, 2 r + 1)
+                raw = q.bytes(at, LANES)
+                pairs = builder.shuffle_vector(raw, raw, ir.Constant(q.vec(q.i32, 2 * LANES), [l // 2 for l in range(2 * LANES)]))
+                return (builder.zext if k4 else builder.sext)(pairs, w16)
+
+            def codes(o, g, run, u):
+                """The 32 code bytes of pair run + 8 u of group g (values 32 g + 16 u + 2 run + h; g an
+                IR value, run and u constants)."""
+                at = builder.add(o, builder.mul(g, c(8 * 2 * LANES)))
+                nibbles = q.bytes(builder.add(at, c((K4_CODES if k4 else K6_LOW) + 2 * LANES * run)), 2 * LANES)
+                low = builder.and_(nibbles, b8(15)) if u == 0 else builder.lshr(nibbles, b8(4))
+                if k4:
+                    return builder.zext(low, w16)
+                at = builder.add(o, builder.mul(g, c(4 * 2 * LANES)))
+                bits = q.bytes(builder.add(at, c(K6_HIGH + 2 * LANES * (run // 2))), 2 * LANES)
+                shift = 4 * (run % 2) + 2 * u
+                high = builder.and_(builder.lshr(bits, b8(shift)), b8(3)) if shift else builder.and_(bits, b8(3))
+                code = builder.or_(low, builder.shl(high, b8(4)))
+                return builder.sub(builder.zext(code, w16), ir.Constant(w16, [32] * 2 * LANES))
+
+            n, k = cgutils.unpack_tuple(builder, xq_a.shape)
+            nb = builder.udiv(k, c(256))
+            tile_bytes = builder.mul(nb, c(size))
+            m = cgutils.unpack_tuple(builder, out_a.shape)[1]
+            out_row = cgutils.unpack_tuple(builder, out_a.strides)[0]
+            xb, outb = (builder.bitcast(a.data, q.i8.as_pointer()) for a in (xq_a, out_a))
+            rows_i = [builder.add(i0, c(r)) for r in range(rows)]
+            x_rows = [builder.gep(xb, [builder.mul(i, builder.mul(k, c(2)))]) for i in rows_i]
+            accs = [[cgutils.alloca_once_value(builder, ir.Constant(f32v, [0.0] * LANES)) for _ in range(count)]
+                    for _ in range(rows)]
+            with cgutils.for_range(builder, nb) as blocks:
+                blk = blocks.index
+                at = [builder.add(builder.mul(builder.add(t0, c(s)), tile_bytes), builder.mul(blk, c(size)))
+                      for s in range(count)]
+                for o in at if rows == 1 else ():  # decode streams the tiles; prefill's strip stays in L2
+                    q.prefetch(o, size)
+                sums = [[cgutils.alloca_once_value(builder, ir.Constant(i32v, [0] * LANES)) for _ in range(count)]
+                        for _ in range(rows)]
+                for row_sums in sums:
+                    for slot in row_sums:
+                        builder.store(ir.Constant(i32v, [0] * LANES), slot)
+                # a loop over the 8 groups in prefill (8x less code to compile); unrolled in decode, where
+                # the loop cost a third of the rate (Q4_K at k = 2048: 17.5 against 25 GB/s of cached tiles)
+                unrolled = 8 if rows == 1 else 1
+                with cgutils.for_range(builder, c(8 // unrolled)) as groups:
+                    for g_in in range(unrolled):
+                        g = builder.add(builder.mul(groups.index, c(unrolled)), c(g_in))
+                        # Q4_K: a scale per 32 values; Q6_K: per 16, one for each half u of the group
+                        scales = [[scale_words(builder.add(o, builder.add(builder.mul(g, c(LANES if k4 else 2 * LANES)),
+                                                                           c(scales_at + (0 if k4 else LANES * u)))))
+                                   for u in (0, 1)] for o in at]
+                        x_group = [builder.gep(x, [builder.add(builder.mul(blk, c(512)), builder.mul(g, c(64)))]) for x in x_rows]
+                        total = [[builder.load(slot) for slot in row_sums] for row_sums in sums]
+                        for run in range(8):
+                            for u in (0, 1):
+                                words = [builder.bitcast(builder.mul(codes(o, g, run, u), sc[u]), i32v)
+                                         for o, sc in zip(at, scales)]
+                                pair = run + 8 * u
+                                for r in range(rows):
+                                    xp = builder.gep(x_group[r], [c(4 * pair)])
+                                    xp = q.splat(builder.load(builder.bitcast(xp, q.i32.as_pointer()), align=2), LANES)
+                                    for s in range(count):
+                                        total[r][s] = _dot_words(builder, total[r][s], words[s], xp)
+                        for row_sums, row_total in zip(sums, total):
+                            for slot, value in zip(row_sums, row_total):
+                                builder.store(value, slot)
+                d = [f16s(builder.add(o, c(d_at))) for o in at]
+                if k4:
+                    dmin = [builder.fneg(f16s(builder.add(o, c(K4_DMIN)))) for o in at]
+                    mins = [[builder.uitofp(builder.zext(q.bytes(builder.add(o, c(K4_MINS + LANES * g)), LANES), i32v), f32v)
+                             for g in range(8)] for o in at]
+                for r in range(rows):
+                    dx = builder.load(builder.gep(xd_a.data, [builder.add(builder.mul(rows_i[r], builder.udiv(k, c(32))),
+                                                                          builder.mul(blk, c(8)))]))
+                    dx = q.splat(dx, LANES)  # one activation scale per 256 values (quant.activation_group)
+                    if k4:
+                        xs_at = builder.add(builder.mul(rows_i[r], builder.udiv(k, c(16))), builder.mul(blk, c(16)))
+                        xs = [builder.load(builder.gep(xs_a.data, [builder.add(xs_at, c(h))])) for h in range(16)]
+                        xs = [q.splat(builder.fadd(xs[2 * g], xs[2 * g + 1]), LANES) for g in range(8)]  # exact: < 2^21
+                    for s in range(count):
+                        acc = builder.call(fma, [builder.sitofp(builder.load(sums[r][s]), f32v), builder.fmul(d[s], dx),
+                                                 builder.load(accs[r][s])])
+                        if k4:  # the mins times the codes' sums per 32, in order, then times -dmin
+                            bias = builder.fmul(mins[s][0], xs[0])
+                            for g in range(1, 8):
+                                bias = builder.call(fma, [mins[s][g], xs[g], bias])
+                            acc = builder.call(fma, [bias, builder.fmul(dmin[s], dx), acc])
+                        builder.store(acc, accs[r][s])
+            for r in range(rows):
+                row_ptr = builder.gep(outb, [builder.mul(rows_i[r], out_row)])
+                for s in range(count):
+                    j = builder.mul(builder.add(t0, c(s)), c(LANES))
+                    _store_lanes(builder, q, builder.load(accs[r][s]), row_ptr, j, m)
+
+        return emit
+
+    return make
 
 
-@intrinsic
-def lanes_block(typingctx, xq, xd, tiles, out, i0, rows, t0, count):
-    """out[i0:i0 + rows, 16 t0 : 16 (t0 + count)] (columns < m) = the input rows times the tiles'
-    weight rows, rows <= RB, count <= SB. xq: [n, k] int16 codes and xd: [n, k/32] float32 scales
-    (quant.quantize_activations), tiles: [T, k/32, 544] uint8 (repack_q8_0), all C-contiguous;
-    out: [n, m] float32 of contiguous columns (a column slice is fine). Needs the "int16" path's
-    features (cpu.py)."""
-    if not (isinstance(xq, types.Array) and xq.dtype == types.int16 and xq.layout == "C"):
-        return None
-    if not all(isinstance(a, types.Array) and a.layout == "C" for a in (xd, tiles)) or not isinstance(out, types.Array):
-        return None
-    sig = types.void(xq, xd, tiles, out, types.intp, types.intp, types.intp, types.intp)
-    return sig, cpu.compiled_for("int16", _lanes_block_codegen)
+def _make_lanes_block(name, block_codegen, rb, sb):
+    """The intrinsic lanes_block of one tile format: its register blocks dispatched at run time (every
+    size <= rb x sb is generated: left-over rows and tiles run the same per-output arithmetic)."""
+
+    def codegen(context, builder, signature, args):
+        arrays = [context.make_array(t)(context, builder, v) for t, v in zip(signature.args[:5], args[:5])]
+        i0, rows, t0, count = args[5:9]
+        q = _Ir(builder, builder.bitcast(arrays[3].data, ir.IntType(8).as_pointer()))
+        intp = context.get_value_type(types.intp)
+        for r in range(1, rb + 1):
+            for s in range(1, sb + 1):
+                this = builder.and_(builder.icmp_signed("==", rows, ir.Constant(intp, r)),
+                                    builder.icmp_signed("==", count, ir.Constant(intp, s)))
+                with builder.if_then(this):
+                    block_codegen(r, s)(context, builder, q, arrays, i0, t0)
+        return context.get_dummy_value()
+
+    def lanes_block(typingctx, xq, xd, xs, tiles, out, i0, rows, t0, count):
+        """out[i0:i0 + rows, 16 t0 : 16 (t0 + count)] (columns < m) = the input rows times the tiles'
+        weight rows, rows <= rb, count <= sb. xq: [n, k] int16 codes, xd: [n, k/32] float32 scales and
+        xs: [n, k/16] code sums (quant.quantize_activations), tiles: [T, k / values of a block] of this
+        block type (repack), all C-contiguous; out: [n, m] float32 of contiguous columns (a column slice is fine).
+        Needs the "int16" path's features (cpu.py)."""
+        if not (isinstance(xq, types.Array) and xq.dtype == types.int16 and xq.layout == "C"):
+            return None
+        if not all(isinstance(a, types.Array) and a.layout == "C" for a in (xd, xs, tiles)) or not isinstance(out, types.Array):
+            return None
+        if tiles_name(tiles) != name:
+            return None
+        sig = types.void(xq, xd, xs, tiles, out, types.intp, types.intp, types.intp, types.intp)
+        return sig, cpu.compiled_for("int16", codegen)
+
+    return intrinsic(lanes_block)
 
 
-@numba.njit(cache=True, nogil=True, fastmath=FASTMATH_IN_ORDER)
-def lanes_rows(xq, xd, tiles, out, t0, t1):
+BLOCKS = {name: _make_lanes_block(name, (_one_scale_codegen if name in ("Q8_0", "Q5_0") else _k_block_codegen)(name), RB, SB)
+          for name in TILE_BLOCKS}  # block type -> its intrinsic lanes_block
+
+
+def lanes_rows(xq, xd, xs, tiles, out, t0, t1):
     """out[:, 16 t0 : 16 t1] (columns < m) = every quantized input row times the weight rows of
     tiles [t0, t1), in register blocks of RB rows x SB tiles (a strip of SB tiles over all rows)."""
-    n = xq.shape[0]
-    for s0 in range(t0, t1, SB):
-        count = min(SB, t1 - s0)
-        for i0 in range(0, n, RB):
-            lanes_block(xq, xd, tiles, out, i0, min(RB, n - i0), s0, count)
+    raise NotImplementedError("numba only")
+
+
+@overload(lanes_rows, jit_options={"nogil": True, "fastmath": FASTMATH_IN_ORDER})
+def _lanes_rows_overload(xq, xd, xs, tiles, out, t0, t1):
+    block = BLOCKS[tiles_name(tiles)]
+
+    def impl(xq, xd, xs, tiles, out, t0, t1):
+        n = xq.shape[0]
+        for s0 in range(t0, t1, SB):
+            count = min(SB, t1 - s0)
+            for i0 in range(0, n, RB):
+                block(xq, xd, xs, tiles, out, i0, min(RB, n - i0), s0, count)
+
+    return impl
+
+
+def tile_values(tiles):
+    """The values a tile's block covers along the depth, inside numba code."""
+    raise NotImplementedError("numba only")
+
+
+@overload(tile_values)
+def _tile_values_overload(tiles):
+    values = TILE_BLOCKS[tiles_name(tiles)][0]
+    return lambda tiles: values
 
 
 @numba.njit(cache=True, nogil=True, fastmath=FASTMATH_IN_ORDER, parallel=True)
 def linear_lanes(x, tiles, out, workers):
-    """out[n, m] = x @ w.T for Q8_0 weights w repacked to tiles (repack_q8_0): x [n, k] float32
-    quantized to int16 (its rows split between the workers), then each worker an equal share of
-    the tiles over all rows."""
+    """out[n, m] = x @ w.T for weights w repacked to tiles (repack): x [n, k] float32 quantized to
+    int16 (its rows split between the workers), then each worker an equal share of the tiles over
+    all rows."""
     n, k = x.shape
-    if k != 32 * tiles.shape[1] or out.shape[1] > LANES * tiles.shape[0] or out.shape[0] != n:
-        raise ValueError("linear_lanes: x [n, k], tiles [ceil(m/16), k/32, 544] and out [n, m] disagree")
+    if k != tile_values(tiles) * tiles.shape[1] or out.shape[1] > LANES * tiles.shape[0] or out.shape[0] != n:
+        raise ValueError("linear_lanes: x [n, k], tiles [ceil(m/16), blocks] and out [n, m] disagree")
     xq = np.empty((n, k), np.int16)
     xd = np.empty((n, k // 32), np.float32)
     xs = np.empty((n, k // 16), np.float32)
@@ -257,7 +635,7 @@ def linear_lanes(x, tiles, out, workers):
         quant.quantize_activations(x[r0:r1], xq[r0:r1], xd[r0:r1], xs[r0:r1])
     t = tiles.shape[0]
     for wk in prange(workers):
-        lanes_rows(xq, xd, tiles, out, wk * t // workers, (wk + 1) * t // workers)
+        lanes_rows(xq, xd, xs, tiles, out, wk * t // workers, (wk + 1) * t // workers)
 
 
 def linear_lanes_ref(x, tiles, out, workers):

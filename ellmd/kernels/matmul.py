@@ -211,12 +211,12 @@ def path_rows(x, q, w, out, j0, j1, acc, integer):
 
 @overload(path_rows, jit_options={"fastmath": True, "nogil": True})
 def _path_rows_overload(x, q, w, out, j0, j1, acc, integer):
-    if lanes.tiles_type(w):  # Q8_0 tiles: from the int16 codes, whatever `integer` says (lanes.wanted)
+    if lanes.tiles_type(w):  # tiles (lanes.py): from the int16 codes, whatever `integer` says (lanes.wanted)
         if q[0].dtype != types.int16:
-            raise numba.errors.TypingError("Q8_0 tiles take int16 activation codes: the int16 path, not vnni")
+            raise numba.errors.TypingError("lanes tiles take int16 activation codes: the int16 path, not vnni")
 
         def impl_tiles(x, q, w, out, j0, j1, acc, integer):
-            lanes.lanes_rows(q[0], q[1], w, out, j0 // lanes.LANES, (j1 + lanes.LANES - 1) // lanes.LANES)
+            lanes.lanes_rows(q[0], q[1], q[2], w, out, j0 // lanes.LANES, (j1 + lanes.LANES - 1) // lanes.LANES)
 
         return impl_tiles
     if quant.record_name(w.dtype) in quant.VNNI_BLOCKS:

@@ -64,15 +64,15 @@ def logical_shape(w) -> tuple:
         shapes = [logical_shape(p) for p in w]
         return (sum(s[0] for s in shapes), *shapes[0][1:])
     if lanes.is_tiles(w):
-        return (lanes.rows(w), 32 * w.shape[1])
+        return (lanes.rows(w), lanes.columns(w))
     return (*w.shape[:-1], quant.columns(w)) if w.ndim >= 2 else w.shape
 
 
 def repacked(w):
-    """A weight (or each part of a fusion) as Q8_0 tiles where lanes.wanted, else as it is."""
+    """A weight (or each part of a fusion) as tiles where lanes.wanted, else as it is."""
     if isinstance(w, tuple):
         return tuple(repacked(p) for p in w)
-    return lanes.repack_q8_0(w) if lanes.wanted(w) else w
+    return lanes.repack(w) if lanes.wanted(w) else w
 
 
 class Llama:
