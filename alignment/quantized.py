@@ -101,7 +101,7 @@ def check_file(report, path: Path, prompts: int, kernels: str) -> None:
     formats = engine.weight_formats
     qkv = engine.model.layers[0]["qkv_proj"]
     parts = qkv if isinstance(qkv, tuple) else (qkv,)
-    kept = all(quant.is_blocks(p) or lanes.is_tiles(p) for p in parts)  # Q8_0: tiles on the int16 path
+    kept = all(quant.is_blocks(p) or lanes.is_tiles(p) for p in parts)  # tiles on the int16 path (lanes.py)
     report.check(f"{path.name}: weights kept in blocks", kept, f"{formats}; q, k, v in {len(parts)} matrices")
     eos = sorted(set(engine.spec.eos_token_id))
     for index, messages in enumerate(PROMPTS[:prompts] + [LONG_PROMPT]):

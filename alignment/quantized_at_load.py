@@ -69,7 +69,7 @@ def check(report, directory: Path, variant: str, dtype: str, tol: float) -> None
     q = q[0] if isinstance(q, tuple) else q
     H, d = engine.spec.num_attention_heads, engine.spec.head_dim
     want = load_file(str(copy / "model.safetensors"))["model.layers.0.self_attn.q_proj.weight"]
-    name, values = ("Q8_0 tiles", lanes.dequantize_ref(q)) if lanes.is_tiles(q) else (quant.block_name(q), quant.dequantize(q))
+    name, values = (f"{lanes.block_name(q)} tiles", lanes.dequantize_ref(q)) if lanes.is_tiles(q) else (quant.block_name(q), quant.dequantize(q))
     report.compare(f"{tag}: engine's q blocks are the reference's ({name})", values[: H * d], want, tol=0)
     reference = common.reference_model(copy)
     tokens = common.random_tokens(12, seed=5, vocab=engine.spec.vocab_size)

@@ -195,7 +195,7 @@ def test_decode_allocates_nothing_in_numba(alignment_dir, variant, weight_dtype)
     more allocations than on f32 weights of the same model, which is its arguments' unboxing."""
     engine = make_engine(alignment_dir / variant, weight_dtype)
     o_proj = engine.model.layers[0]["o_proj"]
-    assert weight_dtype == "bf16" or quant.is_blocks(o_proj) or lanes.is_tiles(o_proj)  # Q8_0: tiles on int16
+    assert weight_dtype == "bf16" or quant.is_blocks(o_proj) or lanes.is_tiles(o_proj)  # tiles on int16 (lanes.py)
     fused = decode_allocations(engine)
     assert fused == decode_allocations(make_engine(alignment_dir / variant, "f32"))
     engine.plan.fused_decode = False  # the kernel-by-kernel step: block rows take heap accumulators

@@ -93,7 +93,7 @@ def _block_products(path, tokens, chunk):
     def recorder(kernel, weight_at, out_at):
         def run(*args):
             kernel(*args)
-            if quant.is_blocks(args[weight_at]) or lanes.is_tiles(args[weight_at]):  # Q8_0: tiles on int16
+            if quant.is_blocks(args[weight_at]) or lanes.is_tiles(args[weight_at]):  # tiles on int16 (lanes.py)
                 ins, outs = calls.setdefault(names[id(args[weight_at])], ([], []))
                 ins.append(args[0].copy())
                 outs.append(args[out_at].copy())

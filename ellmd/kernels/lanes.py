@@ -1,35 +1,55 @@
-"""Q8_0 weights with their outputs in lanes: an int16 GEMM/GEMV on vpdpwssd (vpmaddwd on AVX2).
+"""GGUF blocks (Q8_0, Q5_0, Q4_K, Q6_K) with their outputs in lanes: an int16 GEMM/GEMV on vpdpwssd
+(vpmaddwd on AVX2).
 
 Shape legend:
   n   input rows (tokens)
-  k   depth, a multiple of 32; nb = k / 32 blocks
+  k   depth, a multiple of 32 (Q8_0, Q5_0) or 256 (Q4_K, Q6_K); nb = k / 32 or k / 256 blocks
   m   output features (weight rows); T = ceil(m / 16) tiles of 16 weight rows
 
 rows_vnni (quant_int.py) sums a weight row's block in the lanes of one vector, then pays a lane
 fold, a conversion and an FMA per (input row, weight row, block): the float steps cost as much as
-the products. Here the 16 weight rows of a tile sit in the 16 int32 lanes of a vector: a block
-costs 16 vpdpwssd (one per pair of depths, the input's pair of int16 codes broadcast), then one
-conversion and one FMA for 16 outputs, and no horizontal sum remains.
+the products. Here the 16 weight rows of a tile sit in the 16 int32 lanes of a vector: 32 values
+cost 16 vpdpwssd (one per pair of depths, the input's pair of int16 codes broadcast), and a block
+one conversion and one FMA for 16 outputs; no horizontal sum remains.
 
-Tile layout (repack_q8_0; the GGUF's bytes rearranged, 544 = 16 x 34 a tile's block): for tile t
-and block b, the 16 rows' f16 scales (32 bytes), then for each pair p of depths (16 pairs) 32
-bytes, row r's codes at depths 32b + 2p and 32b + 2p + 1 at bytes 2r and 2r + 1. Rows past m are
-zero (scale 0).
+Tile layouts (repack; the GGUF's values rearranged, the same bytes but for Q4_K's scales; rows past
+m are zero), a tile's block for tile t and block b:
+  Q8_0 (544 = 16 x 34): the 16 rows' f16 scales (32 bytes), then for each pair p of depths (16
+       pairs) 32 bytes, row r's codes at depths 32b + 2p and 32b + 2p + 1 at bytes 2r and 2r + 1.
+  Q5_0 (352 = 16 x 22): the f16 scales, then the codes' low 4 bits in 8 runs of 32 bytes: run c
+       holds pair c in its low nibbles and pair c + 8 in its high ones (byte 2r + h: depth 2c + h of
+       row r, and 16 + 2c + h), then their fifth bits in 2 runs of 32 bytes (run j, bit 2e + u: the
+       nibble run 4j + e, its half u).
+  Q4_K (2,368 for the GGUF's 16 x 144): the rows' f16 d and dmin (64 bytes), their 8 six-bit
+       scales and 8 mins as bytes ([sub-block][row], 256), then each sub-block of 32 values as Q5_0's
+       nibble runs (8 x 256 bytes).
+  Q6_K (3,360 = 16 x 210): the f16 d, the 16 int8 scales ([sub-block][row], 256 bytes), the codes'
+       low 4 bits as Q4_K's, then their high 2 bits per 32 values in 4 runs of 32 bytes (run j, bits
+       4e + 2u: the nibble run 2j + e, its half u).
+Cutting codes from nibbles and bit runs costs a few byte-wise instructions a vector of 16 rows,
+shared by the input rows of a register block; a K-quant's sub-block scales multiply the codes in
+int16 (vpmullw; Q6_K's offset 32 taken off first), so its 8 sub-blocks sum in int32.
 
 One arithmetic: every output is, block by block in increasing order from acc = 0,
-  acc = fma(float(isum), w_scale[j, b] * xd[i, b], acc)
-with isum the exact int32 sum of the block's 32 code products: an output's bits depend neither on
-n nor on the rows or tiles that share its register block, so decode (n = 1) and prefill give a
-token the same numbers.
+  acc = fma(float(isum), d[j, b] * xd[i, b], acc)
+with isum the exact int32 sum of the block's code products (K-quants: times their sub-block scales;
+one activation scale per 256 values, quant.activation_group), and for Q4_K then
+  acc = fma(bias, -dmin[j, b] * xd[i, b], acc),  bias = its 8 mins times the activations' code
+sums per 32, a float chain in order: an output's bits depend neither on n nor on the rows or tiles
+that share its register block, so decode (n = 1) and prefill give a token the same numbers.
 
-Measured (scripts/lanes_bench.py; Xeon with AVX512-VNNI, no AMX, shared: directional; one thread,
-CPU time, 512 rows, GFLOP/s): lanes 120-220 against rows_vnni's 35-78 (2.3-3.5x) and the f32
-GEMM's 73-120 (1.3-1.9x), the most at k = 2,048-6,144; decode (1 row) 27-32 GB/s of cached weights
-against 9-14, 13-16 GB/s from memory against 8-9. The register block: 4 x 3, 3 x 4, 5 x 2 and
-6 x 2 within the noise; 4 x 3 kept. The model families repack Q8_0 matrices at load where
-`wanted` says (model/llama.py), and matmul's linear, linear_prefill and path_rows run the tiles.
+Measured (scripts/lanes_bench.py; one thread, CPU time, GFLOP/s at 512 rows, GB/s of the GGUF's
+bytes at 1 row with the weights in cache), against rows_vnni on the same blocks:
+  Xeon with AVX512-VNNI, no AMX, shared (directional), Q8_0: 120-220 against 35-78 (2.3-3.5x);
+  decode 27-32 GB/s against 9-14, 13-16 GB/s from memory against 8-9.
+  Xeon with AMX (family 6 model 167 as reported), quiet: Q8_0 184-250 against 57-74; Q5_0 136-172 against 48-81,
+  decode 19-24 against 8-11 GB/s; Q4_K 166-210 against 98-125, decode 22-25 against 10-12; Q6_K
+  135-171 against 93-141, decode 16-18 against 15-18.
+The register block: 4 x 3, 3 x 4, 5 x 2 and 6 x 2 within the noise (Q8_0, Q4_K); 4 x 3 kept. The
+K-quants loop over their 8 sub-blocks in prefill (an eighth of the code to compile), unrolled in
+decode. The model families repack matrices at load where `wanted` says (model/llama.py), and
+matmul's linear, linear_prefill and path_rows run the tiles.
 """
-
 import numba
 import numpy as np
 from llvmlite import ir

@@ -290,7 +290,7 @@ def _parts_rows_overload(x, parts, out, j0, j1, acc, q8, integer):
 
 
 def _quantizes(parts, integer):
-    """True when the activations are quantized for parts: a part in Q8_0 tiles (lanes.py), or in a
+    """True when the activations are quantized for parts: a part in tiles (lanes.py), or in a
     block type of the integer paths when they are on (the block types: a compile-time constant)."""
     raise NotImplementedError("numba only")
 
