@@ -1,4 +1,4 @@
-"""GGUF blocks with outputs in lanes (kernels/lanes.py), Q8_0, Q5_0, Q4_K and Q6_K: the tiles hold
+"""GGUF blocks with outputs in lanes (kernels/lanes.py), Q8_0, Q5_0, Q4_0, Q4_1, Q4_K and Q6_K: the tiles hold
 the GGUF's values, the GEMM/GEMV agrees with numpy, and every output is one chain of float steps,
 whatever the batch."""
 
@@ -18,7 +18,7 @@ def rng():
     return np.random.default_rng(25)
 
 
-FORMATS = ["Q8_0", "Q5_0", "Q4_K", "Q6_K"]
+FORMATS = ["Q8_0", "Q5_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K"]
 
 
 def weights(rng, m, k, name="Q8_0"):
@@ -33,7 +33,8 @@ def product(x, tiles, m, workers=2):
     return out
 
 
-@pytest.mark.parametrize("name, size", [("Q8_0", 34), ("Q5_0", 22), ("Q4_K", 144), ("Q6_K", 210)])
+@pytest.mark.parametrize("name, size", [("Q8_0", 34), ("Q5_0", 22), ("Q4_0", 18), ("Q4_1", 20), ("Q4_K", 144),
+                                        ("Q6_K", 210)])
 def test_repack_keeps_the_values(rng, name, size):
     w = weights(rng, 37, 768, name)
     tiles = lanes.repack(w)
@@ -95,18 +96,25 @@ def f32_fma(a, b, c):
 
 def block_terms(name, tiles, xq, xd, xs, m):
     """Per (input row, output, block of the tiles): the exact integer sum and its float32 step, and
-    Q4_K's mins term (its float32 chain over the 8 sub-blocks, and its step)."""
+    the mins term (Q4_K: its float32 chain over the 8 sub-blocks and its step; Q4_1: the min and its
+    step), None for no min."""
     n, k = xq.shape
     x = xq.astype(np.int64)
-    if name in ("Q8_0", "Q5_0"):
-        nb = k // 32
+    if name in lanes.ONE_SCALE:
+        nb, mins = k // 32, None
         if name == "Q8_0":
             codes, d = lanes.tile_codes_ref(tiles)[:m], lanes.tile_scales_ref(tiles)[:m]
-        else:
+        elif name == "Q5_0":
             d, codes = lanes.q5_tile_fields_ref(tiles)
-            d, codes = d[:m], codes[:m].reshape(m, -1).astype(np.int64) - 16
+            d, codes = d[:m], codes[:m].astype(np.int64) - 16
+        else:
+            d, low, codes = lanes.q4_tile_fields_ref(tiles)
+            d, codes = d[:m], codes[:m].astype(np.int64) - (8 if low is None else 0)
+            if low is not None:  # Q4_1: its min times the block's code sums times the activation scale
+                xs32 = ((xs[:, 0::2] + xs[:, 1::2]) * xd).astype(np.float32)
+                mins = (np.broadcast_to(low[None, :m], (n, m, nb)), np.broadcast_to(xs32[:, None, :], (n, m, nb)))
         isums = np.einsum("ibl,jbl->ijb", x.reshape(n, nb, 32), codes.reshape(m, nb, 32).astype(np.int64))
-        return isums, (d[None] * xd[:, None, :]).astype(np.float32), None
+        return isums, (d[None] * xd[:, None, :]).astype(np.float32), mins
     nb = k // 256
     dx = xd[:, ::8]  # one activation scale per 256 values
     if name == "Q6_K":
@@ -136,7 +144,7 @@ def test_the_arithmetic_of_an_output(rng, name):
     isums, steps, mins = block_terms(name, tiles, xq, xd, xs, m)
 
     def chain(order):
-        """acc = fma(float(isum_b), step_b, acc) (then Q4_K's fma(bias_b, mins step_b, acc)), blocks in order."""
+        """acc = fma(float(isum_b), step_b, acc) (then the mins' fma), blocks in order."""
         acc = np.zeros((n, m), np.float32)
         for b in order:
             acc = f32_fma(isums[..., b].astype(np.float32), steps[..., b], acc)
@@ -224,7 +232,7 @@ def int16_path(use_kernels):
 
 
 @pytest.mark.parametrize("variant, weight_dtype, held", [("qwen3", "q8_0", "Q8_0"), ("qwen3", "q4_k", "Q5_0"),
-                                                          ("wide", "q4_k", "Q4_K")])
+                                                          ("qwen3", "q4_0", "Q4_0"), ("wide", "q4_k", "Q4_K")])
 def test_an_engine_holds_blocks_in_tiles_and_agrees_with_the_blocks(alignment_dir, tmp_path, int16_path, monkeypatch,
                                                                      variant, weight_dtype, held):
     prompt = [int(t) for t in np.random.default_rng(3).integers(3, 500, 150)]

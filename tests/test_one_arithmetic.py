@@ -128,13 +128,14 @@ TOPICS = ["a lighthouse keeper", "a lost robot", "the first snow", "a chess game
           "an old violin", "a night train", "a beekeeper", "a desert well"]
 
 
-@pytest.fixture(scope="module")
-def smol_bf16(tmp_path_factory):
-    """The built-in SmolLM2 with its weights as bf16: the float kernels (its GGUF blocks take the
-    block kernels, whose prefill does not share decode's sums yet)."""
+@pytest.fixture(scope="module", params=["bf16", "as shipped"])
+def smol(request, tmp_path_factory):
+    """The built-in SmolLM2 with its weights as bf16 (the float kernels), or as shipped (Q4_1 and
+    Q8_0: on the int16 path, tiles with outputs in lanes, kernels/lanes.py)."""
     from test_http import start_daemon
 
-    daemon, port = start_daemon(tmp_path_factory.mktemp("arith"), slots=2, extra=["--weight-dtype", "bf16"])
+    extra = ["--weight-dtype", "bf16"] if request.param == "bf16" else []
+    daemon, port = start_daemon(tmp_path_factory.mktemp("arith"), slots=2, extra=extra)
     yield port
     assert daemon.stop() == 0
 
@@ -147,10 +148,10 @@ def ask(client, topic):
         messages=[{"role": "system", "content": system}, {"role": "user", "content": f"Two sentences about {topic}."}])
 
 
-def test_the_same_greedy_request_twice_gives_the_same_text_and_logprobs(smol_bf16):
+def test_the_same_greedy_request_twice_gives_the_same_text_and_logprobs(smol):
     from openai import OpenAI
 
-    client = OpenAI(base_url=f"http://127.0.0.1:{smol_bf16}/v1", api_key="none", max_retries=0)
+    client = OpenAI(base_url=f"http://127.0.0.1:{smol}/v1", api_key="none", max_retries=0)
     for topic in TOPICS:
         first, second = ask(client, topic), ask(client, topic)
         assert first.usage.prompt_tokens > 64 + 20

@@ -192,7 +192,7 @@ class Engine:
         elif "int16" in cpu.ENABLED:
             madd = "vpdpwssd" if quant_int.WORDS_VNNI else "vpmaddwd (AVX2)"
             blocks = (f"GGUF blocks: int16 {madd}, activations quantized to int16 per 256 (or 32) values "
-                      f"(Q8_0, Q5_0, Q4_K and Q6_K repacked to tiles of 16 rows, outputs in lanes)")
+                      f"(Q8_0, Q5_0, Q4_0, Q4_1, Q4_K and Q6_K repacked to tiles of 16 rows, outputs in lanes)")
         else:
             blocks = "GGUF blocks: f32 FMA"
         if amx and cpu.BLOCK_PREFILL[cpu.CLASS] == "bf16":  # the class's faster path (cpu.BLOCK_PREFILL)

@@ -1,9 +1,9 @@
-"""GGUF blocks (Q8_0, Q5_0, Q4_K, Q6_K) with their outputs in lanes: an int16 GEMM/GEMV on vpdpwssd
-(vpmaddwd on AVX2).
+"""GGUF blocks (Q8_0, Q5_0, Q4_0, Q4_1, Q4_K, Q6_K) with their outputs in lanes: an int16 GEMM/GEMV on
+vpdpwssd (vpmaddwd on AVX2).
 
 Shape legend:
   n   input rows (tokens)
-  k   depth, a multiple of 32 (Q8_0, Q5_0) or 256 (Q4_K, Q6_K); nb = k / 32 or k / 256 blocks
+  k   depth, a multiple of 32 (Q8_0, Q5_0, Q4_0, Q4_1) or 256 (Q4_K, Q6_K); nb = k / 32 or k / 256 blocks
   m   output features (weight rows); T = ceil(m / 16) tiles of 16 weight rows
 
 rows_vnni (quant_int.py) sums a weight row's block in the lanes of one vector, then pays a lane
@@ -20,6 +20,7 @@ m are zero), a tile's block for tile t and block b:
        holds pair c in its low nibbles and pair c + 8 in its high ones (byte 2r + h: depth 2c + h of
        row r, and 16 + 2c + h), then their fifth bits in 2 runs of 32 bytes (run j, bit 2e + u: the
        nibble run 4j + e, its half u).
+  Q4_0 (288 = 16 x 18), Q4_1 (320 = 16 x 20): the f16 d (Q4_1: and the f16 m), then Q5_0's nibble runs.
   Q4_K (2,368 for the GGUF's 16 x 144): the rows' f16 d and dmin (64 bytes), their 8 six-bit
        scales and 8 mins as bytes ([sub-block][row], 256), then each sub-block of 32 values as Q5_0's
        nibble runs (8 x 256 bytes).
@@ -33,7 +34,9 @@ int16 (vpmullw; Q6_K's offset 32 taken off first), so its 8 sub-blocks sum in in
 One arithmetic: every output is, block by block in increasing order from acc = 0,
   acc = fma(float(isum), d[j, b] * xd[i, b], acc)
 with isum the exact int32 sum of the block's code products (K-quants: times their sub-block scales;
-one activation scale per 256 values, quant.activation_group), and for Q4_K then
+one activation scale per 256 values, quant.activation_group), then for Q4_1
+  acc = fma(m[j, b], xs32[i, b] * xd[i, b], acc),  xs32 the activations' code sum of the block,
+and for Q4_K
   acc = fma(bias, -dmin[j, b] * xd[i, b], acc),  bias = its 8 mins times the activations' code
 sums per 32, a float chain in order: an output's bits depend neither on n nor on the rows or tiles
 that share its register block, so decode (n = 1) and prefill give a token the same numbers.
@@ -42,9 +45,10 @@ Measured (scripts/lanes_bench.py; one thread, CPU time, GFLOP/s at 512 rows, GB/
 bytes at 1 row with the weights in cache), against rows_vnni on the same blocks:
   Xeon with AVX512-VNNI, no AMX, shared (directional), Q8_0: 120-220 against 35-78 (2.3-3.5x);
   decode 27-32 GB/s against 9-14, 13-16 GB/s from memory against 8-9.
-  Xeon with AMX (family 6 model 167 as reported), quiet: Q8_0 184-250 against 57-74; Q5_0 136-172 against 48-81,
-  decode 19-24 against 8-11 GB/s; Q4_K 166-210 against 98-125, decode 22-25 against 10-12; Q6_K
-  135-171 against 93-141, decode 16-18 against 15-18.
+  Xeon with AMX (family 6 model 167 as reported), quiet: Q8_0 184-250 against 57-74; Q5_0 136-172
+  against 48-81, decode 19-24 against 8-11 GB/s; Q4_0 157-194 against 53-83, decode 20-26 against
+  8-11; Q4_1 165-210 against 37-75, decode 23-32 against 6-10; Q4_K 166-210 against 98-125, decode
+  22-25 against 10-12; Q6_K 135-171 against 93-141, decode 16-18 against 15-18.
 The register block: 4 x 3, 3 x 4, 5 x 2 and 6 x 2 within the noise (Q8_0, Q4_K); 4 x 3 kept. The
 K-quants loop over their 8 sub-blocks in prefill (an eighth of the code to compile), unrolled in
 decode. The model families repack matrices at load where `wanted` says (model/llama.py), and
@@ -78,7 +82,11 @@ Q5_HIGH = Q5_LOW + 8 * 2 * LANES
 Q5_BLOCK = Q5_HIGH + 2 * 2 * LANES  # 352 bytes: the GGUF's 16 x 22
 # block type -> (values, bytes) of a tile's block; tiles are arrays [T, blocks] of a record type
 # named after the block type (TILE_DTYPES), so that numba compiles a kernel for each type it meets
-TILE_BLOCKS = {"Q8_0": (32, TILE_BLOCK), "Q5_0": (32, Q5_BLOCK), "Q4_K": (256, K4_BLOCK), "Q6_K": (256, K6_BLOCK)}
+# Q4_0 and Q4_1 tiles' blocks: the f16 d (and Q4_1's f16 m), then the codes as Q5_0's nibble runs
+Q4_0_BLOCK, Q4_1_BLOCK = 2 * LANES + 8 * 2 * LANES, 4 * LANES + 8 * 2 * LANES  # 288 = 16 x 18, 320 = 16 x 20
+TILE_BLOCKS = {"Q8_0": (32, TILE_BLOCK), "Q5_0": (32, Q5_BLOCK), "Q4_0": (32, Q4_0_BLOCK), "Q4_1": (32, Q4_1_BLOCK),
+               "Q4_K": (256, K4_BLOCK), "Q6_K": (256, K6_BLOCK)}
+ONE_SCALE = ("Q8_0", "Q5_0", "Q4_0", "Q4_1")  # a scale per 32 values (Q4_1: and a min), in float steps
 TILE_DTYPES = {name: np.dtype([(name, np.uint8, (size,))]) for name, (_, size) in TILE_BLOCKS.items()}
 # input rows x tiles of a register block: RB * SB int32 sums and as many float accumulators, SB
 # widened weight vectors and RB broadcast pairs (AVX-512: 4 x 3 -> 24 + 3 + 4 of 32 registers;
@@ -138,10 +146,11 @@ def _part_rows_overload(w):
 
 
 def wanted(w) -> bool:
-    """True when weight matrix w is best repacked to tiles at load: Q8_0 or Q4_K with rows a multiple
-    of 16 (a fused weight's parts then start on tiles), on the int16 path alone (the int8 "vnni" path
-    quantizes activations to int8). With AMX on too, Q8_0 tiles still beat its block prefill and keep
-    decode's sums (Qwen3-1.7B shapes, pp512: 145 tok/s against 107 on AMX, Xeon with AMX)."""
+    """True when weight matrix w is best repacked to tiles at load: a block type of TILE_BLOCKS with
+    rows a multiple of 16 (a fused weight's parts then start on tiles), on the int16 path alone (the
+    int8 "vnni" path quantizes activations to int8). With AMX on too, the tiles beat or match its block
+    prefill and keep decode's sums (Qwen3-1.7B shapes, pp512: Q8_0 145 tok/s against 107 on AMX,
+    Q4_K_M 123 against 109; SmolLM2 Q4_K_M 1,071 against 1,134; Xeon with AMX)."""
     int16_only = cpu.INTEGER & cpu.ENABLED == {"int16"}
     return int16_only and quant.block_name(w) in REPACK and w.ndim == 2 and w.shape[0] % LANES == 0
 
@@ -257,7 +266,23 @@ def _repack_q5_0(w):
     return out
 
 
-REPACK = {"Q8_0": _repack_q8_0, "Q5_0": _repack_q5_0, "Q4_K": _repack_q4_k, "Q6_K": _repack_q6_k}
+def q4_codes_ref(w):
+    """The 4-bit codes of Q4_0 or Q4_1 records [m, blocks], uint8 [m, blocks, 32] in the values' order."""
+    qs = w["qs"][..., None, :]  # byte j: values j (low nibble) and j + 16 (high)
+    return np.concatenate([qs & 15, qs >> 4], -2).reshape(*w.shape, 32)
+
+
+def _repack_q4(w):
+    """Q4_0 or Q4_1 block records [m, nb] -> tiles uint8 [ceil(m / 16), nb, 288 or 320]: d (and m), nibble runs."""
+    m, nb = w.shape
+    fields = ("d", "m") if "m" in w.dtype.names else ("d",)
+    tiles = -(-m // LANES)
+    parts = [_by_tile(w[f], m).view(np.uint8).reshape(tiles, nb, 2 * LANES) for f in fields]
+    return np.concatenate([*parts, _nibble_runs(_by_tile(q4_codes_ref(w), m), tiles, nb, 1)], -1)
+
+
+REPACK = {"Q8_0": _repack_q8_0, "Q5_0": _repack_q5_0, "Q4_0": _repack_q4, "Q4_1": _repack_q4, "Q4_K": _repack_q4_k,
+          "Q6_K": _repack_q6_k}
 
 
 def k6_tile_fields_ref(tiles):
@@ -283,6 +308,19 @@ def _nibbles_ref(runs, t, nb):
     pairs = runs.reshape(t, nb, -1, 8, LANES, 2)  # [T, nb, g, c, r, h]
     codes = np.stack([pairs & 15, pairs >> 4], 3)  # [T, nb, g, u, c, r, h]
     return codes.transpose(0, 5, 1, 2, 3, 4, 6).reshape(t * LANES, nb, -1)
+
+
+def q4_tile_fields_ref(tiles):
+    """(d, m [T * 16, nb] float32 (m None for Q4_0), codes [T * 16, nb, 32]) of Q4_0 or Q4_1 tiles."""
+    t, nb = tiles.shape
+    one = block_name(tiles) == "Q4_1"
+    tiles = _raw(tiles)
+
+    def scales(at):
+        return tiles[..., at : at + 2 * LANES].copy().view(np.float16).swapaxes(1, 2).reshape(t * LANES, nb).astype(np.float32)
+
+    runs = 4 * LANES if one else 2 * LANES
+    return scales(0), scales(2 * LANES) if one else None, _nibbles_ref(tiles[..., runs:], t, nb)
 
 
 def q5_tile_fields_ref(tiles):
@@ -331,6 +369,10 @@ def dequantize_ref(tiles):
         d, codes = q5_tile_fields_ref(tiles)
         values = d[..., None] * (codes.astype(np.float32) - 16)
         return values.reshape(len(codes), -1).astype(np.float32)
+    if block_name(tiles) in ("Q4_0", "Q4_1"):
+        d, m, codes = q4_tile_fields_ref(tiles)
+        values = d[..., None] * (codes.astype(np.float32) - (8 if m is None else 0)) + (0 if m is None else m[..., None])
+        return values.reshape(len(codes), -1).astype(np.float32)
     if block_name(tiles) == "Q6_K":
         d, sc, codes = k6_tile_fields_ref(tiles)
         values = d[..., None, None] * sc[..., None] * (codes.reshape(*codes.shape[:2], 16, 16).astype(np.float32) - 32)
@@ -354,9 +396,9 @@ def lanes_rows_ref(xq, xd, tiles, out, t0, t1):
 
 
 def _one_scale_codegen(name):
-    """The IR generator of a one-scale type's register block (Q8_0 or Q5_0): rows input rows (from
-    i0) times count tiles (from t0), every block, into out."""
-    size = TILE_BLOCK if name == "Q8_0" else Q5_BLOCK
+    """The IR generator of a one-scale type's register block (ONE_SCALE): rows input rows (from i0)
+    times count tiles (from t0), every block, into out."""
+    size = TILE_BLOCKS[name][1]
 
     def make(rows, count):
         return lambda *args: _one_scale_emit(name, size, rows, count, *args)
@@ -365,7 +407,7 @@ def _one_scale_codegen(name):
 
 
 def _one_scale_emit(name, size, rows, count, context, builder, q, arrays, i0, t0):
-    xq_a, xd_a, _, tiles_a, out_a = arrays
+    xq_a, xd_a, xs_a, tiles_a, out_a = arrays
     intp = context.get_value_type(types.intp)
     i32v, f32v, w16 = q.vec(q.i32, LANES), q.vec(q.f32, LANES), q.vec(ir.IntType(16), 2 * LANES)
     fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(f32v, [f32v] * 3), "llvm.fma.v16f32")
@@ -377,14 +419,17 @@ def _one_scale_emit(name, size, rows, count, context, builder, q, arrays, i0, t0
         """Pair p's 32 codes (16 rows x 2 depths) of the tile block at o, as signed words."""
         if name == "Q8_0":  # int8 codes widened (vpmovsxbw)
             return builder.sext(q.bytes(builder.add(o, c(2 * LANES * (1 + p))), 2 * LANES), w16)
-        run, u = p % 8, p // 8  # Q5_0: 4 bits from a nibble run, the fifth from a bit run, less 16
+        run, u = p % 8, p // 8  # 4 bits from a nibble run (Q5_0: the fifth from a bit run), less the offset
         b8 = q.vec(q.i8, 2 * LANES)
-        nibbles = q.bytes(builder.add(o, c(Q5_LOW + 2 * LANES * run)), 2 * LANES)
-        low = builder.and_(nibbles, ir.Constant(b8, [15] * 2 * LANES)) if u == 0 else \
+        runs = {"Q5_0": Q5_LOW, "Q4_0": 2 * LANES, "Q4_1": 4 * LANES}[name]
+        nibbles = q.bytes(builder.add(o, c(runs + 2 * LANES * run)), 2 * LANES)
+        code = builder.and_(nibbles, ir.Constant(b8, [15] * 2 * LANES)) if u == 0 else \
             builder.lshr(nibbles, ir.Constant(b8, [4] * 2 * LANES))
-        bits = q.bytes(builder.add(o, c(Q5_HIGH + 2 * LANES * (run // 4))), 2 * LANES)
-        fifth = q.field(bits, 2 * (run % 4) + u, 1, 4)
-        return builder.sub(builder.zext(builder.or_(low, fifth), w16), ir.Constant(w16, [16] * 2 * LANES))
+        if name == "Q5_0":
+            bits = q.bytes(builder.add(o, c(Q5_HIGH + 2 * LANES * (run // 4))), 2 * LANES)
+            code = builder.or_(code, q.field(bits, 2 * (run % 4) + u, 1, 4))
+        offset = {"Q5_0": 16, "Q4_0": 8, "Q4_1": 0}[name]  # Q4_1's min is a float step (its codes' sums)
+        return builder.sub(builder.zext(code, w16), ir.Constant(w16, [offset] * 2 * LANES))
 
     n, k = cgutils.unpack_tuple(builder, xq_a.shape)
     nb = builder.udiv(k, c(32))
@@ -403,22 +448,32 @@ def _one_scale_emit(name, size, rows, count, context, builder, q, arrays, i0, t0
             q.prefetch(o, size)
         sums = [[ir.Constant(i32v, [0] * LANES)] * count for _ in range(rows)]
         for p in range(16):
-            # the pair's 32 code bytes of each tile, widened to int16 (vpmovsxbw), shared by the rows
+            # the pair's 32 codes of each tile as int16, shared by the rows
             codes_p = [builder.bitcast(codes(o, p), i32v) for o in at]
             for r in range(rows):
                 pair = builder.gep(x_rows[r], [builder.add(builder.mul(blk, c(64)), c(4 * p))])
                 pair = q.splat(builder.load(builder.bitcast(pair, q.i32.as_pointer()), align=2), LANES)
                 for s in range(count):
                     sums[r][s] = _dot_words(builder, sums[r][s], codes_p[s], pair)
-        scales = [builder.fpext(builder.load(builder.bitcast(q.ptr(o), q.vec(ir.HalfType(), LANES).as_pointer()),
-                                             align=2), f32v) for o in at]
+        def f16s(field):  # the 16 rows' f16 at byte `field` of each tile's block
+            return [builder.fpext(builder.load(builder.bitcast(q.ptr(builder.add(o, c(field))),
+                                                               q.vec(ir.HalfType(), LANES).as_pointer()), align=2), f32v)
+                    for o in at]
+
+        scales, mins = f16s(0), f16s(2 * LANES) if name == "Q4_1" else None
         for r in range(rows):
             dx = builder.load(builder.gep(xd_a.data, [builder.add(builder.mul(builder.add(i0, c(r)), nb), blk)]))
             dx = q.splat(dx, LANES)
+            if name == "Q4_1":  # its min times the row's code sums of the block, times its scale: once
+                xs_at = builder.add(builder.mul(builder.add(i0, c(r)), builder.mul(nb, c(2))), builder.mul(blk, c(2)))
+                xs = [builder.load(builder.gep(xs_a.data, [builder.add(xs_at, c(h))])) for h in (0, 1)]
+                xs = q.splat(builder.fmul(builder.fadd(*xs), builder.extract_element(dx, ir.Constant(q.i32, 0))), LANES)
             for s in range(count):
                 step = builder.fmul(scales[s], dx)  # one float product, then one fma: each rounds once
-                builder.store(builder.call(fma, [builder.sitofp(sums[r][s], f32v), step, builder.load(accs[r][s])]),
-                              accs[r][s])
+                acc = builder.call(fma, [builder.sitofp(sums[r][s], f32v), step, builder.load(accs[r][s])])
+                if name == "Q4_1":
+                    acc = builder.call(fma, [mins[s], xs, acc])
+                builder.store(acc, accs[r][s])
     for r in range(rows):
         row_ptr = builder.gep(outb, [builder.mul(builder.add(i0, c(r)), out_row)])
         for s in range(count):
@@ -604,7 +659,7 @@ def _make_lanes_block(name, block_codegen, rb, sb):
     return intrinsic(lanes_block)
 
 
-BLOCKS = {name: _make_lanes_block(name, (_one_scale_codegen if name in ("Q8_0", "Q5_0") else _k_block_codegen)(name), RB, SB)
+BLOCKS = {name: _make_lanes_block(name, (_one_scale_codegen if name in ONE_SCALE else _k_block_codegen)(name), RB, SB)
           for name in TILE_BLOCKS}  # block type -> its intrinsic lanes_block
 
 
