@@ -54,6 +54,8 @@ K-quants loop over their 8 sub-blocks in prefill (an eighth of the code to compi
 decode. The model families repack matrices at load where `wanted` says (model/llama.py), and
 matmul's linear, linear_prefill and path_rows run the tiles.
 """
+import contextlib
+
 import numba
 import numpy as np
 from llvmlite import ir
@@ -395,92 +397,6 @@ def lanes_rows_ref(xq, xd, tiles, out, t0, t1):
     out[:, j0:j1] = (x @ w[: j1 - j0].T).astype(np.float32)
 
 
-def _one_scale_codegen(name):
-    """The IR generator of a one-scale type's register block (ONE_SCALE): rows input rows (from i0)
-    times count tiles (from t0), every block, into out."""
-    size = TILE_BLOCKS[name][1]
-
-    def make(rows, count):
-        return lambda *args: _one_scale_emit(name, size, rows, count, *args)
-
-    return make
-
-
-def _one_scale_emit(name, size, rows, count, context, builder, q, arrays, i0, t0):
-    xq_a, xd_a, xs_a, tiles_a, out_a = arrays
-    intp = context.get_value_type(types.intp)
-    i32v, f32v, w16 = q.vec(q.i32, LANES), q.vec(q.f32, LANES), q.vec(ir.IntType(16), 2 * LANES)
-    fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(f32v, [f32v] * 3), "llvm.fma.v16f32")
-
-    def c(v):
-        return ir.Constant(intp, v)
-
-    def codes(o, p):
-        """Pair p's 32 codes (16 rows x 2 depths) of the tile block at o, as signed words."""
-        if name == "Q8_0":  # int8 codes widened (vpmovsxbw)
-            return builder.sext(q.bytes(builder.add(o, c(2 * LANES * (1 + p))), 2 * LANES), w16)
-        run, u = p % 8, p // 8  # 4 bits from a nibble run (Q5_0: the fifth from a bit run), less the offset
-        b8 = q.vec(q.i8, 2 * LANES)
-        runs = {"Q5_0": Q5_LOW, "Q4_0": 2 * LANES, "Q4_1": 4 * LANES}[name]
-        nibbles = q.bytes(builder.add(o, c(runs + 2 * LANES * run)), 2 * LANES)
-        code = builder.and_(nibbles, ir.Constant(b8, [15] * 2 * LANES)) if u == 0 else \
-            builder.lshr(nibbles, ir.Constant(b8, [4] * 2 * LANES))
-        if name == "Q5_0":
-            bits = q.bytes(builder.add(o, c(Q5_HIGH + 2 * LANES * (run // 4))), 2 * LANES)
-            code = builder.or_(code, q.field(bits, 2 * (run % 4) + u, 1, 4))
-        offset = {"Q5_0": 16, "Q4_0": 8, "Q4_1": 0}[name]  # Q4_1's min is a float step (its codes' sums)
-        return builder.sub(builder.zext(code, w16), ir.Constant(w16, [offset] * 2 * LANES))
-
-    n, k = cgutils.unpack_tuple(builder, xq_a.shape)
-    nb = builder.udiv(k, c(32))
-    tile_bytes = builder.mul(nb, c(size))
-    m = cgutils.unpack_tuple(builder, out_a.shape)[1]
-    out_row = cgutils.unpack_tuple(builder, out_a.strides)[0]
-    xb, outb = (builder.bitcast(a.data, q.i8.as_pointer()) for a in (xq_a, out_a))
-    x_rows = [builder.gep(xb, [builder.mul(builder.add(i0, c(r)), builder.mul(k, c(2)))]) for r in range(rows)]
-    accs = [[cgutils.alloca_once_value(builder, ir.Constant(f32v, [0.0] * LANES)) for _ in range(count)]
-            for _ in range(rows)]
-    with cgutils.for_range(builder, nb) as blocks:
-        blk = blocks.index
-        at = [builder.add(builder.mul(builder.add(t0, c(s)), tile_bytes), builder.mul(blk, c(size)))
-              for s in range(count)]
-        for o in at if rows == 1 else ():  # decode streams the tiles; prefill's strip stays in L2
-            q.prefetch(o, size)
-        sums = [[ir.Constant(i32v, [0] * LANES)] * count for _ in range(rows)]
-        for p in range(16):
-            # the pair's 32 codes of each tile as int16, shared by the rows
-            codes_p = [builder.bitcast(codes(o, p), i32v) for o in at]
-            for r in range(rows):
-                pair = builder.gep(x_rows[r], [builder.add(builder.mul(blk, c(64)), c(4 * p))])
-                pair = q.splat(builder.load(builder.bitcast(pair, q.i32.as_pointer()), align=2), LANES)
-                for s in range(count):
-                    sums[r][s] = _dot_words(builder, sums[r][s], codes_p[s], pair)
-        def f16s(field):  # the 16 rows' f16 at byte `field` of each tile's block
-            return [builder.fpext(builder.load(builder.bitcast(q.ptr(builder.add(o, c(field))),
-                                                               q.vec(ir.HalfType(), LANES).as_pointer()), align=2), f32v)
-                    for o in at]
-
-        scales, mins = f16s(0), f16s(2 * LANES) if name == "Q4_1" else None
-        for r in range(rows):
-            dx = builder.load(builder.gep(xd_a.data, [builder.add(builder.mul(builder.add(i0, c(r)), nb), blk)]))
-            dx = q.splat(dx, LANES)
-            if name == "Q4_1":  # its min times the row's code sums of the block, times its scale: once
-                xs_at = builder.add(builder.mul(builder.add(i0, c(r)), builder.mul(nb, c(2))), builder.mul(blk, c(2)))
-                xs = [builder.load(builder.gep(xs_a.data, [builder.add(xs_at, c(h))])) for h in (0, 1)]
-                xs = q.splat(builder.fmul(builder.fadd(*xs), builder.extract_element(dx, ir.Constant(q.i32, 0))), LANES)
-            for s in range(count):
-                step = builder.fmul(scales[s], dx)  # one float product, then one fma: each rounds once
-                acc = builder.call(fma, [builder.sitofp(sums[r][s], f32v), step, builder.load(accs[r][s])])
-                if name == "Q4_1":
-                    acc = builder.call(fma, [mins[s], xs, acc])
-                builder.store(acc, accs[r][s])
-    for r in range(rows):
-        row_ptr = builder.gep(outb, [builder.mul(builder.add(i0, c(r)), out_row)])
-        for s in range(count):
-            j = builder.mul(builder.add(t0, c(s)), c(LANES))
-            _store_lanes(builder, q, builder.load(accs[r][s]), row_ptr, j, m)
-
-
 def _store_lanes(builder, q, value, row_ptr, j, m):
     """out[row, j:j + 16] = value, lanes past m left out (the last tile of a width not a multiple of 16)."""
     intp = j.type
@@ -498,133 +414,208 @@ def _store_lanes(builder, q, value, row_ptr, j, m):
                                   builder.gep(base, [ir.Constant(intp, lane)]))
 
 
-def _k_block_codegen(name):
-    """The IR generator of a K-quant's register block (Q4_K or Q6_K): rows input rows (from i0) times
-    count tiles (from t0), every super-block, into out. Per pair of depths, a tile's 16 rows of codes
-    are cut from their bits and times their sub-block's scales in int16 (vpmullw; Q6_K's offset 32
-    taken off first), shared by the input rows, then one vpdpwssd a row; per super-block, one
-    conversion and one FMA an output, and Q4_K's mins (times the activations' code sums) one more."""
-    k4 = name == "Q4_K"
-    size, scales_at, d_at = (K4_BLOCK, K4_SCALES, K4_D) if k4 else (K6_BLOCK, K6_SCALES, K6_D)
+class _Frame:
+    """What a register block's IR shares, rows input rows (from i0) times count tiles (from t0): the
+    types, a float accumulator an output, the loop over the tiles' blocks (of `values` values and
+    `size` bytes) and the store of the outputs."""
 
-    def make(rows, count):
-        def emit(context, builder, q, arrays, i0, t0):
-            xq_a, xd_a, xs_a, _, out_a = arrays
-            intp = context.get_value_type(types.intp)
-            i32v, f32v = q.vec(q.i32, LANES), q.vec(q.f32, LANES)
-            w16, b32 = q.vec(ir.IntType(16), 2 * LANES), q.vec(q.i8, 2 * LANES)
-            fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(f32v, [f32v] * 3), "llvm.fma.v16f32")
+    def __init__(self, context, builder, q, arrays, i0, t0, rows, count, values, size):
+        self.b, self.q, self.t0, self.rows, self.count, self.size = builder, q, t0, rows, count, size
+        self.intp = context.get_value_type(types.intp)
+        self.i32v, self.f32v = q.vec(q.i32, LANES), q.vec(q.f32, LANES)
+        self.w16, self.b32 = q.vec(ir.IntType(16), 2 * LANES), q.vec(q.i8, 2 * LANES)
+        xq_a, xd_a, xs_a, _, self.out_a = arrays
+        self.xd, self.xs = xd_a.data, xs_a.data
+        k = cgutils.unpack_tuple(builder, xq_a.shape)[1]
+        self.k, self.nb = k, builder.udiv(k, self.c(values))
+        self.rows_i = [builder.add(i0, self.c(r)) for r in range(rows)]
+        xb = builder.bitcast(xq_a.data, q.i8.as_pointer())
+        self.x_rows = [builder.gep(xb, [builder.mul(i, builder.mul(k, self.c(2)))]) for i in self.rows_i]
+        self.accs = [[cgutils.alloca_once_value(builder, self.zeros(self.f32v)) for _ in range(count)] for _ in range(rows)]
 
-            def c(v):
-                return ir.Constant(intp, v)
+    def c(self, v):
+        return ir.Constant(self.intp, v)
 
-            def b8(v):
-                return ir.Constant(b32, [v] * 2 * LANES)
+    def zeros(self, vty):
+        return ir.Constant(vty, [0] * LANES)
 
-            def f16s(at):
-                return builder.fpext(builder.load(builder.bitcast(q.ptr(at), q.vec(ir.HalfType(), LANES).as_pointer()),
-                                                  align=2), f32v)
+    def fma(self, a, x, y):
+        """a * x + y, one rounding (16 lanes)."""
+        fn = cgutils.get_or_insert_function(self.b.module, ir.FunctionType(self.f32v, [self.f32v] * 3), "llvm.fma.v16f32")
+        return self.b.call(fn, [a, x, y])
 
-            def scale_words(at):  # the 16 rows' scale bytes -> 32 words, row r's twice (lanes 2 r, 2 r + 1)
-                raw = q.bytes(at, LANES)
-                pairs = builder.shuffle_vector(raw, raw, ir.Constant(q.vec(q.i32, 2 * LANES), [l // 2 for l in range(2 * LANES)]))
-                return (builder.zext if k4 else builder.sext)(pairs, w16)
+    def f16s(self, at):
+        """The 16 rows' f16 at byte offset at, as float32 lanes."""
+        ptr = self.b.bitcast(self.q.ptr(at), self.q.vec(ir.HalfType(), LANES).as_pointer())
+        return self.b.fpext(self.b.load(ptr, align=2), self.f32v)
 
-            def codes(o, g, run, u):
-                """The 32 code bytes of pair run + 8 u of group g (values 32 g + 16 u + 2 run + h; g an
-                IR value, run and u constants)."""
-                at = builder.add(o, builder.mul(g, c(8 * 2 * LANES)))
-                nibbles = q.bytes(builder.add(at, c((K4_CODES if k4 else K6_LOW) + 2 * LANES * run)), 2 * LANES)
-                low = builder.and_(nibbles, b8(15)) if u == 0 else builder.lshr(nibbles, b8(4))
-                if k4:
-                    return builder.zext(low, w16)
-                at = builder.add(o, builder.mul(g, c(4 * 2 * LANES)))
-                bits = q.bytes(builder.add(at, c(K6_HIGH + 2 * LANES * (run // 2))), 2 * LANES)
-                shift = 4 * (run % 2) + 2 * u
-                high = builder.and_(builder.lshr(bits, b8(shift)), b8(3)) if shift else builder.and_(bits, b8(3))
-                code = builder.or_(low, builder.shl(high, b8(4)))
-                return builder.sub(builder.zext(code, w16), ir.Constant(w16, [32] * 2 * LANES))
+    def x_pair(self, r, at):
+        """Input row r's int16 pair at value offset `at` (an IR value), broadcast to 16 lanes."""
+        ptr = self.b.gep(self.x_rows[r], [self.b.mul(at, self.c(2))])
+        return self.q.splat(self.b.load(self.b.bitcast(ptr, self.q.i32.as_pointer()), align=2), LANES)
 
-            n, k = cgutils.unpack_tuple(builder, xq_a.shape)
-            nb = builder.udiv(k, c(256))
-            tile_bytes = builder.mul(nb, c(size))
-            m = cgutils.unpack_tuple(builder, out_a.shape)[1]
-            out_row = cgutils.unpack_tuple(builder, out_a.strides)[0]
-            xb, outb = (builder.bitcast(a.data, q.i8.as_pointer()) for a in (xq_a, out_a))
-            rows_i = [builder.add(i0, c(r)) for r in range(rows)]
-            x_rows = [builder.gep(xb, [builder.mul(i, builder.mul(k, c(2)))]) for i in rows_i]
-            accs = [[cgutils.alloca_once_value(builder, ir.Constant(f32v, [0.0] * LANES)) for _ in range(count)]
-                    for _ in range(rows)]
-            with cgutils.for_range(builder, nb) as blocks:
-                blk = blocks.index
-                at = [builder.add(builder.mul(builder.add(t0, c(s)), tile_bytes), builder.mul(blk, c(size)))
-                      for s in range(count)]
-                for o in at if rows == 1 else ():  # decode streams the tiles; prefill's strip stays in L2
-                    q.prefetch(o, size)
-                sums = [[cgutils.alloca_once_value(builder, ir.Constant(i32v, [0] * LANES)) for _ in range(count)]
-                        for _ in range(rows)]
-                for row_sums in sums:
-                    for slot in row_sums:
-                        builder.store(ir.Constant(i32v, [0] * LANES), slot)
-                # a loop over the 8 groups in prefill (8x less code to compile); unrolled in decode, where
-                # the loop cost a third of the rate (Q4_K at k = 2048: 17.5 against 25 GB/s of cached tiles)
-                unrolled = 8 if rows == 1 else 1
-                with cgutils.for_range(builder, c(8 // unrolled)) as groups:
-                    for g_in in range(unrolled):
-                        g = builder.add(builder.mul(groups.index, c(unrolled)), c(g_in))
-                        # Q4_K: a scale per 32 values; Q6_K: per 16, one for each half u of the group
-                        scales = [[scale_words(builder.add(o, builder.add(builder.mul(g, c(LANES if k4 else 2 * LANES)),
-                                                                           c(scales_at + (0 if k4 else LANES * u)))))
-                                   for u in (0, 1)] for o in at]
-                        x_group = [builder.gep(x, [builder.add(builder.mul(blk, c(512)), builder.mul(g, c(64)))]) for x in x_rows]
-                        total = [[builder.load(slot) for slot in row_sums] for row_sums in sums]
-                        for run in range(8):
-                            for u in (0, 1):
-                                words = [builder.bitcast(builder.mul(codes(o, g, run, u), sc[u]), i32v)
-                                         for o, sc in zip(at, scales)]
-                                pair = run + 8 * u
-                                for r in range(rows):
-                                    xp = builder.gep(x_group[r], [c(4 * pair)])
-                                    xp = q.splat(builder.load(builder.bitcast(xp, q.i32.as_pointer()), align=2), LANES)
-                                    for s in range(count):
-                                        total[r][s] = _dot_words(builder, total[r][s], words[s], xp)
-                        for row_sums, row_total in zip(sums, total):
-                            for slot, value in zip(row_sums, row_total):
-                                builder.store(value, slot)
-                d = [f16s(builder.add(o, c(d_at))) for o in at]
-                if k4:
-                    dmin = [builder.fneg(f16s(builder.add(o, c(K4_DMIN)))) for o in at]
-                    mins = [[builder.uitofp(builder.zext(q.bytes(builder.add(o, c(K4_MINS + LANES * g)), LANES), i32v), f32v)
-                             for g in range(8)] for o in at]
-                for r in range(rows):
-                    dx = builder.load(builder.gep(xd_a.data, [builder.add(builder.mul(rows_i[r], builder.udiv(k, c(32))),
-                                                                          builder.mul(blk, c(8)))]))
-                    dx = q.splat(dx, LANES)  # one activation scale per 256 values (quant.activation_group)
-                    if k4:
-                        xs_at = builder.add(builder.mul(rows_i[r], builder.udiv(k, c(16))), builder.mul(blk, c(16)))
-                        xs = [builder.load(builder.gep(xs_a.data, [builder.add(xs_at, c(h))])) for h in range(16)]
-                        xs = [q.splat(builder.fadd(xs[2 * g], xs[2 * g + 1]), LANES) for g in range(8)]  # exact: < 2^21
-                    for s in range(count):
-                        acc = builder.call(fma, [builder.sitofp(builder.load(sums[r][s]), f32v), builder.fmul(d[s], dx),
-                                                 builder.load(accs[r][s])])
-                        if k4:  # the mins times the codes' sums per 32, in order, then times -dmin
-                            bias = builder.fmul(mins[s][0], xs[0])
-                            for g in range(1, 8):
-                                bias = builder.call(fma, [mins[s][g], xs[g], bias])
-                            acc = builder.call(fma, [bias, builder.fmul(dmin[s], dx), acc])
-                        builder.store(acc, accs[r][s])
+    def dx(self, r, blk, per):
+        """Input row r's activation scale at block blk (of `per` blocks of 32 values)."""
+        at = self.b.add(self.b.mul(self.rows_i[r], self.b.udiv(self.k, self.c(32))), self.b.mul(blk, self.c(per)))
+        return self.b.load(self.b.gep(self.xd, [at]))
+
+    def xs_at(self, r, blk, count):
+        """Input row r's code sums per 16 values (exact) from block blk on, `count` of them."""
+        at = self.b.add(self.b.mul(self.rows_i[r], self.b.udiv(self.k, self.c(16))), self.b.mul(blk, self.c(count)))
+        return [self.b.load(self.b.gep(self.xs, [self.b.add(at, self.c(h))])) for h in range(count)]
+
+    @contextlib.contextmanager
+    def blocks(self):
+        """The loop over the blocks: yields (the block index, each tile's byte offset of that block)."""
+        b = self.b
+        tile_bytes = b.mul(self.nb, self.c(self.size))
+        with cgutils.for_range(b, self.nb) as loop:
+            blk = loop.index
+            at = [b.add(b.mul(b.add(self.t0, self.c(s)), tile_bytes), b.mul(blk, self.c(self.size))) for s in range(self.count)]
+            for o in at if self.rows == 1 else ():  # decode streams the tiles; prefill's strip stays in L2
+                self.q.prefetch(o, self.size)
+            yield blk, at
+
+    def store(self):
+        """out[rows, the tiles' columns < m] = the accumulators."""
+        b = self.b
+        m, out_row = cgutils.unpack_tuple(b, self.out_a.shape)[1], cgutils.unpack_tuple(b, self.out_a.strides)[0]
+        outb = b.bitcast(self.out_a.data, self.q.i8.as_pointer())
+        for r in range(self.rows):
+            row_ptr = b.gep(outb, [b.mul(self.rows_i[r], out_row)])
+            for s in range(self.count):
+                j = b.mul(b.add(self.t0, self.c(s)), self.c(LANES))
+                _store_lanes(b, self.q, b.load(self.accs[r][s]), row_ptr, j, m)
+
+
+def _one_scale_emit(name, rows, count, context, builder, q, arrays, i0, t0):
+    """IR of a one-scale type's register block (ONE_SCALE): rows input rows (from i0) times count
+    tiles (from t0), every block, into out."""
+    f = _Frame(context, builder, q, arrays, i0, t0, rows, count, 32, TILE_BLOCKS[name][1])
+    c = f.c
+
+    def codes(o, p):
+        """Pair p's 32 codes (16 rows x 2 depths) of the tile block at o, as signed words."""
+        if name == "Q8_0":  # int8 codes widened (vpmovsxbw)
+            return builder.sext(q.bytes(builder.add(o, c(2 * LANES * (1 + p))), 2 * LANES), f.w16)
+        run, u = p % 8, p // 8  # 4 bits from a nibble run (Q5_0: the fifth from a bit run), less the offset
+        runs = {"Q5_0": Q5_LOW, "Q4_0": 2 * LANES, "Q4_1": 4 * LANES}[name]
+        nibbles = q.bytes(builder.add(o, c(runs + 2 * LANES * run)), 2 * LANES)
+        code = builder.and_(nibbles, ir.Constant(f.b32, [15] * 2 * LANES)) if u == 0 else \
+            builder.lshr(nibbles, ir.Constant(f.b32, [4] * 2 * LANES))
+        if name == "Q5_0":
+            bits = q.bytes(builder.add(o, c(Q5_HIGH + 2 * LANES * (run // 4))), 2 * LANES)
+            code = builder.or_(code, q.field(bits, 2 * (run % 4) + u, 1, 4))
+        offset = {"Q5_0": 16, "Q4_0": 8, "Q4_1": 0}[name]  # Q4_1's min is a float step (its codes' sums)
+        return builder.sub(builder.zext(code, f.w16), ir.Constant(f.w16, [offset] * 2 * LANES))
+
+    with f.blocks() as (blk, at):
+        sums = [[f.zeros(f.i32v)] * count for _ in range(rows)]
+        for p in range(16):
+            words = [builder.bitcast(codes(o, p), f.i32v) for o in at]  # shared by the rows
             for r in range(rows):
-                row_ptr = builder.gep(outb, [builder.mul(rows_i[r], out_row)])
+                pair = f.x_pair(r, builder.add(builder.mul(blk, c(32)), c(2 * p)))
                 for s in range(count):
-                    j = builder.mul(builder.add(t0, c(s)), c(LANES))
-                    _store_lanes(builder, q, builder.load(accs[r][s]), row_ptr, j, m)
+                    sums[r][s] = _dot_words(builder, sums[r][s], words[s], pair)
+        scales = [f.f16s(o) for o in at]
+        mins = [f.f16s(builder.add(o, c(2 * LANES))) for o in at] if name == "Q4_1" else None
+        for r in range(rows):
+            dx = f.dx(r, blk, 1)
+            if name == "Q4_1":  # its min times the row's code sums of the block, times its scale: once
+                xs = q.splat(builder.fmul(builder.fadd(*f.xs_at(r, blk, 2)), dx), LANES)
+            dx = q.splat(dx, LANES)
+            for s in range(count):
+                step = builder.fmul(scales[s], dx)  # one float product, then one fma: each rounds once
+                acc = f.fma(builder.sitofp(sums[r][s], f.f32v), step, builder.load(f.accs[r][s]))
+                if name == "Q4_1":
+                    acc = f.fma(mins[s], xs, acc)
+                builder.store(acc, f.accs[r][s])
+    f.store()
 
-        return emit
 
-    return make
+def _k_emit(name, rows, count, context, builder, q, arrays, i0, t0):
+    """IR of a K-quant's register block (Q4_K or Q6_K): rows input rows (from i0) times count tiles
+    (from t0), every super-block, into out. Per pair of depths, a tile's 16 rows of codes are cut
+    from their bits and times their sub-block's scales in int16 (vpmullw; Q6_K's offset 32 taken off
+    first), shared by the input rows, then one vpdpwssd a row; per super-block, one conversion and
+    one FMA an output, and Q4_K's mins (times the activations' code sums) one more."""
+    k4 = name == "Q4_K"
+    scales_at, d_at = (K4_SCALES, K4_D) if k4 else (K6_SCALES, K6_D)
+    f = _Frame(context, builder, q, arrays, i0, t0, rows, count, 256, TILE_BLOCKS[name][1])
+    c = f.c
+
+    def b8(v):
+        return ir.Constant(f.b32, [v] * 2 * LANES)
+
+    def scale_words(at):  # the 16 rows' scale bytes -> 32 words, row r's twice (lanes 2 r, 2 r + 1)
+        raw = q.bytes(at, LANES)
+        pairs = builder.shuffle_vector(raw, raw, ir.Constant(q.vec(q.i32, 2 * LANES), [l // 2 for l in range(2 * LANES)]))
+        return (builder.zext if k4 else builder.sext)(pairs, f.w16)
+
+    def codes(o, g, run, u):
+        """The 32 code bytes of pair run + 8 u of group g (values 32 g + 16 u + 2 run + h; g an IR
+        value, run and u constants)."""
+        at = builder.add(o, builder.mul(g, c(8 * 2 * LANES)))
+        nibbles = q.bytes(builder.add(at, c((K4_CODES if k4 else K6_LOW) + 2 * LANES * run)), 2 * LANES)
+        low = builder.and_(nibbles, b8(15)) if u == 0 else builder.lshr(nibbles, b8(4))
+        if k4:
+            return builder.zext(low, f.w16)
+        at = builder.add(o, builder.mul(g, c(4 * 2 * LANES)))
+        bits = q.bytes(builder.add(at, c(K6_HIGH + 2 * LANES * (run // 2))), 2 * LANES)
+        shift = 4 * (run % 2) + 2 * u
+        high = builder.and_(builder.lshr(bits, b8(shift)), b8(3)) if shift else builder.and_(bits, b8(3))
+        code = builder.or_(low, builder.shl(high, b8(4)))
+        return builder.sub(builder.zext(code, f.w16), ir.Constant(f.w16, [32] * 2 * LANES))
+
+    with f.blocks() as (blk, at):
+        sums = [[cgutils.alloca_once_value(builder, f.zeros(f.i32v)) for _ in range(count)] for _ in range(rows)]
+        for row_sums in sums:
+            for slot in row_sums:
+                builder.store(f.zeros(f.i32v), slot)
+        # a loop over the 8 groups in prefill (8x less code to compile); unrolled in decode, where
+        # the loop cost a third of the rate (Q4_K at k = 2048: 17.5 against 25 GB/s of cached tiles)
+        unrolled = 8 if rows == 1 else 1
+        with cgutils.for_range(builder, c(8 // unrolled)) as groups:
+            for g_in in range(unrolled):
+                g = builder.add(builder.mul(groups.index, c(unrolled)), c(g_in))
+                # Q4_K: a scale per 32 values; Q6_K: per 16, one for each half u of the group
+                scales = [[scale_words(builder.add(o, builder.add(builder.mul(g, c(LANES if k4 else 2 * LANES)),
+                                                                   c(scales_at + (0 if k4 else LANES * u)))))
+                           for u in (0, 1)] for o in at]
+                group_at = builder.add(builder.mul(blk, c(256)), builder.mul(g, c(32)))
+                total = [[builder.load(slot) for slot in row_sums] for row_sums in sums]
+                for run in range(8):
+                    for u in (0, 1):
+                        words = [builder.bitcast(builder.mul(codes(o, g, run, u), sc[u]), f.i32v) for o, sc in zip(at, scales)]
+                        for r in range(rows):
+                            pair = f.x_pair(r, builder.add(group_at, c(2 * (run + 8 * u))))
+                            for s in range(count):
+                                total[r][s] = _dot_words(builder, total[r][s], words[s], pair)
+                for row_sums, row_total in zip(sums, total):
+                    for slot, value in zip(row_sums, row_total):
+                        builder.store(value, slot)
+        d = [f.f16s(builder.add(o, c(d_at))) for o in at]
+        if k4:
+            dmin = [builder.fneg(f.f16s(builder.add(o, c(K4_DMIN)))) for o in at]
+            mins = [[builder.uitofp(builder.zext(q.bytes(builder.add(o, c(K4_MINS + LANES * g)), LANES), f.i32v), f.f32v)
+                     for g in range(8)] for o in at]
+        for r in range(rows):
+            dx = q.splat(f.dx(r, blk, 8), LANES)  # one activation scale per 256 values (quant.activation_group)
+            if k4:
+                xs = f.xs_at(r, blk, 16)
+                xs = [q.splat(builder.fadd(xs[2 * g], xs[2 * g + 1]), LANES) for g in range(8)]  # exact: < 2^21
+            for s in range(count):
+                acc = f.fma(builder.sitofp(builder.load(sums[r][s]), f.f32v), builder.fmul(d[s], dx), builder.load(f.accs[r][s]))
+                if k4:  # the mins times the codes' sums per 32, in order, then times -dmin
+                    bias = builder.fmul(mins[s][0], xs[0])
+                    for g in range(1, 8):
+                        bias = f.fma(mins[s][g], xs[g], bias)
+                    acc = f.fma(bias, builder.fmul(dmin[s], dx), acc)
+                builder.store(acc, f.accs[r][s])
+    f.store()
 
 
-def _make_lanes_block(name, block_codegen, rb, sb):
+def _make_lanes_block(name, emit, rb, sb):
     """The intrinsic lanes_block of one tile format: its register blocks dispatched at run time (every
     size <= rb x sb is generated: left-over rows and tiles run the same per-output arithmetic)."""
 
@@ -638,7 +629,7 @@ def _make_lanes_block(name, block_codegen, rb, sb):
                 this = builder.and_(builder.icmp_signed("==", rows, ir.Constant(intp, r)),
                                     builder.icmp_signed("==", count, ir.Constant(intp, s)))
                 with builder.if_then(this):
-                    block_codegen(r, s)(context, builder, q, arrays, i0, t0)
+                    emit(name, r, s, context, builder, q, arrays, i0, t0)
         return context.get_dummy_value()
 
     def lanes_block(typingctx, xq, xd, xs, tiles, out, i0, rows, t0, count):
@@ -659,7 +650,7 @@ def _make_lanes_block(name, block_codegen, rb, sb):
     return intrinsic(lanes_block)
 
 
-BLOCKS = {name: _make_lanes_block(name, (_one_scale_codegen if name in ONE_SCALE else _k_block_codegen)(name), RB, SB)
+BLOCKS = {name: _make_lanes_block(name, _one_scale_emit if name in ONE_SCALE else _k_emit, RB, SB)
           for name in TILE_BLOCKS}  # block type -> its intrinsic lanes_block
 
 
