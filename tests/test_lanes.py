@@ -175,11 +175,13 @@ for name in sys.argv[3:]:
 
 def test_avx2_code_gives_the_same_bits(rng, tmp_path):
     """The AVX2 kernels (vpmaddwd, a smaller register block) compute each output as the AVX-512 ones:
-    integer sums are exact, the float steps the same. Compiled in a process of its own, with its
-    own kernel cache (the code differs from this CPU's under the same sources)."""
+    integer sums are exact, the float steps the same. Compiled in a process of its own, with a
+    kernel cache of its own (the code differs from this CPU's under the same sources): beside the
+    user's, by the sources' digest as theirs (kernels.cache_dir), so that a second run loads it."""
     import os
     import subprocess
     import sys
+    from pathlib import Path
 
     k, m = 768, 16 * 4 + 3
     x = rng.standard_normal((9, k)).astype(np.float32)
@@ -187,7 +189,11 @@ def test_avx2_code_gives_the_same_bits(rng, tmp_path):
     for name, t in tiles.items():
         np.save(tmp_path / f"{name}-x.npy", x)
         np.save(tmp_path / f"{name}-tiles.npy", t)
-    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "cache")}
+    if os.environ.get("NUMBA_CACHE_DIR"):  # the user's folder holds this CPU's code under the same names
+        env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "cache")}
+    else:
+        env = {**os.environ, "XDG_CACHE_HOME": str(Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+                                                   / "ellm" / "avx2-words")}
     subprocess.run([sys.executable, "-c", AVX2_RUN, str(tmp_path), str(m), *FORMATS], env=env, check=True, timeout=900)
     for name, t in tiles.items():
         np.testing.assert_array_equal(np.load(tmp_path / f"{name}-out.npy"), product(x, t, m), err_msg=name)
