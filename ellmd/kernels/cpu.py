@@ -6,8 +6,8 @@ Paths (each needs its CPU features; without them the portable f32 FMA kernels ru
            alignment tolerances)
   "vnni"   vpdpbusd (AVX512-VNNI) for weights in GGUF blocks, activations quantized to int8 per
            32 values as llama.cpp does (~1% of a product: it changes some greedy answers)
-  "bf16"   AMX tdpbf16ps for the prefill matmuls of bf16 weights (and of GGUF blocks but Q8_0's
-           tiles) and for attention's prefill, activations as two bf16 halves (~3e-6 of a product;
+  "bf16"   AMX tdpbf16ps for the prefill matmuls of bf16 weights (and of GGUF blocks but those
+           held in lanes' tiles) and for attention's prefill, activations as two bf16 halves (~3e-6 of a product;
            bf16.py also needs Linux to grant the tile state). Opt-in, as "dpbf16" below
   "dpbf16" vdpbf16ps (AVX512-BF16) for the prefill matmuls of bf16 weights where AMX is not on
            (Zen 4/5, Xeons from Cooper Lake; "bf16" wins where both are): bf16.py's GEMM on
