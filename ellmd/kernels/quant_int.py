@@ -76,24 +76,22 @@ class _Ir:
     def bytes(self, at, count):
         return self.b.load(self.b.bitcast(self.ptr(at), self.vec(self.i8, count).as_pointer()), align=1)
 
-    def prefetch(self, at, size):
-        """Ask for the cache lines of the size bytes PREFETCH past byte offset at (a prefetch never
-        faults, so past the row's end is fine: it is the next row's start)."""
-        i8p = self.i8.as_pointer()
-        fn = cgutils.get_or_insert_function(self.b.module, ir.FunctionType(ir.VoidType(), [i8p, self.i32, self.i32, self.i32]),
+    def prefetch_line(self, at):
+        """Ask for the cache line of byte offset at, into L1 (a prefetch never faults)."""
+        fn = cgutils.get_or_insert_function(self.b.module, ir.FunctionType(ir.VoidType(), [self.i8.as_pointer()] + [self.i32] * 3),
                                             "llvm.prefetch.p0")
+        self.b.call(fn, [self.ptr(at), ir.Constant(self.i32, 0), ir.Constant(self.i32, 3), ir.Constant(self.i32, 1)])
+
+    def prefetch(self, at, size):
+        """Ask for the cache lines of the size bytes PREFETCH past byte offset at (past the row's end
+        is fine: it is the next row's start)."""
         for line in range(0, size, 64):
-            ptr = self.ptr(self.b.add(at, ir.Constant(at.type, PREFETCH + line)))
-            self.b.call(fn, [ptr, ir.Constant(self.i32, 0), ir.Constant(self.i32, 3), ir.Constant(self.i32, 1)])
+            self.prefetch_line(self.b.add(at, ir.Constant(at.type, PREFETCH + line)))
 
     def prefetch_span(self, at, size):
         """Ask for every cache line of bytes [at, at + size) (size a runtime value)."""
-        i8p = self.i8.as_pointer()
-        fn = cgutils.get_or_insert_function(self.b.module, ir.FunctionType(ir.VoidType(), [i8p, self.i32, self.i32, self.i32]),
-                                            "llvm.prefetch.p0")
         with cgutils.for_range_slice(self.b, ir.Constant(at.type, 0), size, ir.Constant(at.type, 64)) as (line, _):
-            self.b.call(fn, [self.ptr(self.b.add(at, line)), ir.Constant(self.i32, 0), ir.Constant(self.i32, 3),
-                             ir.Constant(self.i32, 1)])
+            self.prefetch_line(self.b.add(at, line))
 
     def byte(self, at):
         return self.b.zext(self.b.load(self.ptr(at)), self.i32)
