@@ -1,4 +1,5 @@
-"""The AMX bf16 prefill GEMM (bf16.py) and AMX attention prefill (attention.py) against numpy.
+"""The AMX bf16 GEMM (bf16.py: prefill, and decode's rows_amx) and AMX attention prefill
+(attention.py) against numpy.
 
 GEMM: the reference splits the activations (and the values of block weights) into the same two bf16
 halves; products of bf16 values are exact in f32, so kernel and reference differ only by f32
@@ -34,7 +35,7 @@ def rng():
 def amx(monkeypatch):
     if not bf16.AMX:  # AMX instructions cannot run on this CPU: the tests of its kernels cannot either
         pytest.skip("this CPU has no AMX-BF16 (tile instructions): the AMX kernels cannot run here")
-    monkeypatch.setattr(cpu, "ENABLED", frozenset({"bf16"}))
+    monkeypatch.setattr(cpu, "ENABLED", frozenset({"bf16", "bf16-prefill"}))
 
 
 def _weights(rng, m, k):
@@ -108,6 +109,47 @@ def test_gemm_of_blocks_matches_reference(rng, amx, name, workers):
     assert np.abs(got - exact).max() <= 2e-5 * np.abs(exact).max()  # ~16 bits of each factor
 
 
+@pytest.mark.parametrize("m,k", [(96, 576), (48, 2048)])  # rows sharing 4 KiB pages (prefetched), and not
+def test_decode_rows_are_the_gemms_to_the_bit(rng, amx, m, k):
+    """rows_amx sums a token as gemm does, whatever the tokens beside it and the rows asked for."""
+    x = rng.standard_normal((70, k)).astype(np.float32)
+    w = _weights(rng, m, k)
+    full = np.empty((70, m), np.float32)
+    bf16.gemm(x, w, full, _work(m, k, 2))
+    want = np.empty((70, m), np.float32)
+    bf16.gemm_ref(x, w, want, None)
+    np.testing.assert_allclose(full, want, **TOL)
+    c = np.empty((bf16.TILE, bf16.TILE), np.float32)
+    for n, (j0, j1) in ((1, (0, m)), (3, (16, 48)), (16, (5, 37)), (17, (0, m)), (40, (33, 34))):
+        xh, xl = (np.empty(bf16.packed_shape(n, k), np.uint16) for _ in range(2))
+        bf16.pack_tokens(x[:n], xh, xl)
+        got = np.full((n, m), np.nan, np.float32)
+        bf16.rows_amx(xh, xl, n, w, got, j0, j1, c)
+        assert np.array_equal(got[:, j0:j1], full[:n, j0:j1]), (n, j0, j1)
+        assert np.isnan(got[:, :j0]).all() and np.isnan(got[:, j1:]).all()  # nothing outside j0:j1
+
+
+def test_decode_takes_the_tiles_on_the_bf16_path_only(rng, amx, monkeypatch):
+    """linear (decode) on "bf16": a token's outputs are prefill's bits in every row count; on
+    "bf16-prefill" alone decode stays on the f32 kernels."""
+    m, k = 80, 256
+    x = rng.standard_normal((100, k)).astype(np.float32)
+    parts = (_weights(rng, 48, k), _weights(rng, 32, k))
+    prefill = np.empty((100, m), np.float32)
+    matmul.linear_prefill(x, parts, BF16, prefill, np.empty(matmul.prefill_scratch_size(m, k), np.float32))
+    for n in (1, 3, 16, 17, 63):
+        got = np.empty((n, m), np.float32)
+        matmul.linear(x[:n], parts, BF16, got)
+        assert np.array_equal(got, prefill[:n]), n
+    monkeypatch.setattr(cpu, "ENABLED", frozenset({"bf16-prefill"}))
+    f32 = np.empty((3, m), np.float32)
+    matmul.linear(x[:3], parts, BF16, f32)
+    want = np.empty((3, m), np.float32)
+    matmul.linear_ref(x[:3], parts, BF16, want)
+    np.testing.assert_allclose(f32, want, **TOL)
+    assert not np.array_equal(f32, prefill[:3])  # f32 FMA sums round otherwise
+
+
 def test_linear_prefill_takes_the_gemm_for_blocks(rng, amx, monkeypatch):
     n, m, k = 130, 96, 256
     x = rng.standard_normal((n, k)).astype(np.float32)
@@ -118,23 +160,24 @@ def test_linear_prefill_takes_the_gemm_for_blocks(rng, amx, monkeypatch):
     matmul.linear_ref(x, w, BF16, want)
     assert np.abs(got - want).max() <= 2e-5 * np.abs(want).max()
     assert calls == [(w.shape, True)]
-    monkeypatch.setattr(cpu, "ENABLED", frozenset())  # the portable path: f32 panels
-    matmul.matmul(x, w, BF16, got, np.empty(matmul.prefill_scratch_size(m, k), np.float32))
-    np.testing.assert_allclose(got, want, **TOL)
+    # the portable path; AMX's "bf16" alone (blocks decode on other kernels, so prefill does too)
+    for enabled in (frozenset(), frozenset({"bf16"})):
+        monkeypatch.setattr(cpu, "ENABLED", enabled)
+        matmul.matmul(x, w, BF16, got, np.empty(matmul.prefill_scratch_size(m, k), np.float32))
+        np.testing.assert_allclose(got, want, **TOL)
     assert calls == [(w.shape, True)]
 
 
-def test_usable_shapes(monkeypatch):
-    monkeypatch.setattr(cpu, "ENABLED", frozenset({"bf16"}))
-    monkeypatch.setattr(bf16, "AMX", True)
+def test_usable_shapes_and_the_paths_that_take_them(monkeypatch):
     assert bf16.usable(48, 64) and not bf16.usable(70, 64) and not bf16.usable(64, 48)
-    monkeypatch.setattr(bf16, "AMX", False)  # a CPU without AMX: the f32 kernels
-    assert not bf16.usable(48, 64)
-    monkeypatch.setattr(cpu, "ENABLED", frozenset({"bf16", "dpbf16"}))  # vdpbf16ps in AMX's place
-    assert bf16.usable(48, 64) and not bf16.tiles()
-    monkeypatch.setattr(cpu, "ENABLED", frozenset())  # the paths off
     monkeypatch.setattr(bf16, "AMX", True)
-    assert not bf16.usable(48, 64)
+    assert bf16.tiles({"bf16"}) and bf16.decode_tiles({"bf16"})  # AMX in prefill and decode
+    assert bf16.tiles({"bf16-prefill"}) and not bf16.decode_tiles({"bf16-prefill"})  # AMX in prefill only
+    assert bf16.enabled({"dpbf16"}) and not bf16.tiles({"dpbf16"})  # vdpbf16ps in prefill only
+    assert not bf16.enabled(frozenset())  # the paths off
+    monkeypatch.setattr(bf16, "AMX", False)  # a CPU without AMX: the f32 kernels, or vdpbf16ps
+    assert not (bf16.tiles({"bf16"}) or bf16.decode_tiles({"bf16"}) or bf16.enabled({"bf16", "bf16-prefill"}))
+    assert bf16.enabled({"bf16", "dpbf16"})
 
 
 def _counting_gemm(monkeypatch):
@@ -142,9 +185,9 @@ def _counting_gemm(monkeypatch):
     calls = []
     real = bf16.gemm
 
-    def gemm(x, w, out, work):
-        calls.append((w.shape, bf16.tiles()))
-        real(x, w, out, work)
+    def gemm(x, w, out, work, paths=None):
+        calls.append((w.shape, bf16.tiles(paths)))
+        real(x, w, out, work, paths)
 
     monkeypatch.setattr(bf16, "gemm", gemm)
     return calls
@@ -158,7 +201,7 @@ def test_linear_prefill_takes_the_gemm_only_on_its_path(rng, amx, monkeypatch):
     calls = _counting_gemm(monkeypatch)
     got, want = np.empty((n, m), np.float32), np.empty((n, m), np.float32)
     matmul.matmul(x, w, BF16, got, scratch)
-    matmul.linear_ref(x, w, BF16, want)
+    matmul.linear_ref(x, w, BF16, want, frozenset())  # the f32 kernels' reference
     assert np.abs(got - want).max() <= 2e-5 * np.abs(want).max()  # hi + lo: ~16 bits of each activation
     assert calls == [((m, k), True)]
 
@@ -291,7 +334,8 @@ def test_attention_prefill_takes_amx_only_on_its_path(rng, amx, monkeypatch):
         vf = formats.to_storage(formats.to_f32(v, BF16), fmt)
         attention.attention_prefill(q, kf, vf, fmt, start, hd**-0.5, got)
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
-    for enabled, has_amx in ((frozenset(), True), (frozenset({"bf16"}), False)):  # path off; a CPU without AMX
+    # the path off (AMX for the weights alone, one arithmetic with decode); a CPU without AMX
+    for enabled, has_amx in ((frozenset({"bf16"}), True), (frozenset({"bf16-prefill"}), False)):
         monkeypatch.setattr(cpu, "ENABLED", enabled)
         monkeypatch.setattr(bf16, "AMX", has_amx)
         attention.attention_prefill(q, k, v, BF16, start, hd**-0.5, got)

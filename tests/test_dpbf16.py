@@ -265,7 +265,7 @@ def test_amx_wins_where_both_are_on(rng, dp, monkeypatch):
 
 
 def test_attention_prefill_stays_off_amx(rng, dp, monkeypatch):
-    """AMX attention is the "bf16" path's alone: with "dpbf16" on, bf16 KV takes the f32 kernels."""
+    """AMX attention is the "bf16-prefill" path's alone: with "dpbf16" on, bf16 KV takes the f32 kernels."""
     n, start, hd = 40, 70, 64
     q = rng.standard_normal((n, 4, hd)).astype(np.float32)
     k, v = (formats.to_storage(rng.standard_normal((2, start + n, hd)).astype(np.float32), BF16) for _ in range(2))
@@ -281,6 +281,16 @@ def test_attention_prefill_stays_off_amx(rng, dp, monkeypatch):
 def test_engine_names_the_path(monkeypatch):
     engine = Engine.__new__(Engine)  # describe_kernels reads the paths only
     monkeypatch.setattr(cpu, "ENABLED", frozenset({"int16", "dpbf16"}))
-    assert "vdpbf16ps (activations as two bf16 halves) for bf16 in prefill" in engine.describe_kernels()
+    assert "bf16 weights: f32 FMA in decode, vdpbf16ps (activations as two bf16 halves) in prefill;" in \
+        engine.describe_kernels()
     monkeypatch.setattr(cpu, "ENABLED", frozenset({"int16"}))
-    assert "f32 FMA for bf16 in prefill" in engine.describe_kernels()
+    assert "bf16 weights: f32 FMA in decode and prefill;" in engine.describe_kernels()
+    monkeypatch.setattr(bf16, "AMX", True)  # the start-up line of a CPU with AMX
+    monkeypatch.setattr(cpu, "ENABLED", frozenset({"int16", "bf16"}))
+    described = engine.describe_kernels()
+    assert "bf16 weights: AMX tdpbf16ps in decode and prefill" in described
+    assert "attention: f32 FMA in prefill and decode" in described
+    monkeypatch.setattr(cpu, "ENABLED", frozenset({"int16", "bf16-prefill"}))
+    described = engine.describe_kernels()
+    assert "bf16 weights: f32 FMA in decode, AMX tdpbf16ps (activations as two bf16 halves) in prefill" in described
+    assert "attention: AMX tdpbf16ps over bf16 KV in prefill, f32 FMA in decode" in described

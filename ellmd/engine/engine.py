@@ -186,7 +186,6 @@ class Engine:
         """The kernel set in use, for the start-up lines."""
         unused = sorted(cpu.host_paths() - cpu.ENABLED)
         more = f" (ELLM_KERNELS=auto adds: {', '.join(unused)})" if unused else ""
-        amx = "bf16" in cpu.ENABLED and bf16.AMX
         if "vnni" in cpu.ENABLED:
             blocks = "GGUF blocks: int8 vpdpbusd, activations quantized to int8 per 32"
         elif "int16" in cpu.ENABLED:
@@ -195,22 +194,26 @@ class Engine:
                       f"(Q8_0, Q5_0, Q4_0, Q4_1, Q4_K and Q6_K repacked to tiles of 16 rows, outputs in lanes)")
         else:
             blocks = "GGUF blocks: f32 FMA"
-        if amx and cpu.BLOCK_PREFILL[cpu.CLASS] == "bf16":  # the class's faster path (cpu.BLOCK_PREFILL)
+        amx_prefill = "bf16-prefill" in cpu.ENABLED and bf16.AMX
+        if amx_prefill:
             tiles = "tiles the same, other blocks " if cpu.INTEGER & cpu.ENABLED == {"int16"} else ""
             block_prefill = f"{tiles}decoded and split into two bf16 halves, AMX tdpbf16ps"
         elif cpu.INTEGER & cpu.ENABLED:
             block_prefill = "the same, a GEMM over tiles of tokens (a token's numbers as in decode)"
         else:
             block_prefill = "decoded to f32 panels, f32 FMA"
-        if amx:
-            prefill = "AMX tdpbf16ps (activations as two bf16 halves)"
+        if bf16.decode_tiles():
+            floats = "AMX tdpbf16ps in decode and prefill (activations as two bf16 halves, a token's numbers alike)"
+        elif bf16.tiles():
+            floats = "f32 FMA in decode, AMX tdpbf16ps (activations as two bf16 halves) in prefill"
         elif bf16.enabled():
-            prefill = "vdpbf16ps (activations as two bf16 halves)"
+            floats = "f32 FMA in decode, vdpbf16ps (activations as two bf16 halves) in prefill"
         else:
-            prefill = "f32 FMA"
-        attention = "AMX tdpbf16ps over bf16 KV in prefill, f32 FMA in decode" if amx else "f32 FMA in prefill and decode"
-        return (f"{blocks} in decode, in prefill {block_prefill}; bf16/f16/f32 weights: f32 FMA in decode, "
-                f"{prefill} for bf16 in prefill; attention: {attention} [CPU class {cpu.CLASS}]" + more)
+            floats = "f32 FMA in decode and prefill"
+        attention = ("AMX tdpbf16ps over bf16 KV in prefill, f32 FMA in decode" if amx_prefill
+                     else "f32 FMA in prefill and decode")
+        return (f"{blocks} in decode, in prefill {block_prefill}; bf16 weights: {floats}; f16/f32 weights: f32 FMA; "
+                f"attention: {attention} [CPU class {cpu.CLASS}]" + more)
 
     def memory_budget(self) -> dict[str, int]:
         """Bytes of weights (in all, and by format: "weights:Q4_K", ...), KV cache and workspace."""

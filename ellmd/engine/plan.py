@@ -16,6 +16,8 @@ I intermediate, V vocab, E experts, k experts per token):
   acc             [W, quant_f32.acc_floats(D)]   each kernel thread's block-row accumulator (decode)
   xq8, xq16       [D*K] int8, int16   decode activations quantized for the integer paths ("vnni", "int16")
   xd, xs          [D*K/32], [D*K/16]  their scales (per 32) and code sums (per 16)
+  xh, xl          [D16*K] uint16      decode activations' bf16 halves packed for AMX tiles (D16: D
+                                      rounded up to 16 tokens; empty without AMX)
                                              (K the widest matmul input)
   router_logits   [C, E]; expert_weights, expert_ids [C, k]; moe_out [C, h]
   moe_scratch     kernels.moe.MoeScratch: the C*k (token, expert) pairs' gathered rows and quantized
@@ -32,7 +34,7 @@ import numba
 import numpy as np
 
 from ellmd import kernels
-from ellmd.kernels import cpu, layer, quant_f32
+from ellmd.kernels import bf16, cpu, layer, quant_f32
 from ellmd.kernels.formats import kernel_view
 from ellmd.kernels.matmul import PREFILL_MIN_ROWS
 from ellmd.kernels.moe import FUSED_MAX_TOKENS, fused_work
@@ -75,6 +77,8 @@ class Workspace:
         self.xq16 = np.zeros(D * widest, np.int16)
         self.xd = np.zeros(D * (widest // 32), f32)
         self.xs = np.zeros(D * (widest // 16), f32)
+        packed = -(-D // bf16.TILE) * bf16.TILE * widest if bf16.AMX else 0  # decode rows in groups of 16 tokens
+        self.xh, self.xl = np.zeros(packed, np.uint16), np.zeros(packed, np.uint16)
         if spec.num_experts:
             E, k = spec.num_experts, spec.num_experts_per_tok
             self.router_logits = np.zeros((rows, E), f32)
@@ -156,11 +160,13 @@ class Plan:
             yield begin, m
 
     def _paths(self) -> tuple:
-        """(integer path on, workers, (xq, xd, xs)): the kernel-path arguments of kernels.layer, read
-        at each step; xq is int8 on the "vnni" path (it wins over "int16"), int16 otherwise."""
+        """(integer path on, workers, (xq, xd, xs), (xh, xl) or ()): the kernel-path arguments of
+        kernels.layer, read at each step; xq is int8 on the "vnni" path (it wins over "int16"),
+        int16 otherwise; the halves where bf16 weights decode on AMX tiles ("bf16")."""
         ws = self.ws
         xq = ws.xq8 if "vnni" in cpu.ENABLED else ws.xq16
-        return bool(cpu.INTEGER & cpu.ENABLED), min(numba.get_num_threads(), len(ws.acc)), (xq, ws.xd, ws.xs)
+        halves = (ws.xh, ws.xl) if bf16.decode_tiles() else ()
+        return bool(cpu.INTEGER & cpu.ENABLED), min(numba.get_num_threads(), len(ws.acc)), (xq, ws.xd, ws.xs), halves
 
     def _fused_run(self) -> tuple:
         """The `run` of decode_layer on the kernel paths of this step (as _paths)."""

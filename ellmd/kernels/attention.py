@@ -30,18 +30,18 @@ Storage: see formats.py (f16 is viewed as int16 inside kernels). KV in q8_0 bloc
 stored (kv_blocks.py: integer scores, values summed from their codes), q4_0 blocks converted a
 tile at a time; either way in prefill as in decode.
 
-Prefill of bf16 KV on the "bf16" path (cpu.py, AMX): the two products are tdpbf16ps tile products
-(bf16.tile_product), the online softmax stays f32. A task is (kv head, block of up to
-AMX_TASK_ROWS query rows, key range): it packs its queries once (scaled, as hi + lo bf16 halves:
-a single bf16 raised the median logit error by a fifth on 1,100-token prefill), then visits its
-keys in tiles of KA, each packed once (keys as rows, values transposed) for all its rows, in
-blocks of RB rows: scores^T [KA, RB] = keys . queries^T, softmax along the rows, probabilities
-rounded to bf16 (as flash attention does; no change in the logit error measured) and
-acc^T [hdp, R] += values^T . p^T. Key ranges split the causal work of a query block into one
-share per thread; the partial softmaxes are merged. f16 and f32 KV, kept for their precision, take
-the f32 kernels. (This path does not share decode's arithmetic: bf16 products differ from f32 FMA.)
-Loops index from 0 over views: an index that may be negative, like range(lo, n), makes numba
-emit wraparound checks that stop LLVM from vectorizing.
+Prefill of bf16 KV on the "bf16-prefill" path (cpu.py, AMX; opt-in, as decode stays f32): the two
+products are tdpbf16ps tile products (bf16.tile_product), the online softmax stays f32. A task is
+(kv head, block of up to AMX_TASK_ROWS query rows, key range): it packs its queries once (scaled, as
+hi + lo bf16 halves: a single bf16 raised the median logit error by a fifth on 1,100-token prefill),
+then visits its keys in tiles of KA, each packed once (keys as rows, values transposed) for all its
+rows, in blocks of RB rows: scores^T [KA, RB] = keys . queries^T, softmax along the rows,
+probabilities rounded to bf16 (as flash attention does; no change in the logit error measured) and
+acc^T [hdp, R] += values^T . p^T. Key ranges split the causal work of a query block into one share
+per thread; the partial softmaxes are merged. f16 and f32 KV, kept for their precision, take the f32
+kernels. (This path does not share decode's arithmetic: bf16 products differ from f32 FMA.) Loops
+index from 0 over views: an index that may be negative, like range(lo, n), makes numba emit
+wraparound checks that stop LLVM from vectorizing.
 """
 
 import numba
@@ -703,7 +703,7 @@ def _prefill_amx(q, k_slot, v_slot, start, scale, out, nsplit):
 
 
 def _on_amx(q, k_slot, fmt):
-    return "bf16" in cpu.ENABLED and bf16.AMX and fmt == BF16 and k_slot.dtype == np.uint16 and q.shape[2] % 2 == 0
+    return "bf16-prefill" in cpu.ENABLED and bf16.AMX and fmt == BF16 and k_slot.dtype == np.uint16 and q.shape[2] % 2 == 0
 
 
 def attention_prefill(q, k_slot, v_slot, fmt, start, scale, out):
@@ -711,7 +711,7 @@ def attention_prefill(q, k_slot, v_slot, fmt, start, scale, out):
 
     Query i sits at position start + i and sees keys [0, start + i]; keys [0, start + n) must be
     stored. q: [n, H, hd] float32; k_slot, v_slot: [kvh, S, hd] storage; out: [n, H, hd] float32.
-    bf16 KV on the "bf16" path where the CPU has AMX: tile products (see above), the output
+    bf16 KV on the "bf16-prefill" path where the CPU has AMX: tile products (see above), the output
     within 2**-8 x max|v| of exact (bf16 probabilities). Otherwise the f32 kernels, each query
     computed as a decode step computes it: tasks are (kv head, block of TASK_ROWS // g queries),
     each converting a key tile once for all g heads of its block, ordered short, long, short, ...

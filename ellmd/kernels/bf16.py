@@ -512,19 +512,25 @@ def worker_floats(m, k, workers):
     return k * TOKENS + groups_of(m, workers) * AMX_ROWS * TOKENS + AMX_ROWS * k + AMX_ROWS * (k + ROW_PAD)
 
 
-def tiles():
-    """Whether gemm runs on AMX tiles: the "bf16" path on, and AMX granted."""
-    return "bf16" in cpu.ENABLED and AMX
+def tiles(paths=None):
+    """Whether gemm runs on AMX tiles with these paths on (cpu.ENABLED when None): "bf16" or
+    "bf16-prefill", and AMX granted."""
+    return AMX and bool({"bf16", "bf16-prefill"} & (cpu.ENABLED if paths is None else paths))
 
 
-def enabled():
-    """Whether gemm runs on this CPU with the paths on: on AMX tiles, else on vdpbf16ps ("dpbf16")."""
-    return tiles() or "dpbf16" in cpu.ENABLED
+def decode_tiles(paths=None):
+    """Whether decode's matmuls of bf16 weights run on AMX tiles as prefill's do (rows_amx): "bf16"."""
+    return AMX and "bf16" in (cpu.ENABLED if paths is None else paths)
+
+
+def enabled(paths=None):
+    """Whether gemm runs on this CPU with these paths on: on AMX tiles, else on vdpbf16ps ("dpbf16")."""
+    return tiles(paths) or "dpbf16" in (cpu.ENABLED if paths is None else paths)
 
 
 def usable(m, k):
-    """Whether gemm takes a [m, k] weight on this CPU with the paths on."""
-    return enabled() and k % CHUNK == 0 and m % TILE == 0
+    """Whether gemm and rows_amx take a [m, k] weight."""
+    return k % CHUNK == 0 and m % TILE == 0
 
 
 @intrinsic
@@ -669,8 +675,8 @@ def scratch_floats(m, k):
     return workers * worker_floats(m, k, workers)
 
 
-def gemm(x, w, out, scratch):
-    """out = x @ w.T on AMX tiles (tiles()), else on vdpbf16ps, x as the sum of two bf16 halves,
+def gemm(x, w, out, scratch, paths=None):
+    """out = x @ w.T on AMX tiles (tiles(paths)), else on vdpbf16ps, x as the sum of two bf16 halves,
     products and sums in f32.
 
     x: [n, k] float32 (C-contiguous); w: [m, k] bf16 bits, or [m, k // 32 or 256] blocks of a GGUF
@@ -683,7 +689,7 @@ def gemm(x, w, out, scratch):
     while workers > 1 and workers * worker_floats(m, k, workers) > scratch.size:
         workers -= 1
     per = worker_floats(m, k, workers)
-    _gemm(x, w, out, scratch[: workers * per].reshape(workers, per), tiles())
+    _gemm(x, w, out, scratch[: workers * per].reshape(workers, per), tiles(paths))
 
 
 def split(x):
@@ -702,3 +708,96 @@ def gemm_ref(x, w, out, scratch):
     else:
         product = (hi.astype(np.float64) + lo) @ to_f32(w, BF16).T.astype(np.float64)
     out[:] = product.astype(np.float32)
+
+
+@intrinsic
+def _amx_rows(typingctx, w, j0, xh, xl, g, c, ahead):
+    """c[16 rows, 16 tokens] = w[j0:j0+16] . the group g of packed tokens (xh + xl): every sum the
+    chain of _make_amx_block's (per 16 pairs, the hi product, then the lo), the A tiles loaded
+    straight from w. When ahead, the next 16 rows are prefetched to L2 over the steps, a linear run
+    of 16 lines a step (their k // 2 lines in k // 32 steps).
+
+    w: [m, k] bf16 bits, m >= j0 + 16; xh, xl: [groups, k * 16] uint16 (pack_activations); c: [16, 16]
+    float32; all C-contiguous."""
+    u16 = types.uint16
+    if not (_is_matrix(w, u16) and _is_matrix(xh, u16) and _is_matrix(xl, u16) and _is_matrix(c, types.float32)):
+        return None
+    sig = types.void(w, types.intp, xh, xl, types.intp, c, types.boolean)
+
+    def codegen(context, builder, signature, args):
+        w_p, (_, k), _ = _data(context, builder, signature.args[0], args[0])
+        xh_p, (_, ld2), _ = _data(context, builder, signature.args[2], args[2])
+        xl_p, _, _ = _data(context, builder, signature.args[3], args[3])
+        c_p, _, _ = _data(context, builder, signature.args[5], args[5])
+        j0, g, ahead = args[1], args[4], args[6]
+        f = _amx_functions(builder)
+        i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
+        intp = context.get_value_type(types.intp)
+        prefetch = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]),
+                                                  "llvm.prefetch.p0")
+
+        def const(v):
+            return ir.Constant(intp, v)
+
+        rows, width = ir.Constant(ir.IntType(16), TILE), ir.Constant(ir.IntType(16), 4 * TILE)
+        w_stride, x_stride = builder.mul(k, const(2)), const(4 * TILE)
+        w_bytes = builder.gep(builder.bitcast(w_p, i8p), [builder.mul(j0, w_stride)])
+        after = builder.gep(w_bytes, [builder.mul(w_stride, const(TILE))])
+        b_at = builder.mul(g, builder.mul(ld2, const(2)))
+        halves = [builder.gep(builder.bitcast(ptr, i8p), [b_at]) for ptr in (xh_p, xl_p)]
+        acc = cgutils.alloca_once_value(builder, builder.call(f["vec"], [builder.call(f["zero"], [rows, width])]))
+        with cgutils.for_range(builder, builder.udiv(k, const(2 * TILE))) as loop:
+            s = loop.index
+            with builder.if_then(ahead):
+                run = builder.gep(after, [builder.mul(s, const(64 * TILE))])
+                for line in range(TILE):  # locality 2: prefetcht1, to L2
+                    builder.call(prefetch, [builder.gep(run, [const(64 * line)]), i32(0), i32(2), i32(1)])
+            a_tile = builder.call(f["load"], [rows, width, builder.gep(w_bytes, [builder.mul(s, const(4 * TILE))]),
+                                              w_stride])
+            step = builder.mul(s, builder.mul(x_stride, const(TILE)))
+            for half in halves:
+                b_tile = builder.call(f["load"], [rows, width, builder.gep(half, [step]), x_stride])
+                tile = builder.call(f["dp"], [rows, width, width, builder.call(f["tile"], [builder.load(acc)]),
+                                              a_tile, b_tile])
+                builder.store(builder.call(f["vec"], [tile]), acc)
+        tile = builder.call(f["tile"], [builder.load(acc)])
+        builder.call(f["store"], [rows, width, builder.bitcast(c_p, i8p), x_stride, tile])
+        return context.get_dummy_value()
+
+    return sig, cpu.compiled_for("bf16", codegen)
+
+
+def packed_shape(n, k):
+    """The shape of each half pack_tokens fills for n tokens of k values."""
+    return (n + TILE - 1) // TILE, k * TILE
+
+
+@numba.njit(cache=True, nogil=True)
+def pack_tokens(x, xh, xl):
+    """x's n rows as rows_amx takes them: xh, xl of packed_shape(n, k), uint16."""
+    pack_activations(x, 0, x.shape[0], xh.shape[0] * TILE, xh, xl)
+
+
+# Rows shorter than a 4 KiB page share pages, and the hardware streamer, which follows the 16 rows of
+# a tile one page each, loses them: prefetch the next 16 rows then (SmolLM2's k = 576: 17-20 GB/s
+# without, 21-25 with; at k = 2,048 the streamer alone is faster, 24-26 against 20-22; 2 threads,
+# Xeon model 167)
+PREFETCH_BELOW_K = 2048
+
+
+@numba.njit(cache=True, nogil=True, fastmath=True)
+def rows_amx(xh, xl, n, w, out, j0, j1, c):
+    """out[:n, j0:j1] = x @ w[j0:j1].T on AMX tiles for few tokens (decode), x packed by pack_tokens;
+    usable(*w.shape); c: a [16, 16] float32 work area. A token's sums are gemm's, to the bit: the
+    same tiles of w (16 rows from a multiple of 16) and of its halves, summed in the same order,
+    whatever tokens are beside it."""
+    ahead = w.shape[1] < PREFETCH_BELOW_K
+    first, end = j0 // TILE * TILE, (j1 + TILE - 1) // TILE * TILE
+    for j in range(first, end, TILE):
+        r0, r1 = max(j0 - j, 0), min(j1 - j, TILE)  # rows of this tile inside j0:j1
+        for g in range(xh.shape[0]):
+            _amx_rows(w, j, xh, xl, g, c, ahead and g == 0 and j + TILE < end)
+            for i in range(min(TILE, n - g * TILE)):
+                dst = out[g * TILE + i]
+                for r in range(r0, r1):
+                    dst[j + r] = c[r, i]

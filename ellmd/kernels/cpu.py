@@ -6,14 +6,16 @@ Paths (each needs its CPU features; without them the portable f32 FMA kernels ru
            alignment tolerances)
   "vnni"   vpdpbusd (AVX512-VNNI) for weights in GGUF blocks, activations quantized to int8 per
            32 values as llama.cpp does (~1% of a product: it changes some greedy answers)
-  "bf16"   AMX tdpbf16ps for the prefill matmuls of bf16 weights (and of GGUF blocks but those
-           held in lanes' tiles) and for attention's prefill, activations as two bf16 halves (~3e-6 of a product;
-           bf16.py also needs Linux to grant the tile state). Opt-in, as "dpbf16" below
+  "bf16"   AMX tdpbf16ps for the matmuls of bf16 weights, prefill and decode alike (bf16.py; decode's
+           few tokens on the same tiles in the same order: a token's numbers whatever its chunk),
+           activations as two bf16 halves (~3e-6 of a product; bf16.py also needs Linux to grant
+           the tile state)
+  "bf16-prefill"  AMX in prefill only, where decode does not follow: attention's prefill over bf16
+           KV, and GGUF blocks that lanes.py does not tile (decoded, split into halves). Opt-in:
+           a token's logits would depend on how it was computed
   "dpbf16" vdpbf16ps (AVX512-BF16) for the prefill matmuls of bf16 weights where AMX is not on
            (Zen 4/5, Xeons from Cooper Lake; "bf16" wins where both are): bf16.py's GEMM on
-           dpbf16.py's block, the same two halves. Opt-in (not in DEFAULT: ELLM_KERNELS=auto or a
-           list naming it): its sums are not decode's f32 FMA sums, so a token's logits would
-           depend on how it was computed
+           dpbf16.py's block, the same two halves. Opt-in, as "bf16-prefill"
 
 ELLM_KERNELS picks them: "auto" (every path this CPU has), "portable" (none), or a comma-separated
 list of paths (those this CPU lacks are left out). Unset, DEFAULT applies. Kernels test
@@ -26,14 +28,14 @@ from llvmlite import binding, ir
 from numba.core import cgutils
 
 # path -> the sets of CPU features that each let it run
+_AMX = (("amx-bf16", "amx-tile"),)
 PATHS = {"int16": (("avx512vnni", "avx512bw"), ("avx2",)), "vnni": (("avx512vnni", "avx512vl"),),
-         "bf16": (("amx-bf16", "amx-tile"),), "dpbf16": (("avx512bf16", "avx512f"),)}
+         "bf16": _AMX, "bf16-prefill": _AMX, "dpbf16": (("avx512bf16", "avx512f"),)}
 INTEGER = frozenset({"int16", "vnni"})  # the paths of block weights; "vnni" wins when both are on
 # Only paths whose prefill sums are decode's are on by default (a token's logits must not depend on
-# how it was computed): int8 activations ("vnni") also move logits too far; AMX ("bf16": its tiles
-# and two bf16 halves in prefill, f32 FMA in decode) trades that for faster prefill (Xeon with AMX:
-# bf16 weights 1.4-1.8x, Q4_K_M 1.7-2.7x, a 256-token turn at 8k of context 3.4x).
-DEFAULT = "int16"
+# how it was computed): int8 activations ("vnni") also move logits too far; "bf16-prefill" and
+# "dpbf16" trade that for faster prefill.
+DEFAULT = "int16,bf16"
 
 
 def host_paths() -> frozenset[str]:
@@ -80,23 +82,6 @@ def _from_environment() -> frozenset[str]:
 
 
 ENABLED = _from_environment()
-
-
-# The prefill GEMM of GGUF block weights by CPU class, where both candidates can run (steer by
-# measurements: scripts/kernel_bench.py --prefill, interleaving the two, GFLOP/s of 2 threads):
-#  "integer"  the integer path's GEMM (rows_vnni over tiles of rows): a token's numbers are those of
-#             decode, to the bit, whatever the chunking;
-#  "bf16"     the blocks decoded to bf16 halves on AMX (bf16.py; decode stays integer, so prefill and
-#             decode round differently).
-# avx512 (Xeon model 207 without AMX, shared and loaded: directional; --prefill 512, CPU time):
-# the integer GEMM over the f32 panels Q6_K 1.49x (180 GFLOP/s), Q4_K 1.21x, Q5_K 1.09x, Q8_0
-# 1.06x (129), Q4_0 0.97x, Q5_0 0.92x, Q4_1 0.88x, Q5_1 0.77x, once the one-scale types took the
-# activation scale per 256 values and the GEMM's inputs stayed in L1 (before: K-quants 1.16-1.44x,
-# Q8_0/Q4_0/Q5_0 0.78-0.88x, Q4_1/Q5_1 ~0.5x); the integer GEMM for all, one arithmetic with
-# decode outweighing the 5-bit one-scale types' loss (the f32 panels stay on ELLM_KERNELS=portable).
-# avx2 (Zen 3): not measured yet, integer by the same rule. amx: AMX's bf16 tiles (~280 GFLOP/s a
-# core measured) several times the integer GEMM's rate (~45-75 a core here): blocks keep AMX there.
-BLOCK_PREFILL = {"amx": "bf16", "avx512": "integer", "avx2": "integer"}
 
 
 def cpu_class() -> str:

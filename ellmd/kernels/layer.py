@@ -42,7 +42,7 @@ import numpy as np
 from numba import prange
 from numba.extending import overload
 
-from ellmd.kernels import attention, lanes, moe, norm, quant
+from ellmd.kernels import attention, bf16, lanes, moe, norm, quant
 from ellmd.kernels.activations import PARALLEL_MIN, silu_mul
 from ellmd.kernels.matmul import ROW_BLOCK, matmul, path_rows
 from ellmd.kernels.norm import _rmsnorm_rows, qk_norm
@@ -62,11 +62,12 @@ class Stepwise(NamedTuple):
     moe: tuple  # (top_k, normalize, MoeScratch) of a model with routed experts, else ()
 
 
-def fused_run(integer, workers, q8buf, acc, threads, attention_scratch, moe_work) -> tuple:
+def fused_run(integer, workers, q8buf, halves, acc, threads, attention_scratch, moe_work) -> tuple:
     """`run` of decode_layer: integer (an integer path on), workers and acc [W, ...] of _linear,
-    q8buf (xq, xd, xs), threads of decode attention, attention_scratch (partial_m, partial_l,
+    q8buf (xq, xd, xs), halves (xh, xl: flat uint16 for bf16.pack_tokens, where bf16 weights decode
+    on AMX tiles, else ()), threads of decode attention, attention_scratch (partial_m, partial_l,
     partial_acc, tile) and moe_work (top_k, normalize, moe.fused_work's work) or ()."""
-    return integer, workers, q8buf, acc, threads, attention_scratch, moe_work
+    return integer, workers, q8buf, halves, acc, threads, attention_scratch, moe_work
 
 
 def layer(weights, ws, n, slots, positions, dims, run):
@@ -163,8 +164,8 @@ def linear(x, w, out, run):
 @overload(linear, jit_options=JIT)
 def _linear_compiled(x, w, out, run):
     def impl(x, w, out, run):
-        integer, workers, q8buf, acc, _, _, _ = run
-        _linear(x, w, out, acc, q8buf, integer, workers)
+        integer, workers, q8buf, halves, acc, _, _, _ = run
+        _linear(x, w, out, acc, q8buf, halves, integer, workers)
 
     return impl
 
@@ -228,7 +229,7 @@ def _attend_compiled(q, k_layer, v_layer, slots, positions, lengths, scale, out,
         n = q.shape[0]
         for i in range(n):
             lengths[i] = positions[i] + 1
-        _, _, _, _, threads, (partial_m, partial_l, partial_acc, tile), _ = run
+        _, _, _, _, _, threads, (partial_m, partial_l, partial_acc, tile), _ = run
         attention.decode_rows(q, k_layer, v_layer, slots, lengths[:n], scale, partial_m, partial_l, partial_acc,
                               tile, threads, out)
 
@@ -256,7 +257,7 @@ def experts(x, weights, out, logits, chosen, ids, run):
 def _experts_compiled(x, weights, out, logits, chosen, ids, run):
     def impl(x, weights, out, logits, chosen, ids, run):
         router, gate, up, up0, down = weights
-        integer, _, _, _, _, _, (top_k, normalize, work) = run
+        integer, _, _, _, _, _, _, (top_k, normalize, work) = run
         moe._block_fused(x, router, top_k, normalize, (gate, up, up0, down), out, logits, chosen, ids, work, integer)
 
     return impl
@@ -265,26 +266,47 @@ def _experts_compiled(x, weights, out, logits, chosen, ids, run):
 # ---- the compiled kernels of the ops ------------------------------------------------------------
 
 
-def _parts_rows(x, parts, out, j0, j1, acc, q8, integer):
+def _parts_rows(x, parts, out, j0, j1, acc, q8, halves, integer):
     """Rows j0:j1 of a tuple of weight parts (rows counted across the parts)."""
     raise NotImplementedError("numba only")
 
 
 @overload(_parts_rows, jit_options=JIT)
-def _parts_rows_overload(x, parts, out, j0, j1, acc, q8, integer):
+def _parts_rows_overload(x, parts, out, j0, j1, acc, q8, halves, integer):
     if len(parts) == 1:
 
-        def impl_one(x, parts, out, j0, j1, acc, q8, integer):
-            path_rows(x, q8, parts[0], out, j0, j1, acc, integer)
+        def impl_one(x, parts, out, j0, j1, acc, q8, halves, integer):
+            path_rows(x, q8, halves, parts[0], out, j0, j1, acc, integer)
 
         return impl_one
 
-    def impl(x, parts, out, j0, j1, acc, q8, integer):
+    def impl(x, parts, out, j0, j1, acc, q8, halves, integer):
         m0 = lanes.part_rows(parts[0])
         if j0 < m0:
-            path_rows(x, q8, parts[0], out, j0, min(j1, m0), acc, integer)
+            path_rows(x, q8, halves, parts[0], out, j0, min(j1, m0), acc, integer)
         if j1 > m0:
-            _parts_rows(x, parts[1:], out[:, m0:], max(j0, m0) - m0, j1 - m0, acc, q8, integer)
+            _parts_rows(x, parts[1:], out[:, m0:], max(j0, m0) - m0, j1 - m0, acc, q8, halves, integer)
+
+    return impl
+
+
+def _packed(x, parts, halves):
+    """(xh, xl): x packed for AMX tiles (bf16.pack_tokens) into the flat halves, when they are given
+    (decode on tiles) and a part is bf16; else ()."""
+    raise NotImplementedError("numba only")
+
+
+@overload(_packed)
+def _packed_overload(x, parts, halves):
+    if len(halves) == 0 or not any(t.dtype == numba.types.uint16 for t in parts):
+        return lambda x, parts, halves: ()
+
+    def impl(x, parts, halves):
+        shape = ((x.shape[0] + bf16.TILE - 1) // bf16.TILE, x.shape[1] * bf16.TILE)
+        xh = halves[0][: shape[0] * shape[1]].reshape(shape)
+        xl = halves[1][: shape[0] * shape[1]].reshape(shape)
+        bf16.pack_tokens(x, xh, xl)
+        return xh, xl
 
     return impl
 
@@ -303,7 +325,7 @@ def _quantizes_overload(parts, integer):
 
 
 @numba.njit(cache=True, nogil=True, fastmath=True, parallel=True)
-def _linear(x, parts, out, acc, q8buf, integer, workers):
+def _linear(x, parts, out, acc, q8buf, halves, integer, workers):
     """out = x @ w.T, w the rows of parts; as matmul.linear: serial below the same work, else
     each of `workers` tasks takes a contiguous run of ROW_BLOCK-row blocks with its own acc."""
     n, k = x.shape
@@ -314,13 +336,14 @@ def _linear(x, parts, out, acc, q8buf, integer, workers):
     if _quantizes(parts, integer):
         quant.quantize_activations(x, xq, xd, xs)
     q8 = (xq, xd, xs)
+    packed = _packed(x, parts, halves)
     if n * m * k < 8 * PARALLEL_MIN:
-        _parts_rows(x, parts, out, 0, m, acc[0], q8, integer)
+        _parts_rows(x, parts, out, 0, m, acc[0], q8, packed, integer)
         return
     blocks = (m + ROW_BLOCK - 1) // ROW_BLOCK
     for wk in prange(workers):
         b0, b1 = wk * blocks // workers, (wk + 1) * blocks // workers
-        _parts_rows(x, parts, out, b0 * ROW_BLOCK, min(m, b1 * ROW_BLOCK), acc[wk], q8, integer)
+        _parts_rows(x, parts, out, b0 * ROW_BLOCK, min(m, b1 * ROW_BLOCK), acc[wk], q8, packed, integer)
 
 
 @numba.njit(cache=True, nogil=True, fastmath=True)
@@ -335,4 +358,4 @@ def _add(x, y):
 def decode_logits(x, n, norm, eps, lm_head, h, out, acc, paths):
     """out[:n] = lm_head(rmsnorm(x[:n])): the logits of the n decode rows. lm_head: its parts."""
     _rmsnorm_rows(x[:n], norm, eps, h[:n], 0, n)
-    _linear(h[:n], lm_head, out[:n], acc, paths[2], paths[0], paths[1])
+    _linear(h[:n], lm_head, out[:n], acc, paths[2], paths[3], paths[0], paths[1])

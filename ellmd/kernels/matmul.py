@@ -15,10 +15,13 @@ same alone or in a batch). Prefill (large n) is compute-bound: float weights go 
 gemm.py, which sums every output in exactly decode's order; weights in GGUF blocks on an integer
 path (cpu.py) take the integer kernel in prefill as in decode, a GEMM over tiles of rows. Either
 way a token's numbers are the same to the bit whatever the chunk it comes in, or alone in a
-decode step. On the "bf16" path (cpu.py), where the CPU has AMX, bf16 weights go to the AMX GEMM
-of bf16.py instead (activations split into two bf16 halves), and so do GGUF blocks on the CPU
-classes where cpu.BLOCK_PREFILL says so (decoded per group of rows, their values split as well);
-on the "dpbf16" path, where AMX is not on, bf16 weights alone go to the same GEMM on vdpbf16ps;
+decode step. On the "bf16" path (cpu.py), where the CPU has AMX, bf16 weights go to the AMX
+GEMM of bf16.py instead (activations split into two bf16 halves), in decode as well (rows_amx:
+the same tiles summed in the same order, so the chunk still does not matter); on the
+"bf16-prefill" path, prefill alone, GGUF blocks too (decoded per group of rows, their values
+split as well); on the "dpbf16" path, where AMX is not on, bf16 weights in prefill alone go to
+the same GEMM on vdpbf16ps. The two prefill-only paths are opt-in (cpu.DEFAULT). A call may
+narrow the paths (`paths`: MoE's experts, whose decode is moe.py's f32 kernels, leave "bf16" out);
 without an integer path, blocks are packed in panels of PANEL rows decoded to float32
 (transposed) for the SIMD micro-kernel of tile.py. `matmul` picks one by n.
 
@@ -203,25 +206,37 @@ def _linear_rows_overload(x, w, out, j0, j1, acc=None):
     return impl_blocks
 
 
-def path_rows(x, q, w, out, j0, j1, acc, integer):
+def path_rows(x, q, halves, w, out, j0, j1, acc, integer):
     """out[:, j0:j1] = x @ w[j0:j1].T: from q = (xq, xd, xs), x quantized, when integer and w is in a
-    block type of the integer paths; else from x on the float kernels (acc: dot_rows' accumulator)."""
+    block type of the integer paths; from halves = (xh, xl), x packed by bf16.pack_tokens, on AMX
+    tiles when w is bf16 (halves is () where decode is not on tiles); else from x on the float
+    kernels (acc: dot_rows' accumulator)."""
     raise NotImplementedError("numba only")
 
 
 @overload(path_rows, jit_options={"fastmath": True, "nogil": True})
-def _path_rows_overload(x, q, w, out, j0, j1, acc, integer):
+def _path_rows_overload(x, q, halves, w, out, j0, j1, acc, integer):
     if lanes.tiles_type(w):  # tiles (lanes.py): from the int16 codes, whatever `integer` says (lanes.wanted)
         if q[0].dtype != types.int16:
             raise numba.errors.TypingError("lanes tiles take int16 activation codes: the int16 path, not vnni")
 
-        def impl_tiles(x, q, w, out, j0, j1, acc, integer):
+        def impl_tiles(x, q, halves, w, out, j0, j1, acc, integer):
             lanes.lanes_rows(q[0], q[1], q[2], w, out, j0 // lanes.LANES, (j1 + lanes.LANES - 1) // lanes.LANES)
 
         return impl_tiles
+    if len(halves) == 2 and w.dtype == types.uint16 and w.layout == "C":  # bf16 (f16 views are int16)
+
+        def impl_amx(x, q, halves, w, out, j0, j1, acc, integer):
+            if w.shape[0] % bf16.TILE == 0 and w.shape[1] % bf16.CHUNK == 0:  # bf16.usable, as linear decides
+                c = acc[: bf16.TILE * bf16.TILE].reshape((bf16.TILE, bf16.TILE))  # the workspace: acc_floats(D) >= 256
+                bf16.rows_amx(halves[0], halves[1], x.shape[0], w, out, j0, j1, c)
+            else:
+                linear_rows(x, w, out, j0, j1, acc)
+
+        return impl_amx
     if quant.record_name(w.dtype) in quant.VNNI_BLOCKS:
 
-        def impl_integer(x, q, w, out, j0, j1, acc, integer):
+        def impl_integer(x, q, halves, w, out, j0, j1, acc, integer):
             if integer:
                 quant_int.rows_vnni(q[0], q[1], q[2], w, out, j0, j1)
             else:
@@ -229,7 +244,7 @@ def _path_rows_overload(x, q, w, out, j0, j1, acc, integer):
 
         return impl_integer
 
-    def impl(x, q, w, out, j0, j1, acc, integer):
+    def impl(x, q, halves, w, out, j0, j1, acc, integer):
         linear_rows(x, w, out, j0, j1, acc)
 
     return impl
@@ -296,23 +311,45 @@ def _integer(w):
     return quant.block_name(w) in quant.VNNI_BLOCKS and bool(cpu.INTEGER & cpu.ENABLED)
 
 
-def linear(x, w, fmt, out):
+def linear(x, w, fmt, out, paths=None):
     """out = x @ w.T for small n (decode): reads each weight row once, converts on the fly.
 
     x: [n, k] float32; w: [m, k] storage (float32 for F32, uint16 bits for BF16/F16), or
     [m, blocks] of a block dtype (fmt is then ignored), or a tuple of such matrices whose rows
     follow one another (a fusion of tensors of different formats); out: [n, m] float32,
-    written in place. Parallel over blocks of weight rows. On the integer paths (cpu.py), blocks
-    meet x quantized per 32 values (as llama.cpp does): to int8 on "vnni", to int16 on "int16"
-    ("vnni" wins when both are on).
+    written in place; paths as in linear_prefill. Parallel over blocks of weight rows. On the
+    integer paths (cpu.py), blocks meet x quantized per 32 values (as llama.cpp does): to int8 on
+    "vnni", to int16 on "int16" ("vnni" wins when both are on). On "bf16", bf16 weights take AMX
+    tiles, as in prefill.
     """
+    paths = cpu.ENABLED if paths is None else paths
     for part, cols in _parts(w, out):
         if lanes.is_tiles(part):
             lanes.linear_lanes(x, part, cols, numba.get_num_threads())
         elif _integer(part):
             _linear_integer(x, part, cols)
+        elif _decodes_on_tiles(x, part, fmt, paths):
+            _linear_tiles(x, part, cols, numba.get_num_threads())
         else:
             _linear(x, kernel_view(part, fmt), cols)
+
+
+@numba.njit(cache=True, nogil=True, parallel=True)
+def _linear_tiles(x, w, out, workers):
+    """out = x @ w.T for few rows on AMX tiles (bf16.rows_amx): x packed once, then each worker an
+    equal run of 16-row tiles."""
+    n, k = x.shape
+    m = w.shape[0]
+    xh = np.empty(((n + bf16.TILE - 1) // bf16.TILE, k * bf16.TILE), np.uint16)
+    xl = np.empty_like(xh)
+    bf16.pack_tokens(x, xh, xl)
+    if n * m * k < 8 * PARALLEL_MIN:
+        bf16.rows_amx(xh, xl, n, w, out, 0, m, np.empty((bf16.TILE, bf16.TILE), np.float32))
+        return
+    tiles = m // bf16.TILE
+    for wk in prange(workers):
+        c = np.empty((bf16.TILE, bf16.TILE), np.float32)
+        bf16.rows_amx(xh, xl, n, w, out, wk * tiles // workers * bf16.TILE, (wk + 1) * tiles // workers * bf16.TILE, c)
 
 
 def _parts(w, out):
@@ -323,9 +360,13 @@ def _parts(w, out):
     return tuple((p, out[:, a:b]) for p, a, b in zip(w, bounds[:-1], bounds[1:]))
 
 
-def linear_ref(x, w, fmt, out):
+def linear_ref(x, w, fmt, out, paths=None):
     """numpy reference of linear."""
+    paths = cpu.ENABLED if paths is None else paths
     for part, cols in _parts(w, out):
+        if _decodes_on_tiles(x, part, fmt, paths):
+            bf16.gemm_ref(x, part, cols, None)
+            continue
         w32 = lanes.dequantize_ref(part)[: cols.shape[1]] if lanes.is_tiles(part) else to_f32(part, fmt)
         cols[:] = (x.astype(np.float64) @ w32.T.astype(np.float64)).astype(np.float32)
 
@@ -401,72 +442,81 @@ def _prefill_product(x, w, out, work):
             _panel_product(x, w, out, t * PANEL, panel, block, xpad)
 
 
-def linear_prefill(x, w, fmt, out, scratch):
+def linear_prefill(x, w, fmt, out, scratch, paths=None):
     """out = x @ w.T for large n (prefill): packed weight panels on a SIMD micro-kernel.
 
     x: [n, k] float32; w: as in linear; out: [n, m] float32; scratch: 1-D float32 of
-    prefill_scratch_size(m, k) elements (room for fewer threads only lowers the parallelism).
-    Each weight row is converted once. Float weights: gemm.product, decode's sums. On the
-    "bf16" path, bf16 weights and GGUF blocks go to bf16.gemm where it is usable (AMX; several
-    times faster, but not decode's sums); blocks on an integer path take the integer kernel instead
-    (_integer_prefill). On the "dpbf16" path (vdpbf16ps, where AMX is not on) only bf16 weights do.
+    prefill_scratch_size(m, k) elements (room for fewer threads only lowers the parallelism);
+    paths: the kernel paths this call may take (cpu.ENABLED when None). Each weight row is
+    converted once. Float weights: gemm.product, decode's sums. bf16 weights and GGUF blocks go to
+    bf16.gemm where the paths send them (_bf16_gemm); other blocks on an integer path take the
+    integer kernel (_integer_prefill).
     """
+    paths = cpu.ENABLED if paths is None else paths
     per = _worker_floats(x.shape[1])
     workers = max(1, min(numba.get_num_threads(), scratch.size // per))
     work = scratch[: workers * per].reshape(workers, per)  # [workers, per]
     for part, cols in _parts(w, out):
         if lanes.is_tiles(part):  # decode's kernel: the same sums
             lanes.linear_lanes(x, part, cols, workers)
-        elif _integer_prefill(x, part, fmt):
+        elif _integer_prefill(x, part, fmt, paths):
             _linear_integer(x, part, cols)
-        elif _on_bf16_path(x, part, fmt):
-            bf16.gemm(x, part, cols, scratch)
+        elif _bf16_gemm(x, part, fmt, paths):
+            bf16.gemm(x, part, cols, scratch, paths)
         elif quant.is_blocks(part):
             _prefill_product(x, part, cols, work)
         else:  # float weights: decode's order of sums, so a token's numbers do not depend on its chunk
             gemm.product(x, kernel_view(part, fmt), cols, work)
 
 
-def _integer_prefill(x, w, fmt):
-    """True when block weight w's prefill takes the integer GEMM: on an integer path, unless this
-    CPU class prefers AMX for blocks (cpu.BLOCK_PREFILL) and AMX can take it."""
-    return _integer(w) and not (cpu.BLOCK_PREFILL[cpu.CLASS] == "bf16" and _on_bf16_path(x, w, fmt))
+def _integer_prefill(x, w, fmt, paths):
+    """True when block weight w's prefill takes the integer GEMM: on an integer path, unless
+    "bf16-prefill" sends it to AMX."""
+    return _integer(w) and not _bf16_gemm(x, w, fmt, paths)
 
 
-def _on_bf16_path(x, w, fmt):
-    if not bf16.enabled() or w.ndim != 2 or not (w.flags.c_contiguous and x.flags.c_contiguous):
+def _bf16_gemm(x, w, fmt, paths):
+    """True when w's prefill takes bf16.gemm on these paths: bf16 weights on AMX ("bf16" or
+    "bf16-prefill") or on vdpbf16ps ("dpbf16"); GGUF blocks on AMX with "bf16-prefill" only."""
+    if w.ndim != 2 or not (w.flags.c_contiguous and x.flags.c_contiguous):
         return False
-    if quant.is_blocks(w):  # AMX tiles only: on the "dpbf16" path blocks keep their own GEMMs
-        return bf16.tiles() and bf16.usable(w.shape[0], quant.columns(w))
-    return fmt == BF16 and w.dtype == np.uint16 and bf16.usable(*w.shape)
+    if quant.is_blocks(w):
+        return "bf16-prefill" in paths and bf16.tiles(paths) and bf16.usable(w.shape[0], quant.columns(w))
+    return fmt == BF16 and w.dtype == np.uint16 and bf16.enabled(paths) and bf16.usable(*w.shape)
 
 
-def linear_prefill_ref(x, w, fmt, out, scratch):
-    """numpy reference of linear_prefill (on the "bf16" path, of its bf16 GEMM where it applies)."""
+def _decodes_on_tiles(x, w, fmt, paths):
+    """True when w's decode takes AMX tiles as its prefill does (bf16 weights on the "bf16" path)."""
+    return bf16.decode_tiles(paths) and not quant.is_blocks(w) and _bf16_gemm(x, w, fmt, paths)
+
+
+def linear_prefill_ref(x, w, fmt, out, scratch, paths=None):
+    """numpy reference of linear_prefill (of its bf16 GEMM where the paths send w there)."""
+    paths = cpu.ENABLED if paths is None else paths
     for part, cols in _parts(w, out):
-        if _on_bf16_path(x, part, fmt) and not _integer_prefill(x, part, fmt):
+        if _bf16_gemm(x, part, fmt, paths) and not lanes.is_tiles(part):
             bf16.gemm_ref(x, part, cols, None)
         else:
             linear_ref(x, part, fmt, cols)
 
 
-def matmul(x, w, fmt, out, scratch):
+def matmul(x, w, fmt, out, scratch, paths=None):
     """out = x @ w.T, choosing linear (few rows) or linear_prefill (many rows) by n.
 
-    Shapes as in linear_prefill; scratch may be None when n < PREFILL_MIN_ROWS.
+    Shapes and paths as in linear_prefill; scratch may be None when n < PREFILL_MIN_ROWS.
     """
     if x.shape[0] < PREFILL_MIN_ROWS:
-        linear(x, w, fmt, out)
+        linear(x, w, fmt, out, paths)
     else:
-        linear_prefill(x, w, fmt, out, scratch)
+        linear_prefill(x, w, fmt, out, scratch, paths)
 
 
-def matmul_ref(x, w, fmt, out, scratch):
+def matmul_ref(x, w, fmt, out, scratch, paths=None):
     """numpy reference of matmul."""
     if x.shape[0] < PREFILL_MIN_ROWS:
-        linear_ref(x, w, fmt, out)
+        linear_ref(x, w, fmt, out, paths)
     else:
-        linear_prefill_ref(x, w, fmt, out, scratch)
+        linear_prefill_ref(x, w, fmt, out, scratch, paths)
 
 
 @numba.njit(cache=True, nogil=True, fastmath=True)

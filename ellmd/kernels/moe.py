@@ -21,8 +21,9 @@ Two paths, both reading each routed expert's weights once per call whatever its 
   (cpu.py) block weights meet activations quantized once: each pair's input for gate and up, each
   pair's silu output for down, as dense layers do (kernels.layer). Every work array is the scratch's.
 - grouped (many tokens on float experts): experts run one at a time over the tokens routed to
-  them (gathered into contiguous rows), through the same matmul as dense layers (packed panels,
-  or AMX on the "bf16" path, for many rows).
+  them (gathered into contiguous rows), through the same matmul as dense layers (packed panels for
+  many rows, or AMX on the opt-in prefill paths: not on "bf16", whose AMX decode the fused path
+  does not share).
 
 (token, slot) pairs are grouped by expert in both, so one expert's inputs are contiguous rows.
 """
@@ -245,8 +246,8 @@ def _gate_up_block(xs, q, stacks, offsets, active, count, act, c0, c1, acc, tile
                 r1 = min(offsets[e + 1], r0 + tile.shape[0])
                 x_r, q_r = xs[r0:r1], (q[0][r0:r1], q[1][r0:r1], q[2][r0:r1])
                 g, u = tile[: r1 - r0, :ROW_BLOCK], tile[: r1 - r0, ROW_BLOCK : 2 * ROW_BLOCK]
-                path_rows(x_r, q_r, g_rows, g, 0, j1 - j0, acc, integer)
-                path_rows(x_r, q_r, u_rows, u, 0, j1 - j0, acc, integer)
+                path_rows(x_r, q_r, (), g_rows, g, 0, j1 - j0, acc, integer)
+                path_rows(x_r, q_r, (), u_rows, u, 0, j1 - j0, acc, integer)
                 for r in range(r1 - r0):
                     dst = act[r0 + r]
                     for c in range(j1 - j0):
@@ -270,7 +271,7 @@ def _down_block(act, q, down, order, offsets, active, count, weights, out, c0, c
             for r0 in range(offsets[e], offsets[e + 1], tile.shape[0]):
                 r1 = min(offsets[e + 1], r0 + tile.shape[0])
                 y = tile[: r1 - r0, 2 * ROW_BLOCK :]
-                path_rows(act[r0:r1], (q[0][r0:r1], q[1][r0:r1], q[2][r0:r1]), rows, y, 0, j1 - j0, acc, integer)
+                path_rows(act[r0:r1], (q[0][r0:r1], q[1][r0:r1], q[2][r0:r1]), (), rows, y, 0, j1 - j0, acc, integer)
                 for r in range(r1 - r0):
                     pair = order[r0 + r]
                     w = weights[pair // k, pair % k]
@@ -370,6 +371,7 @@ def moe_experts(x, experts, weights, gate_up, down, fmt, out, scratch):
         _experts_fused(x, experts, weights, stacks, out, *fused_work(scratch))
         return
     s = scratch
+    paths = cpu.ENABLED - {"bf16"}  # decode's fused kernels sum in f32: no AMX tiles in prefill either
     count = _group(experts, s.order, s.offsets, s.active)
     out[:] = 0.0
     for t in range(count):
@@ -378,9 +380,9 @@ def moe_experts(x, experts, weights, gate_up, down, fmt, out, scratch):
         rows = pairs.shape[0]
         xs, gu, act, ys = s.xs[:rows], s.gate_up[:rows], s.act[:rows], s.ys[:rows]
         _gather(x, pairs, k, xs)
-        matmul(xs, _expert(gate_up, e), fmt, gu, s.matmul)
+        matmul(xs, _expert(gate_up, e), fmt, gu, s.matmul, paths)
         silu_mul(gu, act)
-        matmul(act, down[e], fmt, ys, s.matmul)
+        matmul(act, down[e], fmt, ys, s.matmul, paths)
         _scatter_add(ys, pairs, weights, out)
 
 
