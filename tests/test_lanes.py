@@ -181,7 +181,6 @@ def test_avx2_code_gives_the_same_bits(rng, tmp_path):
     import os
     import subprocess
     import sys
-    from pathlib import Path
 
     k, m = 768, 16 * 4 + 3
     x = rng.standard_normal((9, k)).astype(np.float32)
@@ -192,8 +191,7 @@ def test_avx2_code_gives_the_same_bits(rng, tmp_path):
     if os.environ.get("NUMBA_CACHE_DIR"):  # the user's folder holds this CPU's code under the same names
         env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "cache")}
     else:
-        env = {**os.environ, "XDG_CACHE_HOME": str(Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-                                                   / "ellm" / "avx2-words")}
+        env = {**os.environ, "XDG_CACHE_HOME": str(kernels.cache_base() / "avx2-words")}
     subprocess.run([sys.executable, "-c", AVX2_RUN, str(tmp_path), str(m), *FORMATS], env=env, check=True, timeout=900)
     for name, t in tiles.items():
         np.testing.assert_array_equal(np.load(tmp_path / f"{name}-out.npy"), product(x, t, m), err_msg=name)

@@ -25,6 +25,7 @@ import numpy as np
 
 from ellmd.engine.kvcache import KVCache
 from ellmd.engine.plan import Plan
+from ellmd.kernels import cache_base
 from ellmd.kernels.formats import BF16, to_f32, to_storage
 from ellmd.text.corpus import python_docs
 
@@ -69,8 +70,7 @@ def digest(key_mean: np.ndarray) -> str:
 def cache_path(identity: str, tokens: np.ndarray) -> Path:
     """Where the key mean of a model (identity: its weights and their format) over tokens is kept."""
     name = hashlib.sha256(identity.encode() + np.ascontiguousarray(tokens, np.int64).tobytes()).hexdigest()[:24]
-    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "ellm" / "key-mean"
-    return base / f"{name}.npy"
+    return cache_base() / "key-mean" / f"{name}.npy"
 
 
 def cached_key_mean(model, tokens: np.ndarray, chunk_size: int, identity: str) -> tuple[np.ndarray, bool]:

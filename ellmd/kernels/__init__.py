@@ -8,6 +8,11 @@ import numba
 import numba.core.caching
 
 
+def cache_base() -> Path:
+    """The folder of ellm's caches: XDG_CACHE_HOME (or ~/.cache), then "ellm"."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "ellm"
+
+
 def cache_dir(sources: Path) -> str:
     """Where the compiled kernels are cached: one folder per state of this package's sources.
     numba checks a cached function against its own file only, not the files whose functions it
@@ -16,8 +21,7 @@ def cache_dir(sources: Path) -> str:
     digest = hashlib.sha1(numba.__version__.encode())
     for source in sorted(sources.glob("*.py")):
         digest.update(source.name.encode() + source.read_bytes())
-    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "ellm" / "numba"
-    return str(base / digest.hexdigest()[:16])
+    return str(cache_base() / "numba" / digest.hexdigest()[:16])
 
 
 class CheckoutLocator(numba.core.caching.UserProvidedCacheLocator):
