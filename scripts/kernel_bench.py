@@ -12,7 +12,8 @@ weighs less.
     .venv/bin/python scripts/kernel_bench.py --prefill 512 --threads 2   # prefill: integer GEMM vs f32 panels
 
 --prefill N times N input rows by a [PREFILL_ROWS, 2048] matrix of each type on the integer GEMM
-and on the f32 panels (blocks decoded), the two interleaved (cpu.BLOCK_PREFILL's choice).
+and on the f32 panels (blocks decoded), the two interleaved (the measurement behind the integer GEMM
+for blocks on every CPU class).
 """
 
 from __future__ import annotations

@@ -7,6 +7,7 @@ import json
 import numpy as np
 import pytest
 
+from ellmd import kernels
 from ellmd.kernels import cpu, lanes, quant
 
 pytestmark = pytest.mark.skipif("int16" not in cpu.host_paths(),

@@ -93,7 +93,7 @@ def test_matmul_on_blocks(rng, use_kernels, kernels, name, n):
     scratch = np.zeros(matmul.prefill_scratch_size(37, K), np.float32)
     matmul.matmul(x, w, F32, out, scratch)  # n=70 takes the prefill path (the integer GEMM, or packed panels)
     exact = x.astype(np.float64) @ quant.dequantize(w).T.astype(np.float64)
-    if n < matmul.PREFILL_MIN_ROWS and cpu.INTEGER & cpu.ENABLED or matmul._integer_prefill(x, w, F32):
+    if n < matmul.PREFILL_MIN_ROWS and cpu.INTEGER & cpu.ENABLED or matmul._integer_prefill(x, w, F32, cpu.ENABLED):
         dtype = np.int8 if "vnni" in cpu.ENABLED else np.int16
         want = np.zeros_like(out)  # the reference quantizes the activations the same way
         quant_int.rows_vnni_ref(*quant.quantize_activations_ref(x, dtype), w, want, 0, 37)
@@ -149,8 +149,7 @@ def test_a_row_wider_than_a_depth_chunk_is_the_same_in_prefill_and_decode(rng, u
     # the GEMM takes the chunks over its weight rows (depth first), decode row by row; a token's
     # numbers must not depend on which, and both are the reference's
     use_kernels(kernels)
-    if not matmul._integer_prefill(np.zeros((1, K), np.float32), blocks(rng, name, 1), F32):
-        pytest.skip("block prefill is not on the integer path on this CPU class (cpu.BLOCK_PREFILL)")
+    assert matmul._integer_prefill(np.zeros((1, K), np.float32), blocks(rng, name, 1), F32, cpu.ENABLED)
     k = 2 * quant_int.INT_DEPTH + 256  # two whole chunks and a part
     w = blocks(rng, name, 37, k)
     x = rng.standard_normal((70, k)).astype(np.float32)
@@ -175,8 +174,7 @@ def test_a_prefill_row_is_the_decode_row_to_the_bit(rng, use_kernels, kernels, n
     # one arithmetic per token: prefills of several lengths, whole or in chunks of several sizes,
     # give each row exactly the numbers the decode kernel gives it alone
     use_kernels(kernels)
-    if not matmul._integer_prefill(np.zeros((1, K), np.float32), blocks(rng, name, 1), F32):
-        pytest.skip("block prefill is not on the integer path on this CPU class (cpu.BLOCK_PREFILL)")
+    assert matmul._integer_prefill(np.zeros((1, K), np.float32), blocks(rng, name, 1), F32, cpu.ENABLED)
     w = blocks(rng, name, 37)
     x = rng.standard_normal((200, K)).astype(np.float32)
     x[:, 7] *= 30.0
@@ -218,14 +216,14 @@ def test_kernel_paths_detection_and_override():
     has_vnni, has_amx = " avx512_vnni" in flags, " amx_bf16" in flags and " amx_tile" in flags
     has_int16 = has_vnni or " avx2" in flags  # vpdpwssd, or vpmaddwd
     assert cpu.choose("portable") == frozenset()
-    assert ("bf16" in cpu.choose("auto")) == has_amx
+    assert ("bf16" in cpu.choose("auto")) == has_amx and ("bf16-prefill" in cpu.choose("auto")) == has_amx
     assert ("vnni" in cpu.choose("auto")) == has_vnni and ("int16" in cpu.choose("auto")) == has_int16
     assert cpu.choose("vnni") == (frozenset({"vnni"}) if has_vnni else frozenset())
     with pytest.raises(ValueError, match="avx2 unknown"):
         cpu.choose("vnni,avx2")
     code = "from ellmd.kernels import cpu; print(sorted(cpu.ENABLED))"
     vnni, int16 = ["vnni"] if has_vnni else [], ["int16"] if has_int16 else []
-    default = int16  # AMX ("bf16") is opt-in: its prefill sums are not decode's
+    default = sorted(int16 + (["bf16"] if has_amx else []))  # AMX in prefill alone ("bf16-prefill") is opt-in
     for env, want in (({}, default), ({"ELLM_KERNELS": "vnni"}, vnni), ({"ELLM_KERNELS": "portable"}, []),
                       ({"ELLM_KERNELS": "x"}, [])):
         got = subprocess.run([sys.executable, "-c", code], env={"PATH": "", **env}, capture_output=True, text=True, check=True)
