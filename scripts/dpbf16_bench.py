@@ -1,6 +1,6 @@
 """The GEMM block on vdpbf16ps (kernels/dpbf16.py) against the AMX block (bf16.py), one thread.
 
-32 weight rows (padded as bf16.gemm pads them) x k depths x n tokens over the same packed operands
+32 weight rows (padded as bf16.gemm pads the halves of block weights) x k depths x n tokens over the same packed operands
 (bf16.pack_activations), by bf16._rows_product in depth passes as bf16._block_product makes them,
 the two kinds interleaved round by round; the product repeated inside a call so that one round is
 ~10-50 ms. The best of the rounds' process CPU time (time.process_time), so other work on a shared
@@ -38,7 +38,7 @@ def product(wh, wl, split, xh, xl, c, tiles, repeats):
     depth = ((pairs + passes - 1) // passes + bf16.TILE - 1) // bf16.TILE * bf16.TILE
     for _ in range(repeats):
         for p0 in range(0, pairs, depth):
-            bf16._rows_product(wh, wl, split, ROWS, xh, xl, p0, min(depth, pairs - p0), tokens, c, p0 > 0, tiles)
+            bf16._rows_product(wh, wl, split, 0, ROWS, xh, xl, p0, min(depth, pairs - p0), tokens, c, p0 > 0, tiles)
 
 
 @numba.njit(nogil=True)

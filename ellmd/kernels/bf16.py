@@ -6,9 +6,10 @@ Shape legend:
   m       output features (weight rows), m % TILE == 0
   tokens  tokens of a packed block of activations (TOKENS)
 
-The weights stay as stored ([m, k] bf16 bits, the two values of a pair of depths adjacent): a
-group of 32 rows is copied per pass into rows padded by ROW_PAD values (4 KiB apart at k = 2048,
-its rows all fell in one L1 set). Each f32 activation x is split into
+The weights stay as stored ([m, k] bf16 bits, the two values of a pair of depths adjacent) and
+the A tiles are loaded from them in place (a copy of each group of 32 rows into rows padded out of
+one L1 set, as at first, cost more than the set conflicts it avoided: without it 1.03-1.8x the
+GEMM's rate, Xeon model 167). Each f32 activation x is split into
 hi = bf16(x) and lo = bf16(x - hi), so x . w = hi . w + lo . w keeps ~16 bits of x (relative
 error ~2**-17, the f32 kernels' figures within the alignment tolerance; bf16(x) alone moved
 1,100-token prefill logits by 7e-3 of the largest, past the 1e-3 the suite allows). The two
@@ -22,7 +23,8 @@ between passes; the sums are c[weight row, token], copied transposed into out af
 pass. Products of bf16 values are exact in f32 and every sum is an f32 sum.
 
 Weights in GGUF blocks (quant.py) take the same GEMM: each group of 32 weight rows is decoded to
-f32 once per pass and split like the activations into hi and lo halves (`split_rows`),
+f32 once per pass and split like the activations into hi and lo halves (`split_rows`; rows
+padded by ROW_PAD values: 4 KiB apart at k = 2048, they all fell in one L1 set),
 and the block adds lo(w) . hi(x) to the two products: w . x to ~2**-16 of each term (the dropped
 lo(w) . lo(x) is ~2**-18), where the f32 panels of matmul.py ran at a third of the bf16 speed.
 
@@ -494,8 +496,8 @@ AMX = _request_amx()  # tests set it False to run the f32 kernels in its place
 DPBF16 = "dpbf16" in cpu.host_paths()  # gemm can run on vdpbf16ps here (dpbf16.py)
 TOKENS = 256  # tokens per packed block of activations (a multiple of AMX_TOKENS)
 PASS_BYTES = 1 << 20  # the packed pairs of both halves a pass over a worker's rows reads (in L2)
-# A group's rows are copied to rows of k + ROW_PAD values: at k a multiple of 2048 the 32 rows of a
-# tile block, 4 KiB apart, all fell in one L1 set and evicted each other (half the tile rate)
+# The halves of a group of block weights go to rows of k + ROW_PAD values: at k a multiple of 2048
+# the 32 rows of a tile block, 4 KiB apart, all fell in one L1 set and evicted each other
 ROW_PAD = 32
 
 
@@ -563,23 +565,18 @@ def split_rows(typingctx, w, wh, wl, c0, width):
     return sig, cpu.compiled_for(PATHS, codegen)
 
 
-def group_weights(w, j0, p0, pairs, wf, wh, wl):
-    """split: the pairs p0 .. p0 + pairs of the rows j0.. of w (up to len(wh), fewer at its end) as
-    operands of AMX blocks, at the same columns of the padded rows of wh and, when split, of wl,
-    inside kernels: bf16 weights copied to wh (False); weights in GGUF blocks (whose blocks the
-    columns align with) decoded into wf and split into wh, wl (True)."""
+def group_operands(w, j0, p0, pairs, wf, wh, wl):
+    """(a, a0, split): the weight rows j0.. (32, fewer at w's end) for the pairs p0 .. p0 + pairs
+    as operands of AMX blocks, rows a0.. of a, inside kernels. bf16 weights: w itself at j0, read
+    in place (False). Weights in GGUF blocks (whose blocks the columns align with): decoded into
+    wf and split into the padded rows of wh, wl, at the same columns (wh at 0, True)."""
     raise NotImplementedError("numba only")
 
 
-@overload(group_weights, jit_options={"fastmath": True, "nogil": True})
-def _group_weights_overload(w, j0, p0, pairs, wf, wh, wl):
+@overload(group_operands, jit_options={"fastmath": True, "nogil": True})
+def _group_operands_overload(w, j0, p0, pairs, wf, wh, wl):
     if quant.record_name(w.dtype) is None:
-        def copy(w, j0, p0, pairs, wf, wh, wl):
-            for r in range(min(wh.shape[0], w.shape[0] - j0)):
-                wh[r, 2 * p0 : 2 * (p0 + pairs)] = w[j0 + r, 2 * p0 : 2 * (p0 + pairs)]
-            return False
-
-        return copy
+        return lambda w, j0, p0, pairs, wf, wh, wl: (w, j0, False)
 
     def impl(w, j0, p0, pairs, wf, wh, wl):
         rows = min(wf.shape[0], w.shape[0] - j0)
@@ -588,35 +585,35 @@ def _group_weights_overload(w, j0, p0, pairs, wf, wh, wl):
         for r in range(rows):
             quant.decode_row(w[j0 + r, c0 // per_block : (c0 + width) // per_block], wf[r, c0 : c0 + width])
         split_rows(wf[:rows], wh[:rows], wl[:rows], c0, width)
-        return True
+        return wh, 0, True
 
     return impl
 
 
 @numba.njit(cache=True, nogil=True, fastmath=True)
-def _rows_product(w, wl, split, rows, xh, xl, p0, pairs, nbp, cb, accumulate, tiles):
-    """cb[:rows, :nbp] (+)= w[:rows] (+ wl, when split) . the packed tokens, over pairs p0.. of both;
+def _rows_product(w, wl, split, j0, rows, xh, xl, p0, pairs, nbp, cb, accumulate, tiles):
+    """cb[:rows, :nbp] (+)= w[j0:j0+rows] (+ wl, when split) . the packed tokens, over pairs p0.. of both;
     rows = 32 or 16; by AMX blocks when tiles, else by vdpbf16ps blocks (dpbf16.py)."""
     for t in range(0, nbp, AMX_TOKENS):
         if tiles:
             if rows == AMX_ROWS:
                 if accumulate:
-                    _amx_2_acc(w, wl, split, 0, xh, xl, t, cb, p0, pairs)
+                    _amx_2_acc(w, wl, split, j0, xh, xl, t, cb, p0, pairs)
                 else:
-                    _amx_2(w, wl, split, 0, xh, xl, t, cb, p0, pairs)
+                    _amx_2(w, wl, split, j0, xh, xl, t, cb, p0, pairs)
             elif accumulate:
-                _amx_1_acc(w, wl, split, 0, xh, xl, t, cb, p0, pairs)
+                _amx_1_acc(w, wl, split, j0, xh, xl, t, cb, p0, pairs)
             else:
-                _amx_1(w, wl, split, 0, xh, xl, t, cb, p0, pairs)
+                _amx_1(w, wl, split, j0, xh, xl, t, cb, p0, pairs)
         elif rows == AMX_ROWS:
             if accumulate:
-                dpbf16.block_2_acc(w, wl, split, 0, xh, xl, t, cb, p0, pairs)
+                dpbf16.block_2_acc(w, wl, split, j0, xh, xl, t, cb, p0, pairs)
             else:
-                dpbf16.block_2(w, wl, split, 0, xh, xl, t, cb, p0, pairs)
+                dpbf16.block_2(w, wl, split, j0, xh, xl, t, cb, p0, pairs)
         elif accumulate:
-            dpbf16.block_1_acc(w, wl, split, 0, xh, xl, t, cb, p0, pairs)
+            dpbf16.block_1_acc(w, wl, split, j0, xh, xl, t, cb, p0, pairs)
         else:
-            dpbf16.block_1(w, wl, split, 0, xh, xl, t, cb, p0, pairs)
+            dpbf16.block_1(w, wl, split, j0, xh, xl, t, cb, p0, pairs)
 
 
 @numba.njit(cache=True, nogil=True, fastmath=True)
@@ -637,8 +634,8 @@ def _block_product(w, out, i0, nb, xh, xl, cb, wf, wh, wl, wk, workers, tiles):
             j0 = g * AMX_ROWS
             rows = min(AMX_ROWS, m - j0)
             sums = cb[g // workers]
-            split = group_weights(w, j0, p0, d, wf, wh, wl)
-            _rows_product(wh, wl, split, rows, xh, xl, p0, d, nbp, sums, p0 > 0, tiles)
+            a, a0, split = group_operands(w, j0, p0, d, wf, wh, wl)
+            _rows_product(a, wl, split, a0, rows, xh, xl, p0, d, nbp, sums, p0 > 0, tiles)
             if p0 + d == pairs:
                 for i in range(nb):  # token-major: contiguous runs of out, sums (in L1) read across
                     dst = out[i0 + i]
