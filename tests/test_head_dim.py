@@ -31,10 +31,10 @@ def rng():
     return np.random.default_rng(4321)
 
 
-def assert_prefill_close(got, want, q, k_slot, v_slot, fmt):
+def assert_attention_close(got, want, q, v, fmt):
     """f32 kernels to f32 rounding; AMX tiles, where they ran, within 2**-8 x max|v|."""
-    if attention._on_amx(q, k_slot, fmt):
-        assert np.abs(got - want).max() <= 2.0**-8 * np.abs(formats.to_f32(v_slot, fmt)).max()
+    if attention.on_amx(fmt, q.shape[2]):
+        assert np.abs(got - want).max() <= 2.0**-8 * np.abs(formats.to_f32(v, fmt)).max()
     else:
         np.testing.assert_allclose(got, want, **TOL)
 
@@ -76,7 +76,25 @@ def test_attention_prefill(rng, use_kernels, kernels, fmt, n, start, kvh, group,
     got, want = np.full_like(q, np.nan), np.empty_like(q)
     attention.attention_prefill(q, k, v, fmt, start, hd**-0.5, got)
     attention.attention_prefill_ref(q, k, v, fmt, start, hd**-0.5, want)
-    assert_prefill_close(got, want, q, k, v, fmt)
+    assert_attention_close(got, want, q, v, fmt)
+
+
+@pytest.mark.parametrize("hd", HEAD_DIMS)
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("kernels", ["portable", "default"])
+def test_prefill_rows_do_not_depend_on_the_chunking(rng, use_kernels, kernels, fmt, hd):
+    """A query's output is the same bits in one chunk of 1,100 or in chunks of 1, 99 and 1,000 (the
+    segments, key tiles and sums of a row are its own, on the f32 kernels and on AMX tiles)."""
+    use_kernels(kernels)
+    kvh, group, n = 2, 3, 1100
+    q = randn(rng, n, kvh * group, hd)
+    k = formats.to_storage(randn(rng, kvh, n, hd), fmt)
+    v = formats.to_storage(randn(rng, kvh, n, hd), fmt)
+    whole, parts = np.empty_like(q), np.empty_like(q)
+    attention.attention_prefill(q, k, v, fmt, 0, hd**-0.5, whole)
+    for a, b in ((0, 1), (1, 100), (100, n)):
+        attention.attention_prefill(q[a:b], k, v, fmt, a, hd**-0.5, parts[a:b])
+    assert np.array_equal(whole, parts)
 
 
 @pytest.mark.parametrize("hd", HEAD_DIMS)
@@ -103,7 +121,7 @@ def test_attention_decode(rng, fmt, lengths, kvh, group, hd):
     got, want = np.full_like(q, np.nan), np.empty_like(q)
     attention.attention_decode(q, k, v, fmt, slot_ids, lengths, hd**-0.5, got, *scratch)
     attention.attention_decode_ref(q, k, v, fmt, slot_ids, lengths, hd**-0.5, want, *scratch)
-    np.testing.assert_allclose(got, want, **TOL)
+    assert_attention_close(got, want, q, v, fmt)
 
 
 @pytest.mark.parametrize("hd", [12, 40, 80])
@@ -119,10 +137,7 @@ def test_decode_matches_prefill_of_last_token(rng, use_kernels, kernels, hd):
     dec, pre = np.empty_like(q), np.empty_like(q)
     attention.attention_decode(q, k, v, BF16, np.zeros(1, np.int64), np.array([seq], np.int64), hd**-0.5, dec, *scratch)
     attention.attention_prefill(q, k[0], v[0], BF16, seq - 1, hd**-0.5, pre)
-    if attention._on_amx(q, k[0], BF16):
-        assert_prefill_close(dec, pre, q, k[0], v[0], BF16)
-    else:  # the f32 kernels: decode computes a row as prefill computes its query, to the bit
-        assert np.array_equal(dec, pre)
+    assert np.array_equal(dec, pre)  # decode computes a row as prefill computes its query, to the bit
 
 
 @pytest.mark.parametrize("hd", [12, 40, 80])

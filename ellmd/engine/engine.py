@@ -19,7 +19,7 @@ from ellmd.engine.kvcache import KVCache, available_memory
 from ellmd.engine.plan import Plan
 from ellmd.engine.sampling import Sampler, SamplingParams
 from ellmd.errors import BadRequest, CapacityError, EllmError, InvariantError, ModelError
-from ellmd.kernels import bf16, cpu, formats, kv_blocks, lanes, quant, quant_int
+from ellmd.kernels import attention, bf16, cpu, formats, kv_blocks, lanes, quant, quant_int
 from ellmd.kernels.matmul import PREFILL_MIN_ROWS
 from ellmd.model import FAMILIES
 from ellmd.model.weights import GGUFCheckpoint, RandomCheckpoint, open_checkpoint
@@ -210,10 +210,12 @@ class Engine:
             floats = "f32 FMA in decode, vdpbf16ps (activations as two bf16 halves) in prefill"
         else:
             floats = "f32 FMA in decode and prefill"
-        attention = ("AMX tdpbf16ps over bf16 KV in prefill, f32 FMA in decode" if amx_prefill
-                     else "f32 FMA in prefill and decode")
+        if attention.on_amx(self.kv.fmt, self.spec.head_dim):
+            attention_path = "AMX tdpbf16ps in prefill and decode (queries as two bf16 halves, a token's numbers alike)"
+        else:
+            attention_path = "f32 FMA in prefill and decode"
         return (f"{blocks} in decode, in prefill {block_prefill}; bf16 weights: {floats}; f16/f32 weights: f32 FMA; "
-                f"attention: {attention} [CPU class {cpu.CLASS}]" + more)
+                f"attention: {attention_path} [CPU class {cpu.CLASS}]" + more)
 
     def memory_budget(self) -> dict[str, int]:
         """Bytes of weights (in all, and by format: "weights:Q4_K", ...), KV cache and workspace."""

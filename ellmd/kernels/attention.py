@@ -380,15 +380,33 @@ def _query_blocks(hd):
 
 
 @numba.njit(cache=True, nogil=True, fastmath=True)
-def _unit_partial(q, k_slot, v_slot, start, scale, h, q0, nq, seg, bufs):
+def _unit_partial(q, k_slot, v_slot, start, scale, h, q0, nq, seg, bufs, amx_bufs, amx):
     """The partial softmax of segment seg for queries q0..q0+nq of the g heads of kv head h (row
-    r = qi * g + gi) into bufs' m, l, acc (bufs: _task_buffers, its qs filled by _fill_queries)."""
+    r = qi * g + gi) into bufs' m, l, acc (bufs: _task_buffers, its qs filled by _fill_queries; on
+    AMX, amx_bufs: _amx_buffers, its queries packed by _pack_queries)."""
     qs, st, acc, m, l, m_new, alpha, total, kt, vt, panel, qc, qd = bufs
     g = q.shape[1] // k_slot.shape[0]
     t_lo = seg * SEGMENT
     t_hi = min(start + q0 + nq, t_lo + SEGMENT)  # the unit's last query sees keys up to start + q0 + nq - 1
-    _segment(qs, qc, qd, k_slot[h], v_slot[h], t_lo, t_hi, start + q0, g, nq * g, st, m, l, acc, m_new, alpha, total, kt,
-             vt, panel)
+    if amx:
+        _amx_partial(k_slot[h], v_slot[h], t_lo, t_hi, start + q0, g, nq * g, amx_bufs, m, l, acc)
+    else:
+        _segment(qs, qc, qd, k_slot[h], v_slot[h], t_lo, t_hi, start + q0, g, nq * g, st, m, l, acc, m_new, alpha,
+                 total, kt, vt, panel)
+
+
+@numba.njit(cache=True, nogil=True, fastmath=True)
+def _unit_queries(q, h, g, q0, nq, scale, k_head, bufs, amx):
+    """A unit's queries into its buffers (bufs from _task_buffers and the AMX ones from
+    _amx_buffers, filled for the path the unit takes) and the AMX buffers."""
+    qs, qc, qd = bufs[0], bufs[11], bufs[12]
+    amx_bufs = _amx_buffers(np.zeros(_amx_floats(nq * g if amx else 1, q.shape[2]), np.float32),
+                            nq * g if amx else 1, q.shape[2])
+    if amx:
+        _pack_queries(q, h, g, q0, nq, scale, amx_bufs[0], amx_bufs[1])
+    else:
+        _fill_queries(q, h, g, q0, nq, scale, k_head, qs, qc, qd)
+    return amx_bufs
 
 
 @numba.njit(cache=True, nogil=True, fastmath=True)
@@ -415,18 +433,18 @@ def _write_rows(state_m, state_l, o, h, g, q0, nq, out):
 
 
 @numba.njit(cache=True, nogil=True, fastmath=True)
-def _prefill_unit(q, k_slot, v_slot, start, scale, h, q0, nq, out):
+def _prefill_unit(q, k_slot, v_slot, start, scale, h, q0, nq, out, amx):
     """Queries q0..q0+nq of kv head h over all their keys, segment after segment, into out."""
     g, hd = q.shape[1] // k_slot.shape[0], q.shape[2]
     rows = nq * g
     bufs = _task_buffers(rows, hd)
-    _fill_queries(q, h, g, q0, nq, scale, k_slot[h], bufs[0], bufs[11], bufs[12])
+    amx_bufs = _unit_queries(q, h, g, q0, nq, scale, k_slot[h], bufs, amx)
     acc, m, l = bufs[2], bufs[3], bufs[4]
     state_m = np.full(rows, _NO_MAX, np.float32)
     state_l = np.zeros(rows, np.float32)
     o = np.zeros((rows, hd), np.float32)
     for seg in range(_segments(start + q0 + nq)):
-        _unit_partial(q, k_slot, v_slot, start, scale, h, q0, nq, seg, bufs)
+        _unit_partial(q, k_slot, v_slot, start, scale, h, q0, nq, seg, bufs, amx_bufs, amx)
         for r in range(rows):
             state_m[r], state_l[r] = _fold_row(state_m[r], state_l[r], o[r], m[r], l[r], acc[r, :hd])
     _write_rows(state_m, state_l, o, h, g, q0, nq, out)
@@ -443,7 +461,7 @@ def _unit_bounds(u, n, qb, nqb):
 
 
 @numba.njit(cache=True, nogil=True, fastmath=True, parallel=True)
-def _prefill(q, k_slot, v_slot, start, scale, out, threads):
+def _prefill(q, k_slot, v_slot, start, scale, out, threads, amx):
     n, heads, hd = q.shape
     kvh = k_slot.shape[0]
     g = heads // kvh
@@ -453,7 +471,7 @@ def _prefill(q, k_slot, v_slot, start, scale, out, threads):
     if units >= SPLIT_UNITS * threads:
         for u in prange(units):
             h, q0, nq = _unit_bounds(u, n, qb, nqb)
-            _prefill_unit(q, k_slot, v_slot, start, scale, h, q0, nq, out)
+            _prefill_unit(q, k_slot, v_slot, start, scale, h, q0, nq, out, amx)
         return
     # a short chunk: its units' segments are shared among the threads, then merged in order
     nseg = _segments(start + n)
@@ -467,8 +485,8 @@ def _prefill(q, k_slot, v_slot, start, scale, out, threads):
         if seg >= _segments(start + q0 + nq):
             continue  # past the unit's keys: the fold below skips it too
         bufs = _task_buffers(nq * g, hd)
-        _fill_queries(q, h, g, q0, nq, scale, k_slot[h], bufs[0], bufs[11], bufs[12])
-        _unit_partial(q, k_slot, v_slot, start, scale, h, q0, nq, seg, bufs)
+        amx_bufs = _unit_queries(q, h, g, q0, nq, scale, k_slot[h], bufs, amx)
+        _unit_partial(q, k_slot, v_slot, start, scale, h, q0, nq, seg, bufs, amx_bufs, amx)
         rows = nq * g
         pm[u, seg, :rows] = bufs[3][:rows]
         pl[u, seg, :rows] = bufs[4][:rows]
@@ -486,63 +504,20 @@ def _prefill(q, k_slot, v_slot, start, scale, out, threads):
         _write_rows(state_m, state_l, o, h, g, q0, nq, out)
 
 
-# ---- prefill on AMX (tdpbf16ps), bf16 KV -------------------------------------------------
-
-@numba.njit(cache=True, nogil=True, fastmath=True)
-def _split_point(first, nq, kend, s, nsplit, tile):
-    """Start of key split s of nsplit for queries at positions first..first+nq (kend = first + nq):
-    a tile boundary that cuts the causal work (keys x queries that see them) into equal shares."""
-    if s == 0:
-        return 0
-    if s >= nsplit:
-        return kend
-    total = 0
-    for t0 in range(0, kend, tile):
-        total += min(tile, kend - t0) * (nq - max(0, t0 - first))
-    done = 0
-    for t0 in range(0, kend, tile):
-        if done * nsplit >= total * s:
-            return t0
-        done += min(tile, kend - t0) * (nq - max(0, t0 - first))
-    return kend
-
-
-@numba.njit(cache=True, nogil=True, fastmath=True)
-def _merge_key_splits(pm, pl, pacc, u, h, q0, nq, g, out):
-    """out rows of unit u (kv head h, queries q0..q0+nq) = the merge of its key splits' partials.
-
-    pm, pl: [nsplit, units, Rp]; pacc: [nsplit, units, hdp, Rp] (accumulators transposed)."""
-    nsplit = pm.shape[0]
-    w = np.empty(nsplit, np.float32)
-    for qi in range(nq):
-        for gi in range(g):
-            r = qi * g + gi
-            mx = _NO_MAX
-            for s in range(nsplit):
-                mx = max(mx, pm[s, u, r])
-            total = np.float32(0.0)
-            for s in range(nsplit):
-                w[s] = exp_f32(pm[s, u, r] - mx)
-                total += w[s] * pl[s, u, r]
-            inv = np.float32(1.0) / total
-            o = out[q0 + qi, h * g + gi]
-            for d in range(o.shape[0]):
-                x = np.float32(0.0)
-                for s in range(nsplit):
-                    x += w[s] * pacc[s, u, d, r]
-                o[d] = x * inv
-
-
+# ---- bf16 KV on AMX (tdpbf16ps): a segment's partial softmax, in prefill and decode ---------
 
 AMX_KEYS = 64  # KA: keys per tile of the AMX path
 AMX_BLOCK = 128  # RB: query rows of one softmax pass (its scores [KA, RB] stay in L1)
-AMX_TASK_ROWS = 1024  # query rows of an AMX task at most: its accumulator and queries stay in L2
 _MASKED = np.float32(-3e30)  # a hidden score: below _NO_MAX, so exp(_MASKED - m) is 0 even for m = _NO_MAX
 # The reference max m of a row moves only when a score exceeds it by this much (so the
 # accumulator's rescaling is rare); probabilities are then up to e**_SLACK, well within range.
 _SLACK = np.float32(8.0)
-_scores = bf16.tile_product(2, 2, 2, False)  # st = keys . (hi + lo) queries
-_values = bf16.tile_product(2, 2, 1, True)  # acc += values^T . bf16 probabilities
+# st = keys . (hi + lo) queries and acc += values^T . bf16 probabilities, on 32 rows of queries and
+# on 16 (a decode step's few rows, a block's last 16): a column's sums are the same in either
+_scores = bf16.tile_product(2, 2, 2, False)
+_scores_16 = bf16.tile_product(2, 1, 2, False)
+_values = bf16.tile_product(2, 2, 1, True)
+_values_16 = bf16.tile_product(2, 1, 1, True)
 
 
 @numba.njit(cache=True, nogil=True, fastmath=True, inline="always")
@@ -574,20 +549,20 @@ def _pack_queries(q, h, g, q0, nq, scale, qh, ql):
 
 @numba.njit(cache=True, nogil=True, fastmath=True)
 def _pack_tile(k_head, v_head, t0, nk, kt, vt):
-    """kt[:nk, :hd] = keys t0..t0+nk (bf16 rows, A operand of the scores); vt[:hd, :nk] = their
-    values transposed (A operand of the values product). Columns past nk keep finite old values,
-    which meet zero probabilities."""
+    """The tile's operands: (keys, k0), its keys as rows k0.. of keys (the A operand of the scores:
+    k_head itself for a whole tile whose rows fill whole tiles, hd % 32 == 0; else kt[:nk, :hd],
+    rows past nk keeping finite old values, whose scores are masked); vt[:hd] = their values
+    transposed (the A operand of the values product; keys past nk repeat the last)."""
+    bf16.pack_values(v_head, t0, nk, vt)
     hd = k_head.shape[1]
+    if nk == AMX_KEYS and hd % 32 == 0:
+        return k_head, t0
     for j in range(nk):
         src = k_head[t0 + j]
         dst = kt[j]
         for d in range(hd):
             dst[d] = src[d]
-    for j0 in range(0, nk, 16):  # 16 keys x hd: the source rows stay in L1 while transposed
-        for d in range(hd):
-            dst = vt[d]
-            for j in range(j0, min(nk, j0 + 16)):
-                dst[j] = v_head[t0 + j, d]
+    return kt, 0
 
 
 @numba.njit(cache=True, nogil=True, fastmath=True)
@@ -629,81 +604,122 @@ def _softmax_block(st, r0, cols, m, l, acc, pt, scratch):
 
 
 @numba.njit(cache=True, nogil=True, fastmath=True)
-def _amx_rows(kt, vt, qh, ql, st, pt, pt_pairs, acc, m, l, r0, cols, nk, base, g, scratch):
-    """Rows r0..r0+cols of a task (r0, cols multiples of 32) over one tile of keys: scores,
-    softmax, values. Row r sees tile key j while j <= base + r // g; pt, pt_pairs: [KA // 2, RB]
-    uint32 and [KA // 2, 2 * RB] uint16 views of the probabilities; scratch: [3, RB] float32."""
-    hdp = kt.shape[1]
+def _amx_rows(keys, k0, vt, qh, ql, st, pt, pt_pairs, acc, m, l, r0, cols, nk, base, g, scratch):
+    """Rows r0..r0+cols of a task (r0, cols multiples of 16) over one tile of keys: scores,
+    softmax, values. Row r sees tile key j while j <= base + r // g; keys, k0, vt: the tile's
+    operands (_pack_tile); pt, pt_pairs: [KA // 2, RB] uint32 and [KA // 2, 2 * RB] uint16 views of
+    the probabilities; scratch: [3, RB] float32."""
+    hdp = vt.shape[0]
+    wide = cols // 32 * 32
     for j in range(0, AMX_KEYS, 32):
-        for c in range(0, cols, 32):
-            _scores(kt, j, 0, qh, ql, 0, r0 + c, st, j, c, hdp // 2)
+        for c in range(0, wide, 32):
+            _scores(keys, k0 + j, 0, qh, ql, 0, r0 + c, st, j, c, hdp // 2)
+        if wide < cols:
+            _scores_16(keys, k0 + j, 0, qh, ql, 0, r0 + wide, st, j, wide, hdp // 2)
     if nk < AMX_KEYS or base + r0 // g < AMX_KEYS - 1:  # the diagonal or the last tile
         _mask(st, nk, r0, cols, base, g)
     _softmax_block(st, r0, cols, m, l, acc, pt, scratch)
     for d in range(0, hdp, 32):
-        for c in range(0, cols, 32):
+        for c in range(0, wide, 32):
             _values(vt, d, 0, pt_pairs, pt_pairs, 0, c, acc, d, r0 + c, AMX_KEYS // 2)
+        if wide < cols:
+            _values_16(vt, d, 0, pt_pairs, pt_pairs, 0, wide, acc, d, r0 + wide, AMX_KEYS // 2)
+
+
+def amx_floats(rows, hd):
+    """float32 elements of _amx_buffers' area for `rows` query rows of head_dim hd."""
+    rows_p, hdp = _round_up(rows, 16), _round_up(hd, 32)
+    rb = min(AMX_BLOCK, rows_p)
+    return 2 * hdp * rows_p + AMX_KEYS * hdp + AMX_KEYS * rb + AMX_KEYS // 2 * rb + 3 * rb + 2 * rows_p
+
+
+_amx_floats = numba.njit(cache=True, nogil=True)(amx_floats)
 
 
 @numba.njit(cache=True, nogil=True, fastmath=True)
-def _amx_task(q, k_head, v_head, start, scale, g, h, q0, nq, k0, k1, m, l, acc):
-    """Queries q0..q0+nq of the g heads of kv head h over keys [k0, k1): the unnormalised partial
-    softmax m, l: [Rp] and acc: [hdp, Rp] (values^T . probabilities), row r = qi * g + gi."""
-    hdp, rows_p = acc.shape
+def _amx_buffers(area, rows, hd):
+    """An AMX task's arrays, views of area (1-D float32, _amx_floats(rows, hd) elements): qh, ql
+    [hdp // 2, Rp] uint32 (the queries' halves, _pack_queries) and their uint16 views [hdp // 2,
+    2 Rp]; kt [KA, hdp] and vt [hdp, KA] uint16 (_pack_tile; kt's columns past hd zeroed, as they
+    meet the queries' zero padding); st [KA, RB]; pt [KA // 2, RB] uint32 and its uint16 view;
+    scratch [3, RB]; m, l [Rp]; acc [hdp, Rp] (Rp: rows rounded up to 16, RB: Rp up to AMX_BLOCK)."""
+    rows_p, hdp = _round_up(rows, 16), _round_up(hd, 32)
+    rb = min(AMX_BLOCK, rows_p)
+    o = 0
     half = hdp // 2 * rows_p
-    qbuf = np.empty(2 * half, np.uint32)
-    qh, ql = qbuf[:half].reshape((hdp // 2, rows_p)), qbuf[half:].reshape((hdp // 2, rows_p))
-    _pack_queries(q, h, g, q0, nq, scale, qh, ql)
-    qh16 = qbuf[:half].view(np.uint16).reshape((hdp // 2, 2 * rows_p))
-    ql16 = qbuf[half:].view(np.uint16).reshape((hdp // 2, 2 * rows_p))
-    kt = np.zeros((AMX_KEYS, hdp), np.uint16)  # [KA, hdp]
-    vt = np.zeros((hdp, AMX_KEYS), np.uint16)  # [hdp, KA]
-    st = np.empty((AMX_KEYS, AMX_BLOCK), np.float32)  # [KA, RB]
-    pbuf = np.empty(AMX_KEYS // 2 * AMX_BLOCK, np.uint32)
-    pt = pbuf.reshape((AMX_KEYS // 2, AMX_BLOCK))  # [KA // 2, RB]
-    pt_pairs = pbuf.view(np.uint16).reshape((AMX_KEYS // 2, 2 * AMX_BLOCK))
-    scratch = np.empty((3, AMX_BLOCK), np.float32)
+    qh, ql = area[o : o + half].view(np.uint32), area[o + half : o + 2 * half].view(np.uint32)
+    o += 2 * half
+    kv = area[o : o + AMX_KEYS * hdp].view(np.uint16)
+    o += AMX_KEYS * hdp
+    kt = kv[: AMX_KEYS * hdp].reshape((AMX_KEYS, hdp))
+    kt[:, hd:] = 0
+    vt = kv[AMX_KEYS * hdp :].reshape((hdp, AMX_KEYS))
+    st = area[o : o + AMX_KEYS * rb].reshape((AMX_KEYS, rb))
+    o += AMX_KEYS * rb
+    pt = area[o : o + AMX_KEYS // 2 * rb].view(np.uint32)
+    o += AMX_KEYS // 2 * rb
+    scratch = area[o : o + 3 * rb].reshape((3, rb))
+    o += 3 * rb
+    m, l = area[o : o + rows_p], area[o + rows_p : o + 2 * rows_p]
+    o += 2 * rows_p
+    acc = area[o : o + hdp * rows_p].reshape((hdp, rows_p))
+    return (qh.reshape((hdp // 2, rows_p)), ql.reshape((hdp // 2, rows_p)), qh.view(np.uint16).reshape((hdp // 2, 2 * rows_p)),
+            ql.view(np.uint16).reshape((hdp // 2, 2 * rows_p)), kt, vt, st, pt.reshape((AMX_KEYS // 2, rb)),
+            pt.view(np.uint16).reshape((AMX_KEYS // 2, 2 * rb)), scratch, m, l, acc)
+
+
+@numba.njit(cache=True, nogil=True, fastmath=True)
+def _amx_segment(k_head, v_head, t_lo, t_hi, limit, g, bufs):
+    """The partial softmax m, l [Rp] and acc [hdp, Rp] (transposed) in bufs of its packed query rows
+    over keys [t_lo, t_hi), from a fresh start, in tiles of KA keys from t_lo; row r sees key t when
+    r // g >= t - limit. A row is a column of the tiles and a lane of the softmax: its numbers do
+    not depend on the rows beside it, and a tile a row does not see changes none of them (a hidden
+    key's probability is 0), so a row block skips the tiles before its first key."""
+    _, _, qh16, ql16, kt, vt, st, pt, pt_pairs, scratch, m, l, acc = bufs
+    rows_p = acc.shape[1]
     m[:] = _NO_MAX
     l[:] = np.float32(0.0)
     acc[:] = np.float32(0.0)
-    for t0 in range(k0, k1, AMX_KEYS):
-        nk = min(AMX_KEYS, k1 - t0)
-        _pack_tile(k_head, v_head, t0, nk, kt, vt)
-        r0 = max(0, t0 - start - q0) * g // 32 * 32  # rows before see no key of this tile
+    for t0 in range(t_lo, t_hi, AMX_KEYS):
+        nk = min(AMX_KEYS, t_hi - t0)
+        keys, k0 = _pack_tile(k_head, v_head, t0, nk, kt, vt)
+        r0 = max(0, t0 - limit) * g // 16 * 16  # rows before see no key of this tile
         while r0 < rows_p:
-            cols = min(AMX_BLOCK, rows_p - r0)
-            _amx_rows(kt, vt, qh16, ql16, st, pt, pt_pairs, acc, m, l, r0, cols, nk, start + q0 - t0, g, scratch)
+            cols = min(st.shape[1], rows_p - r0)
+            _amx_rows(keys, k0, vt, qh16, ql16, st, pt, pt_pairs, acc, m, l, r0, cols, nk, limit - t0, g, scratch)
             r0 += cols
 
 
-@numba.njit(cache=True, nogil=True, fastmath=True, parallel=True)
-def _prefill_amx(q, k_slot, v_slot, start, scale, out, nsplit):
-    n, heads, hd = q.shape
-    kvh = k_slot.shape[0]
-    g = heads // kvh
-    qb = max(1, AMX_TASK_ROWS // g)  # queries per task
-    nqb = (n + qb - 1) // qb
-    units = kvh * nqb  # (kv head, query block)
-    rows_p = _round_up(min(n, qb) * g, 32)
-    hdp = _round_up(hd, 32)
-    pm = np.empty((nsplit, units, rows_p), np.float32)
-    pl = np.empty((nsplit, units, rows_p), np.float32)
-    pacc = np.empty((nsplit, units, hdp, rows_p), np.float32)
-    for task in prange(nsplit * units):  # split-major: a thread's contiguous range is split s of every unit
-        s, u = task // units, task % units
-        h, q0 = u // nqb, u % nqb * qb
-        nq = min(n, q0 + qb) - q0
-        kend = start + q0 + nq
-        k0 = _split_point(start + q0, nq, kend, s, nsplit, AMX_KEYS)
-        k1 = _split_point(start + q0, nq, kend, s + 1, nsplit, AMX_KEYS)
-        _amx_task(q, k_slot[h], v_slot[h], start, scale, g, h, q0, nq, k0, k1, pm[s, u], pl[s, u], pacc[s, u])
-    for u in prange(units):
-        q0 = u % nqb * qb
-        _merge_key_splits(pm, pl, pacc, u, u // nqb, q0, min(n, q0 + qb) - q0, g, out)
+def _amx_partial(k_head, v_head, t_lo, t_hi, limit, g, rows, bufs, m_out, l_out, acc_out):
+    """_amx_segment's partial of `rows` rows into the f32 path's arrays m_out, l_out [>= rows] and
+    acc_out [>= rows, >= hd], for _fold_row (bf16 KV; a no-op for the other KV types, which never
+    take this path)."""
+    raise NotImplementedError("numba only")
 
 
-def _on_amx(q, k_slot, fmt):
-    return "bf16-prefill" in cpu.ENABLED and bf16.AMX and fmt == BF16 and k_slot.dtype == np.uint16 and q.shape[2] % 2 == 0
+@overload(_amx_partial, jit_options={"nogil": True, "fastmath": True})
+def _amx_partial_overload(k_head, v_head, t_lo, t_hi, limit, g, rows, bufs, m_out, l_out, acc_out):
+    if k_head.dtype != types.uint16:
+        return lambda k_head, v_head, t_lo, t_hi, limit, g, rows, bufs, m_out, l_out, acc_out: None
+
+    def impl(k_head, v_head, t_lo, t_hi, limit, g, rows, bufs, m_out, l_out, acc_out):
+        _amx_segment(k_head, v_head, t_lo, t_hi, limit, g, bufs)
+        m, l, acc = bufs[10], bufs[11], bufs[12]
+        for r in range(rows):
+            m_out[r] = m[r]
+            l_out[r] = l[r]
+            dst = acc_out[r]
+            for d in range(k_head.shape[1]):
+                dst[d] = acc[d, r]
+
+    return impl
+
+
+def on_amx(fmt, hd, paths=None):
+    """Whether attention over KV of format fmt and head_dim hd runs on AMX tiles with these paths on
+    (cpu.ENABLED when None): the "bf16" path (decode's matmuls on tiles too: bf16.decode_tiles),
+    bf16 KV, hd % 16 == 0."""
+    return bf16.decode_tiles(paths) and fmt == BF16 and hd % 16 == 0
 
 
 def attention_prefill(q, k_slot, v_slot, fmt, start, scale, out):
@@ -719,10 +735,8 @@ def attention_prefill(q, k_slot, v_slot, fmt, start, scale, out):
     carry equal work; a short chunk, with too few tasks for the threads, shares every task's
     segments among them.
     """
-    if _on_amx(q, k_slot, fmt):
-        _prefill_amx(q, k_slot, v_slot, start, scale, out, numba.get_num_threads())
-    else:
-        _prefill(q, kernel_view(k_slot, fmt), kernel_view(v_slot, fmt), start, scale, out, numba.get_num_threads())
+    _prefill(q, kernel_view(k_slot, fmt), kernel_view(v_slot, fmt), start, scale, out, numba.get_num_threads(),
+             on_amx(fmt, q.shape[2]))
 
 
 def attention_prefill_ref(q, k_slot, v_slot, fmt, start, scale, out):
@@ -745,8 +759,8 @@ def decode_scratch_shapes(max_batch, H, hd, threads, sequence_length):
     segment of each row (sequence_length bounds the segments), and each thread's tile scratch."""
     rows_p = _round_up(H, 12)  # bounds the padded group size (to MR, or to TALL_MR past 2 * MR)
     hdp = _round_up(hd, NR)
-    tile = (rows_p * (hd + TILE_KEYS + hdp + 5 + hd + max(1, hd // 32)) + 2 * TILE_KEYS * hdp
-            + (gemm.PANEL * hd if H > FEW_ROWS else 0))
+    tile = max(rows_p * (hd + TILE_KEYS + hdp + 5 + hd + max(1, hd // 32)) + 2 * TILE_KEYS * hdp
+               + (gemm.PANEL * hd if H > FEW_ROWS else 0), amx_floats(H, hd))
     segments = (sequence_length + SEGMENT - 1) // SEGMENT
     return {
         "partial_m": (segments, max_batch, H),
@@ -785,16 +799,21 @@ def _carve(tile, g, hd):
 
 
 @numba.njit(cache=True, nogil=True, fastmath=True)
-def _decode_task(q, k_head, v_head, b, h, length, seg, scale, m_out, l_out, acc_out, tile):
+def _decode_task(q, k_head, v_head, b, h, length, seg, scale, m_out, l_out, acc_out, tile, amx):
     """Segment seg of batch row b's keys [0, length) for the g query heads of kv head h: its partial
     softmax into m_out, l_out: [g] and acc_out: [g, hd], computed as prefill computes it."""
     g, hd = acc_out.shape
+    t_lo = seg * SEGMENT
+    t_hi = min(length, t_lo + SEGMENT)
+    if amx:
+        bufs = _amx_buffers(tile, g, hd)
+        _pack_queries(q, h, g, b, 1, scale, bufs[0], bufs[1])
+        _amx_partial(k_head, v_head, t_lo, t_hi, t_hi, g, g, bufs, m_out, l_out, acc_out)
+        return
     qs, st, acc, m, l, m_new, alpha, total, kt, vt, panel, qc, qd = _carve(tile, g, hd)
     qs[:] = np.float32(0.0)
     st[:] = np.float32(0.0)
     _fill_queries(q, h, g, b, 1, scale, k_head, qs, qc, qd)
-    t_lo = seg * SEGMENT
-    t_hi = min(length, t_lo + SEGMENT)
     _segment(qs, qc, qd, k_head, v_head, t_lo, t_hi, t_hi, g, g, st, m, l, acc, m_new, alpha, total, kt, vt, panel, True)
     for r in range(g):
         m_out[r] = m[r]
@@ -804,7 +823,7 @@ def _decode_task(q, k_head, v_head, b, h, length, seg, scale, m_out, l_out, acc_
 
 
 @numba.njit(cache=True, nogil=True, fastmath=True)
-def _decode_tasks(q, k_layer, v_layer, slots, lengths, scale, partial_m, partial_l, partial_acc, tile, s, every):
+def _decode_tasks(q, k_layer, v_layer, slots, lengths, scale, partial_m, partial_l, partial_acc, tile, s, every, amx):
     """Tasks s, s + every, ... of the step: (row, segment, kv head) triples in that order."""
     kvh = k_layer.shape[1]
     g = q.shape[1] // kvh
@@ -815,14 +834,15 @@ def _decode_tasks(q, k_layer, v_layer, slots, lengths, scale, partial_m, partial
                 if task % every == s:
                     _decode_task(q, k_layer[slots[b], h], v_layer[slots[b], h], b, h, lengths[b], seg, scale,
                                  partial_m[seg, b, h * g : h * g + g], partial_l[seg, b, h * g : h * g + g],
-                                 partial_acc[seg, b, h * g : h * g + g], tile[s])
+                                 partial_acc[seg, b, h * g : h * g + g], tile[s], amx)
                 task += 1
 
 
 @numba.njit(cache=True, nogil=True, fastmath=True, parallel=True)
-def _decode_parallel(q, k_layer, v_layer, slots, lengths, scale, partial_m, partial_l, partial_acc, tile, threads):
+def _decode_parallel(q, k_layer, v_layer, slots, lengths, scale, partial_m, partial_l, partial_acc, tile, threads, amx):
     for s in prange(threads):
-        _decode_tasks(q, k_layer, v_layer, slots, lengths, scale, partial_m, partial_l, partial_acc, tile, s, threads)
+        _decode_tasks(q, k_layer, v_layer, slots, lengths, scale, partial_m, partial_l, partial_acc, tile, s, threads,
+                      amx)
 
 
 @numba.njit(cache=True, nogil=True, fastmath=True)
@@ -841,14 +861,16 @@ def _merge_segments(partial_m, partial_l, partial_acc, lengths, out):
 
 
 @numba.njit(cache=True, nogil=True, fastmath=True)
-def decode_rows(q, k_layer, v_layer, slots, lengths, scale, partial_m, partial_l, partial_acc, tile, threads, out):
+def decode_rows(q, k_layer, v_layer, slots, lengths, scale, partial_m, partial_l, partial_acc, tile, threads, amx, out):
     """attention_decode on kernel views, shared by `threads` threads (at most the tile scratch's):
-    on the calling thread when the step is short, else tasks dealt to the threads in turns."""
+    on the calling thread when the step is short, else tasks dealt to the threads in turns; on
+    AMX tiles when amx (on_amx)."""
     kvh = k_layer.shape[1]
     if threads <= 1 or int(lengths.sum()) * kvh < DECODE_PARALLEL_MIN:
-        _decode_tasks(q, k_layer, v_layer, slots, lengths, scale, partial_m, partial_l, partial_acc, tile, 0, 1)
+        _decode_tasks(q, k_layer, v_layer, slots, lengths, scale, partial_m, partial_l, partial_acc, tile, 0, 1, amx)
     else:
-        _decode_parallel(q, k_layer, v_layer, slots, lengths, scale, partial_m, partial_l, partial_acc, tile, threads)
+        _decode_parallel(q, k_layer, v_layer, slots, lengths, scale, partial_m, partial_l, partial_acc, tile, threads,
+                         amx)
     _merge_segments(partial_m, partial_l, partial_acc, lengths, out)
 
 
@@ -863,9 +885,10 @@ def attention_decode(q, k_layer, v_layer, fmt, slots, lengths, scale, out, parti
     (row, segment, kv head) tasks go to the threads in turns, then each row's segments are
     merged in order. Short work runs on the calling thread. Allocates nothing.
     """
+    amx = on_amx(fmt, q.shape[2])
     k_layer, v_layer = kernel_view(k_layer, fmt), kernel_view(v_layer, fmt)
     threads = min(tile.shape[0], numba.get_num_threads())
-    decode_rows(q, k_layer, v_layer, slots, lengths, scale, partial_m, partial_l, partial_acc, tile, threads, out)
+    decode_rows(q, k_layer, v_layer, slots, lengths, scale, partial_m, partial_l, partial_acc, tile, threads, amx, out)
 
 
 def attention_decode_ref(q, k_layer, v_layer, fmt, slots, lengths, scale, out, partial_m, partial_l, partial_acc, tile):

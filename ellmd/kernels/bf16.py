@@ -358,6 +358,57 @@ def tile_product(row_tiles, col_tiles, halves, accumulate):
     return product
 
 
+@intrinsic
+def pack_values(typingctx, v, t0, nk, vt):
+    """vt[d, j] = v[t0 + min(j, nk - 1), d] for d < hd, j < keys: values transposed, the A operand
+    of tile_product's values^T . probabilities (row d: keys 0.. of dimension d, a pair of keys a
+    32-bit word), keys past nk repeating the last (finite, and met by zero probabilities).
+
+    v: [*, hd] bf16 bits, hd % 16 == 0; vt: [>= hd, keys] uint16, keys % 32 == 0; both
+    C-contiguous. Per 32 keys x 16 dimensions: the two rows of each pair of keys interleaved into
+    one vector of 16 words, then a 16 x 16 transpose of the words in registers."""
+    u16 = types.uint16
+    if not (_is_matrix(v, u16) and _is_matrix(vt, u16)):
+        return None
+    sig = types.void(v, types.intp, types.intp, vt)
+
+    def codegen(context, builder, signature, args):
+        v_p, (_, hd), _ = _data(context, builder, signature.args[0], args[0])
+        vt_p, (_, keys), _ = _data(context, builder, signature.args[3], args[3])
+        t0, nk = args[1], args[2]
+        intp = context.get_value_type(types.intp)
+
+        def const(x):
+            return ir.Constant(intp, x)
+
+        i16x16 = ir.VectorType(ir.IntType(16), _LANES)
+        interleave = ir.Constant(ir.VectorType(ir.IntType(32), 2 * _LANES),
+                                 [i // 2 + (_LANES if i % 2 else 0) for i in range(2 * _LANES)])
+        last = builder.sub(nk, const(1))
+        words = builder.bitcast(vt_p, ir.IntType(32).as_pointer())
+        with cgutils.for_range(builder, builder.udiv(keys, const(2 * _LANES))) as blocks:
+            j0 = builder.mul(blocks.index, const(2 * _LANES))
+            rows = []
+            for j in range(2 * _LANES):
+                key = builder.add(j0, const(j))
+                key = builder.select(builder.icmp_signed(">", key, last), last, key)
+                rows.append(builder.gep(v_p, [builder.mul(builder.add(t0, key), hd)]))
+            with cgutils.for_range(builder, builder.udiv(hd, const(_LANES))) as dims:
+                d0 = builder.mul(dims.index, const(_LANES))
+                pairs = []
+                for kp in range(_LANES):
+                    a, b = (builder.load(builder.bitcast(builder.gep(rows[2 * kp + i], [d0]), i16x16.as_pointer()),
+                                         align=2) for i in range(2))
+                    pairs.append(builder.bitcast(builder.shuffle_vector(a, b, interleave), _I32X16))
+                for i, col in enumerate(_transpose16(builder, pairs)):
+                    at = builder.add(builder.mul(builder.add(d0, const(i)), builder.udiv(keys, const(2))),
+                                     builder.udiv(j0, const(2)))
+                    builder.store(col, builder.bitcast(builder.gep(words, [at]), _I32X16.as_pointer()), align=4)
+        return context.get_dummy_value()
+
+    return sig, cpu.compiled_for("bf16", codegen)
+
+
 _F32X16 = ir.VectorType(ir.FloatType(), _LANES)
 
 

@@ -39,7 +39,7 @@ from typing import NamedTuple
 
 import numba
 import numpy as np
-from numba import prange
+from numba import prange, types
 from numba.extending import overload
 
 from ellmd.kernels import attention, bf16, lanes, moe, norm, quant
@@ -225,13 +225,16 @@ def attend(q, k_layer, v_layer, slots, positions, lengths, scale, out, run):
 
 @overload(attend, jit_options=JIT)
 def _attend_compiled(q, k_layer, v_layer, slots, positions, lengths, scale, out, run):
+    bf16_kv = k_layer.dtype == types.uint16  # f16 KV comes viewed as int16
+
     def impl(q, k_layer, v_layer, slots, positions, lengths, scale, out, run):
         n = q.shape[0]
         for i in range(n):
             lengths[i] = positions[i] + 1
-        _, _, _, _, _, threads, (partial_m, partial_l, partial_acc, tile), _ = run
+        _, _, _, halves, _, threads, (partial_m, partial_l, partial_acc, tile), _ = run
+        amx = bf16_kv and len(halves) > 0 and q.shape[2] % 16 == 0  # attention.on_amx: with decode's tiles
         attention.decode_rows(q, k_layer, v_layer, slots, lengths[:n], scale, partial_m, partial_l, partial_acc,
-                              tile, threads, out)
+                              tile, threads, amx, out)
 
     return impl
 
