@@ -8,7 +8,7 @@ except on the integer paths (cpu.py), where block weights meet activations quant
 import numpy as np
 import pytest
 
-from ellmd.kernels import cpu, moe, quant, quant_int
+from ellmd.kernels import cpu, moe, quant
 from ellmd.kernels.activations import silu_mul_ref
 from ellmd.kernels.formats import BF16, F16, F32, to_f32, to_storage
 from arrays import randn

@@ -81,8 +81,9 @@ def test_a_tokens_logits_do_not_depend_on_how_it_was_computed(alignment_dir, var
 @pytest.mark.parametrize("kernels", ["portable", "vnni", "bf16", "bf16-prefill", "dpbf16"])
 def test_on_every_kernel_path(alignment_dir, use_kernels, kernels):
     """The default paths are the test above; the float kernels are the same on the integer paths; on
-    "bf16" (AMX) decode takes the tiles prefill takes. The prefill-only paths ("bf16-prefill": AMX
-    in prefill, attention's too; "dpbf16": vdpbf16ps) are opt-in because decode does not share their sums."""
+    "bf16" (AMX) decode takes the tiles prefill takes, in the matmuls and in attention over bf16 KV.
+    The prefill-only paths ("bf16-prefill": AMX for GGUF blocks outside lanes' tiles; "dpbf16":
+    vdpbf16ps) are opt-in because decode does not share their sums."""
     use_kernels(kernels)
     if bf16.enabled() and not bf16.decode_tiles():
         pytest.xfail("prefill-only bf16 paths (AMX, vdpbf16ps: two bf16 halves) do not share decode's sums")

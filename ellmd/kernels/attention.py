@@ -8,7 +8,7 @@ Shape legend:
   slots  KV slots; S sequence capacity of a slot
   KB     keys per tile (TILE_KEYS)
   R      query rows of a task: (query, head of the group) pairs, row r = qi * g + gi;
-         Rp = R rounded up for the SIMD kernel (to 32 on AMX)
+         Rp = R rounded up for the SIMD kernel (to 16 on AMX)
   segments  a row's keys in SEGMENT-key pieces (decode's partial softmaxes, one per segment)
   KA, RB keys per tile and query rows per softmax block of the AMX path (AMX_KEYS, AMX_BLOCK)
 
@@ -30,16 +30,17 @@ Storage: see formats.py (f16 is viewed as int16 inside kernels). KV in q8_0 bloc
 stored (kv_blocks.py: integer scores, values summed from their codes), q4_0 blocks converted a
 tile at a time; either way in prefill as in decode.
 
-Prefill of bf16 KV on the "bf16-prefill" path (cpu.py, AMX; opt-in, as decode stays f32): the two
-products are tdpbf16ps tile products (bf16.tile_product), the online softmax stays f32. A task is
-(kv head, block of up to AMX_TASK_ROWS query rows, key range): it packs its queries once (scaled, as
-hi + lo bf16 halves: a single bf16 raised the median logit error by a fifth on 1,100-token prefill),
-then visits its keys in tiles of KA, each packed once (keys as rows, values transposed) for all its
-rows, in blocks of RB rows: scores^T [KA, RB] = keys . queries^T, softmax along the rows,
-probabilities rounded to bf16 (as flash attention does; no change in the logit error measured) and
-acc^T [hdp, R] += values^T . p^T. Key ranges split the causal work of a query block into one share
-per thread; the partial softmaxes are merged. f16 and f32 KV, kept for their precision, take the f32
-kernels. (This path does not share decode's arithmetic: bf16 products differ from f32 FMA.) Loops
+bf16 KV on the "bf16" path (cpu.py, AMX), in prefill and decode alike: a segment's partial softmax
+comes from AMX tiles instead of the f32 kernels, in the same frame (segments at fixed positions,
+folded in order by the same code). Its queries are packed once (scaled, as hi + lo bf16 halves: a
+single bf16 raised the median logit error by a fifth on 1,100-token prefill), then its keys are
+visited in tiles of KA from the segment's start, each packed once (keys as rows, read in place when
+they fill whole tiles; values transposed, bf16.pack_values) for all its rows, in blocks of up to RB
+rows: scores^T [KA, RB] = keys . queries^T (bf16.tile_product), the online softmax along the rows
+in f32, probabilities rounded to bf16 (as flash attention does; no change in the logit error
+measured) and acc^T [hdp, R] += values^T . p^T. A row is a column of the tiles and a lane of the
+softmax, so its numbers are its own: a decode step's g rows (padded to 16) get the bits prefill
+gives the same query. f16 and f32 KV, kept for their precision, take the f32 kernels. Loops
 index from 0 over views: an index that may be negative, like range(lo, n), makes numba emit
 wraparound checks that stop LLVM from vectorizing.
 """
@@ -49,7 +50,7 @@ import numpy as np
 from numba import prange, types
 from numba.extending import overload
 
-from ellmd.kernels import bf16, cpu, gemm, kv_blocks
+from ellmd.kernels import bf16, gemm, kv_blocks
 from ellmd.kernels.activations import FASTMATH_DIVIDES, exp_f32
 from ellmd.kernels.formats import BF16, _bitcast_f32, _bitcast_u32, decode, encode, kernel_view, to_f32, to_storage
 from ellmd.kernels.matmul import linear_rows
@@ -727,9 +728,9 @@ def attention_prefill(q, k_slot, v_slot, fmt, start, scale, out):
 
     Query i sits at position start + i and sees keys [0, start + i]; keys [0, start + n) must be
     stored. q: [n, H, hd] float32; k_slot, v_slot: [kvh, S, hd] storage; out: [n, H, hd] float32.
-    bf16 KV on the "bf16-prefill" path where the CPU has AMX: tile products (see above), the output
-    within 2**-8 x max|v| of exact (bf16 probabilities). Otherwise the f32 kernels, each query
-    computed as a decode step computes it: tasks are (kv head, block of TASK_ROWS // g queries),
+    bf16 KV on the "bf16" path where the CPU has AMX (on_amx): tile products (see above), the output
+    within 2**-8 x max|v| of exact (bf16 probabilities); otherwise the f32 kernels. Either way each
+    query is computed as a decode step computes it: tasks are (kv head, block of TASK_ROWS // g queries),
     each converting a key tile once for all g heads of its block, ordered short, long, short, ...
     (causal work grows with the block) so that the contiguous task ranges the threads receive
     carry equal work; a short chunk, with too few tasks for the threads, shares every task's

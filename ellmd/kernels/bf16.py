@@ -28,8 +28,8 @@ padded by ROW_PAD values: 4 KiB apart at k = 2048, they all fell in one L1 set),
 and the block adds lo(w) . hi(x) to the two products: w . x to ~2**-16 of each term (the dropped
 lo(w) . lo(x) is ~2**-18), where the f32 panels of matmul.py ran at a third of the bf16 speed.
 
-tile_product builds the same kind of block for operands at any offsets (attention.py's AMX
-prefill: keys . queries and values^T . probabilities).
+tile_product builds the same kind of block for operands at any offsets, and pack_values lays values
+out for it (attention.py's AMX attention: keys . queries and values^T . probabilities).
 
 Without AMX (or with the "bf16" path off), the "dpbf16" path (cpu.py), when on, runs the GEMM on
 dpbf16.py's block (vdpbf16ps, AVX512-BF16: tokens in lanes, a weight pair broadcast), on the same

@@ -6,13 +6,13 @@ Paths (each needs its CPU features; without them the portable f32 FMA kernels ru
            alignment tolerances)
   "vnni"   vpdpbusd (AVX512-VNNI) for weights in GGUF blocks, activations quantized to int8 per
            32 values as llama.cpp does (~1% of a product: it changes some greedy answers)
-  "bf16"   AMX tdpbf16ps for the matmuls of bf16 weights, prefill and decode alike (bf16.py; decode's
-           few tokens on the same tiles in the same order: a token's numbers whatever its chunk),
-           activations as two bf16 halves (~3e-6 of a product; bf16.py also needs Linux to grant
-           the tile state)
-  "bf16-prefill"  AMX in prefill only, where decode does not follow: attention's prefill over bf16
-           KV, and GGUF blocks that lanes.py does not tile (decoded, split into halves). Opt-in:
-           a token's logits would depend on how it was computed
+  "bf16"   AMX tdpbf16ps for the matmuls of bf16 weights and for attention over bf16 KV, prefill
+           and decode alike (bf16.py, attention.py; decode's few tokens on the same tiles in the
+           same order: a token's numbers whatever its chunk), activations and queries as two bf16
+           halves (~3e-6 of a product; bf16.py also needs Linux to grant the tile state)
+  "bf16-prefill"  AMX in prefill only, where decode does not follow: GGUF blocks that lanes.py does
+           not tile (decoded, split into halves). Opt-in: a token's logits would depend on how it
+           was computed
   "dpbf16" vdpbf16ps (AVX512-BF16) for the prefill matmuls of bf16 weights where AMX is not on
            (Zen 4/5, Xeons from Cooper Lake; "bf16" wins where both are): bf16.py's GEMM on
            dpbf16.py's block, the same two halves. Opt-in, as "bf16-prefill"
