@@ -35,12 +35,13 @@ comes from AMX tiles instead of the f32 kernels, in the same frame (segments at 
 folded in order by the same code). Its queries are packed once (scaled, as hi + lo bf16 halves: a
 single bf16 raised the median logit error by a fifth on 1,100-token prefill), then its keys are
 visited in tiles of KA from the segment's start, each packed once (keys as rows, read in place when
-they fill whole tiles; values transposed, bf16.pack_values) for all its rows, in blocks of up to RB
-rows: scores^T [KA, RB] = keys . queries^T (bf16.tile_product), the online softmax along the rows
-in f32, probabilities rounded to bf16 (as flash attention does; no change in the logit error
-measured) and acc^T [hdp, R] += values^T . p^T. A row is a column of the tiles and a lane of the
-softmax, so its numbers are its own: a decode step's g rows (padded to 16) get the bits prefill
-gives the same query. f16 and f32 KV, kept for their precision, take the f32 kernels. Loops
+they fill whole tiles; values interleaved by pairs of keys, bf16.pair_keys) for all its rows, in
+blocks of up to RB rows: scores^T [KA, RB] = keys . queries^T (bf16.tile_product), the online
+softmax along the rows in f32, probabilities rounded to bf16 (as flash attention does; no change
+in the logit error measured), turned to rows (bf16.transpose_words) and acc [R, hdp] += p . values.
+A row is a column of the score tiles, a lane of the softmax and a row of the value tiles, so its
+numbers are its own: a decode step's g rows (padded to 16) get the bits prefill gives the same
+query. f16 and f32 KV, kept for their precision, take the f32 kernels. Loops
 index from 0 over views: an index that may be negative, like range(lo, n), makes numba emit
 wraparound checks that stop LLVM from vectorizing.
 """
@@ -513,12 +514,14 @@ _MASKED = np.float32(-3e30)  # a hidden score: below _NO_MAX, so exp(_MASKED - m
 # The reference max m of a row moves only when a score exceeds it by this much (so the
 # accumulator's rescaling is rare); probabilities are then up to e**_SLACK, well within range.
 _SLACK = np.float32(8.0)
-# st = keys . (hi + lo) queries and acc += values^T . bf16 probabilities, on 32 rows of queries and
-# on 16 (a decode step's few rows, a block's last 16): a column's sums are the same in either
+# st = keys . (hi + lo) queries and acc += bf16 probabilities . values, on 32 rows of queries and on
+# 16 (a decode step's few rows, a block's last 16; its values on 4 or 2 accumulators of 16
+# dimensions, whose chains hide the latency of tdpbf16ps): a row's sums are the same in either
 _scores = bf16.tile_product(2, 2, 2, False)
 _scores_16 = bf16.tile_product(2, 1, 2, False)
 _values = bf16.tile_product(2, 2, 1, True)
-_values_16 = bf16.tile_product(2, 1, 1, True)
+_values_16 = bf16.tile_product(1, 4, 1, True)
+_values_16_32 = bf16.tile_product(1, 2, 1, True)
 
 
 @numba.njit(cache=True, nogil=True, fastmath=True, inline="always")
@@ -549,12 +552,12 @@ def _pack_queries(q, h, g, q0, nq, scale, qh, ql):
 
 
 @numba.njit(cache=True, nogil=True, fastmath=True)
-def _pack_tile(k_head, v_head, t0, nk, kt, vt):
+def _pack_tile(k_head, v_head, t0, nk, kt, vp):
     """The tile's operands: (keys, k0), its keys as rows k0.. of keys (the A operand of the scores:
     k_head itself for a whole tile whose rows fill whole tiles, hd % 32 == 0; else kt[:nk, :hd],
-    rows past nk keeping finite old values, whose scores are masked); vt[:hd] = their values
-    transposed (the A operand of the values product; keys past nk repeat the last)."""
-    bf16.pack_values(v_head, t0, nk, vt)
+    rows past nk keeping finite old values, whose scores are masked); vp = their values by pairs
+    of keys (the B operand of the values product, bf16.pair_keys; keys past nk repeat the last)."""
+    bf16.pair_keys(v_head, t0, nk, vp)
     hd = k_head.shape[1]
     if nk == AMX_KEYS and hd % 32 == 0:
         return k_head, t0
@@ -580,8 +583,8 @@ def _mask(st, nk, r0, cols, base, g):
 @numba.njit(cache=True, nogil=True, fastmath=True)
 def _softmax_block(st, r0, cols, m, l, acc, pt, scratch):
     """Online softmax of rows r0..r0+cols over a tile: st: [KA, RB] scores; m, l: [Rp];
-    acc: [hdp, Rp]; pt: [KA // 2, RB] uint32, the bf16 probabilities of keys 2p and 2p + 1 (the
-    B operand of the values product); scratch: [3, RB]. l sums the very bf16 weights the values
+    acc: [Rp, hdp]; pt: [KA // 2, RB] uint32, the bf16 probabilities of keys 2p and 2p + 1 by
+    column; scratch: [3, RB]. l sums the very bf16 weights the values
     product uses, so the output is their exact weighted mean (a constant value stays constant)."""
     m_new, alpha, total = scratch[0], scratch[1], scratch[2]
     bf16.column_max(st, m, r0, m_new, cols)
@@ -598,19 +601,19 @@ def _softmax_block(st, r0, cols, m, l, acc, pt, scratch):
     for c in range(cols):
         lv[c] = lv[c] * alpha[c] + total[c]
     if scale:
-        for d in range(acc.shape[0]):
-            a = acc[d, r0 : r0 + cols]
-            for c in range(cols):
-                a[c] *= alpha[c]
+        for c in range(cols):
+            a = acc[r0 + c]
+            for d in range(a.shape[0]):
+                a[d] *= alpha[c]
 
 
 @numba.njit(cache=True, nogil=True, fastmath=True)
-def _amx_rows(keys, k0, vt, qh, ql, st, pt, pt_pairs, acc, m, l, r0, cols, nk, base, g, scratch):
+def _amx_rows(keys, k0, vp, qh, ql, st, pt, pr, acc, m, l, r0, cols, nk, base, g, scratch):
     """Rows r0..r0+cols of a task (r0, cols multiples of 16) over one tile of keys: scores,
-    softmax, values. Row r sees tile key j while j <= base + r // g; keys, k0, vt: the tile's
-    operands (_pack_tile); pt, pt_pairs: [KA // 2, RB] uint32 and [KA // 2, 2 * RB] uint16 views of
-    the probabilities; scratch: [3, RB] float32."""
-    hdp = vt.shape[0]
+    softmax, values. Row r sees tile key j while j <= base + r // g; keys, k0, vp: the tile's
+    operands (_pack_tile); pt: [KA // 2, RB] uint32, the probabilities by column (exp_pairs); pr:
+    [RB, KA] uint16, the same by row (the A operand of the values); scratch: [3, RB] float32."""
+    hdp = vp.shape[1] // 2
     wide = cols // 32 * 32
     for j in range(0, AMX_KEYS, 32):
         for c in range(0, wide, 32):
@@ -620,18 +623,22 @@ def _amx_rows(keys, k0, vt, qh, ql, st, pt, pt_pairs, acc, m, l, r0, cols, nk, b
     if nk < AMX_KEYS or base + r0 // g < AMX_KEYS - 1:  # the diagonal or the last tile
         _mask(st, nk, r0, cols, base, g)
     _softmax_block(st, r0, cols, m, l, acc, pt, scratch)
-    for d in range(0, hdp, 32):
-        for c in range(0, wide, 32):
-            _values(vt, d, 0, pt_pairs, pt_pairs, 0, c, acc, d, r0 + c, AMX_KEYS // 2)
-        if wide < cols:
-            _values_16(vt, d, 0, pt_pairs, pt_pairs, 0, wide, acc, d, r0 + wide, AMX_KEYS // 2)
+    bf16.transpose_words(pt, pr.view(np.uint32), cols)
+    for c in range(0, wide, 32):
+        for d in range(0, hdp, 32):
+            _values(pr, c, 0, vp, vp, 0, d, acc, r0 + c, d, AMX_KEYS // 2)
+    if wide < cols:
+        for d in range(0, hdp // 64 * 64, 64):
+            _values_16(pr, wide, 0, vp, vp, 0, d, acc, r0 + wide, d, AMX_KEYS // 2)
+        if hdp % 64:
+            _values_16_32(pr, wide, 0, vp, vp, 0, hdp - 32, acc, r0 + wide, hdp - 32, AMX_KEYS // 2)
 
 
 def amx_floats(rows, hd):
     """float32 elements of _amx_buffers' area for `rows` query rows of head_dim hd."""
     rows_p, hdp = _round_up(rows, 16), _round_up(hd, 32)
     rb = min(AMX_BLOCK, rows_p)
-    return 2 * hdp * rows_p + AMX_KEYS * hdp + AMX_KEYS * rb + AMX_KEYS // 2 * rb + 3 * rb + 2 * rows_p
+    return 2 * hdp * rows_p + AMX_KEYS * hdp + AMX_KEYS * rb + AMX_KEYS * rb + 3 * rb + 2 * rows_p
 
 
 _amx_floats = numba.njit(cache=True, nogil=True)(amx_floats)
@@ -641,9 +648,10 @@ _amx_floats = numba.njit(cache=True, nogil=True)(amx_floats)
 def _amx_buffers(area, rows, hd):
     """An AMX task's arrays, views of area (1-D float32, _amx_floats(rows, hd) elements): qh, ql
     [hdp // 2, Rp] uint32 (the queries' halves, _pack_queries) and their uint16 views [hdp // 2,
-    2 Rp]; kt [KA, hdp] and vt [hdp, KA] uint16 (_pack_tile; kt's columns past hd zeroed, as they
-    meet the queries' zero padding); st [KA, RB]; pt [KA // 2, RB] uint32 and its uint16 view;
-    scratch [3, RB]; m, l [Rp]; acc [hdp, Rp] (Rp: rows rounded up to 16, RB: Rp up to AMX_BLOCK)."""
+    2 Rp]; kt [KA, hdp] and vp [KA // 2, 2 hdp] uint16 (_pack_tile; past hd zeroed, as kt meets
+    the queries' zero padding and vp's sums past hd must stay finite); st [KA, RB]; pt [KA // 2, RB]
+    uint32; pr [RB, KA] uint16; scratch [3, RB]; m, l [Rp]; acc [Rp, hdp] (Rp: rows rounded up to
+    16, RB: Rp up to AMX_BLOCK)."""
     rows_p, hdp = _round_up(rows, 16), _round_up(hd, 32)
     rb = min(AMX_BLOCK, rows_p)
     o = 0
@@ -654,40 +662,43 @@ def _amx_buffers(area, rows, hd):
     o += AMX_KEYS * hdp
     kt = kv[: AMX_KEYS * hdp].reshape((AMX_KEYS, hdp))
     kt[:, hd:] = 0
-    vt = kv[AMX_KEYS * hdp :].reshape((hdp, AMX_KEYS))
+    vp = kv[AMX_KEYS * hdp :].reshape((AMX_KEYS // 2, 2 * hdp))
+    vp[:, 2 * hd :] = 0
     st = area[o : o + AMX_KEYS * rb].reshape((AMX_KEYS, rb))
     o += AMX_KEYS * rb
     pt = area[o : o + AMX_KEYS // 2 * rb].view(np.uint32)
+    o += AMX_KEYS // 2 * rb
+    pr = area[o : o + AMX_KEYS // 2 * rb].view(np.uint16)
     o += AMX_KEYS // 2 * rb
     scratch = area[o : o + 3 * rb].reshape((3, rb))
     o += 3 * rb
     m, l = area[o : o + rows_p], area[o + rows_p : o + 2 * rows_p]
     o += 2 * rows_p
-    acc = area[o : o + hdp * rows_p].reshape((hdp, rows_p))
+    acc = area[o : o + rows_p * hdp].reshape((rows_p, hdp))
     return (qh.reshape((hdp // 2, rows_p)), ql.reshape((hdp // 2, rows_p)), qh.view(np.uint16).reshape((hdp // 2, 2 * rows_p)),
-            ql.view(np.uint16).reshape((hdp // 2, 2 * rows_p)), kt, vt, st, pt.reshape((AMX_KEYS // 2, rb)),
-            pt.view(np.uint16).reshape((AMX_KEYS // 2, 2 * rb)), scratch, m, l, acc)
+            ql.view(np.uint16).reshape((hdp // 2, 2 * rows_p)), kt, vp, st, pt.reshape((AMX_KEYS // 2, rb)),
+            pr.reshape((rb, AMX_KEYS)), scratch, m, l, acc)
 
 
 @numba.njit(cache=True, nogil=True, fastmath=True)
 def _amx_segment(k_head, v_head, t_lo, t_hi, limit, g, bufs):
-    """The partial softmax m, l [Rp] and acc [hdp, Rp] (transposed) in bufs of its packed query rows
+    """The partial softmax m, l [Rp] and acc [Rp, hdp] in bufs of its packed query rows
     over keys [t_lo, t_hi), from a fresh start, in tiles of KA keys from t_lo; row r sees key t when
     r // g >= t - limit. A row is a column of the tiles and a lane of the softmax: its numbers do
     not depend on the rows beside it, and a tile a row does not see changes none of them (a hidden
     key's probability is 0), so a row block skips the tiles before its first key."""
-    _, _, qh16, ql16, kt, vt, st, pt, pt_pairs, scratch, m, l, acc = bufs
-    rows_p = acc.shape[1]
+    _, _, qh16, ql16, kt, vp, st, pt, pr, scratch, m, l, acc = bufs
+    rows_p = acc.shape[0]
     m[:] = _NO_MAX
     l[:] = np.float32(0.0)
     acc[:] = np.float32(0.0)
     for t0 in range(t_lo, t_hi, AMX_KEYS):
         nk = min(AMX_KEYS, t_hi - t0)
-        keys, k0 = _pack_tile(k_head, v_head, t0, nk, kt, vt)
+        keys, k0 = _pack_tile(k_head, v_head, t0, nk, kt, vp)
         r0 = max(0, t0 - limit) * g // 16 * 16  # rows before see no key of this tile
         while r0 < rows_p:
             cols = min(st.shape[1], rows_p - r0)
-            _amx_rows(keys, k0, vt, qh16, ql16, st, pt, pt_pairs, acc, m, l, r0, cols, nk, limit - t0, g, scratch)
+            _amx_rows(keys, k0, vp, qh16, ql16, st, pt, pr, acc, m, l, r0, cols, nk, limit - t0, g, scratch)
             r0 += cols
 
 
@@ -709,9 +720,9 @@ def _amx_partial_overload(k_head, v_head, t_lo, t_hi, limit, g, rows, bufs, m_ou
         for r in range(rows):
             m_out[r] = m[r]
             l_out[r] = l[r]
-            dst = acc_out[r]
+            dst, src = acc_out[r], acc[r]
             for d in range(k_head.shape[1]):
-                dst[d] = acc[d, r]
+                dst[d] = src[d]
 
     return impl
 

@@ -28,8 +28,9 @@ padded by ROW_PAD values: 4 KiB apart at k = 2048, they all fell in one L1 set),
 and the block adds lo(w) . hi(x) to the two products: w . x to ~2**-16 of each term (the dropped
 lo(w) . lo(x) is ~2**-18), where the f32 panels of matmul.py ran at a third of the bf16 speed.
 
-tile_product builds the same kind of block for operands at any offsets, and pack_values lays values
-out for it (attention.py's AMX attention: keys . queries and values^T . probabilities).
+tile_product builds the same kind of block for operands at any offsets, pair_keys and
+transpose_words lay operands out for it (attention.py's AMX attention: keys . queries and
+probabilities . values).
 
 Without AMX (or with the "bf16" path off), the "dpbf16" path (cpu.py), when on, runs the GEMM on
 dpbf16.py's block (vdpbf16ps, AVX512-BF16: tokens in lanes, a weight pair broadcast), on the same
@@ -359,51 +360,81 @@ def tile_product(row_tiles, col_tiles, halves, accumulate):
 
 
 @intrinsic
-def pack_values(typingctx, v, t0, nk, vt):
-    """vt[d, j] = v[t0 + min(j, nk - 1), d] for d < hd, j < keys: values transposed, the A operand
-    of tile_product's values^T . probabilities (row d: keys 0.. of dimension d, a pair of keys a
-    32-bit word), keys past nk repeating the last (finite, and met by zero probabilities).
+def pair_keys(typingctx, v, t0, nk, vp):
+    """vp[p, 2 d + i] = v[t0 + min(2 p + i, nk - 1), d] for d < hd, p < len(vp): the values of
+    keys 2p and 2p + 1 interleaved, the B operand of tile_product (pairs of keys, dimensions as
+    its columns), keys past nk repeating the last (finite, and met by zero probabilities).
 
-    v: [*, hd] bf16 bits, hd % 16 == 0; vt: [>= hd, keys] uint16, keys % 32 == 0; both
-    C-contiguous. Per 32 keys x 16 dimensions: the two rows of each pair of keys interleaved into
-    one vector of 16 words, then a 16 x 16 transpose of the words in registers."""
+    v: [*, hd] bf16 bits, hd % 16 == 0; vp: [pairs, >= 2 hd] uint16; both C-contiguous. Per pair
+    and 16 dimensions: two loads, one interleave, one store."""
     u16 = types.uint16
-    if not (_is_matrix(v, u16) and _is_matrix(vt, u16)):
+    if not (_is_matrix(v, u16) and _is_matrix(vp, u16)):
         return None
-    sig = types.void(v, types.intp, types.intp, vt)
+    sig = types.void(v, types.intp, types.intp, vp)
 
     def codegen(context, builder, signature, args):
         v_p, (_, hd), _ = _data(context, builder, signature.args[0], args[0])
-        vt_p, (_, keys), _ = _data(context, builder, signature.args[3], args[3])
+        vp_p, (pairs, ld), _ = _data(context, builder, signature.args[3], args[3])
         t0, nk = args[1], args[2]
         intp = context.get_value_type(types.intp)
 
         def const(x):
             return ir.Constant(intp, x)
 
-        i16x16 = ir.VectorType(ir.IntType(16), _LANES)
+        i16x16, i16x32 = ir.VectorType(ir.IntType(16), _LANES), ir.VectorType(ir.IntType(16), 2 * _LANES)
         interleave = ir.Constant(ir.VectorType(ir.IntType(32), 2 * _LANES),
                                  [i // 2 + (_LANES if i % 2 else 0) for i in range(2 * _LANES)])
         last = builder.sub(nk, const(1))
-        words = builder.bitcast(vt_p, ir.IntType(32).as_pointer())
-        with cgutils.for_range(builder, builder.udiv(keys, const(2 * _LANES))) as blocks:
-            j0 = builder.mul(blocks.index, const(2 * _LANES))
+        with cgutils.for_range(builder, pairs) as loop:
             rows = []
-            for j in range(2 * _LANES):
-                key = builder.add(j0, const(j))
+            for i in range(2):
+                key = builder.add(builder.mul(loop.index, const(2)), const(i))
                 key = builder.select(builder.icmp_signed(">", key, last), last, key)
                 rows.append(builder.gep(v_p, [builder.mul(builder.add(t0, key), hd)]))
+            dst = builder.gep(vp_p, [builder.mul(loop.index, ld)])
             with cgutils.for_range(builder, builder.udiv(hd, const(_LANES))) as dims:
                 d0 = builder.mul(dims.index, const(_LANES))
-                pairs = []
-                for kp in range(_LANES):
-                    a, b = (builder.load(builder.bitcast(builder.gep(rows[2 * kp + i], [d0]), i16x16.as_pointer()),
-                                         align=2) for i in range(2))
-                    pairs.append(builder.bitcast(builder.shuffle_vector(a, b, interleave), _I32X16))
-                for i, col in enumerate(_transpose16(builder, pairs)):
-                    at = builder.add(builder.mul(builder.add(d0, const(i)), builder.udiv(keys, const(2))),
-                                     builder.udiv(j0, const(2)))
-                    builder.store(col, builder.bitcast(builder.gep(words, [at]), _I32X16.as_pointer()), align=4)
+                a, b = (builder.load(builder.bitcast(builder.gep(row, [d0]), i16x16.as_pointer()), align=2)
+                        for row in rows)
+                at = builder.gep(dst, [builder.mul(d0, const(2))])
+                builder.store(builder.shuffle_vector(a, b, interleave), builder.bitcast(at, i16x32.as_pointer()),
+                              align=2)
+        return context.get_dummy_value()
+
+    return sig, cpu.compiled_for("bf16", codegen)
+
+
+@intrinsic
+def transpose_words(typingctx, src, dst, cols):
+    """dst[c, r] = src[r, c] for r < len(src) and c < cols, 32-bit words: the bf16 pairs of
+    exp_pairs (keys in rows) as rows of an A operand of tile_product (keys along the rows).
+
+    src: [rows, >= cols] uint32, rows % 16 == 0; dst: [>= cols, >= rows] uint32; cols % 16 == 0;
+    C-contiguous. Per 16 x 16 words: 16 loads, a transpose in registers, 16 stores."""
+    u32 = types.uint32
+    if not (_is_matrix(src, u32) and _is_matrix(dst, u32)):
+        return None
+    sig = types.void(src, dst, types.intp)
+
+    def codegen(context, builder, signature, args):
+        s_p, (rows, lds), _ = _data(context, builder, signature.args[0], args[0])
+        d_p, (_, ldd), _ = _data(context, builder, signature.args[1], args[1])
+        cols = args[2]
+        intp = context.get_value_type(types.intp)
+
+        def const(x):
+            return ir.Constant(intp, x)
+
+        def vec(base, row, ld, col):
+            return builder.bitcast(builder.gep(base, [builder.add(builder.mul(row, ld), col)]), _I32X16.as_pointer())
+
+        with cgutils.for_range(builder, builder.udiv(rows, const(_LANES))) as rb:
+            r0 = builder.mul(rb.index, const(_LANES))
+            with cgutils.for_range(builder, builder.udiv(cols, const(_LANES))) as cb:
+                c0 = builder.mul(cb.index, const(_LANES))
+                block = [builder.load(vec(s_p, builder.add(r0, const(i)), lds, c0), align=4) for i in range(_LANES)]
+                for i, col in enumerate(_transpose16(builder, block)):
+                    builder.store(col, vec(d_p, builder.add(c0, const(i)), ldd, r0), align=4)
         return context.get_dummy_value()
 
     return sig, cpu.compiled_for("bf16", codegen)
