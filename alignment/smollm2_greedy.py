@@ -7,9 +7,10 @@ For each chat prompt, rendered by the model's chat template with the generation 
     generate(do_sample=False) must be IDENTICAL token ids;
   - the logits of every prompt position (prefill) and of every decode step that generate() ran,
     vs one transformers forward over prompt + continuation;
-  - the greedy continuation with q8_0 KV must be IDENTICAL to the one with bf16 KV (the default),
-    same weights; how each compares with transformers' (f32 KV there) is reported beside it:
-    both part from it at the same near tie, where they do.
+  - the greedy continuation with bf16 KV (the default) and with q8_0 KV, same weights, must each
+    be IDENTICAL to transformers' (f32 KV there) or part from it only at a near tie: where the
+    reference's top two logits are closer than the logit tolerance (TOL x the largest logit), which
+    either KV format may round either way (bf16 KV on AMX rounds its probabilities to bf16).
 
 Shapes: logits [n, V], V = 49152.
 """
@@ -113,15 +114,32 @@ def main(argv=None) -> int:
             kv_engine.rewind(0, 0)
             by_kv[kv] = list(kv_engine.generate(0, ids, SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0)))
         vs_reference = "; ".join(f"{kv} KV vs transformers: {_diverge(t, ref_tokens, ref_logits, len(ids))}" for kv, t in by_kv.items())
-        report.check(f"{tag}: greedy tokens, q8_0 KV = bf16 KV", by_kv["q8_0"] == by_kv["bf16"], vs_reference)
+        report.check(f"{tag}: greedy tokens, bf16 and q8_0 KV", all(
+            _at_near_tie(t, ref_tokens, ref_logits, len(ids)) for t in by_kv.values()), vs_reference)
         report.note(f"{tag}: {tokenizer.decode(ref_tokens)!r}")
     return report.exit_code()
+
+
+def _first_difference(ours, ref) -> int:
+    return next((i for i, (a, b) in enumerate(zip(ours, ref)) if a != b), min(len(ours), len(ref)))
+
+
+def _at_near_tie(ours, ref, ref_logits, prompt_len) -> bool:
+    """ours == ref, or the first token where they part is one whose reference top-2 margin is
+    within the logit tolerance."""
+    if ours == ref:
+        return True
+    row = prompt_len - 1 + _first_difference(ours, ref)
+    if row >= len(ref_logits):
+        return False
+    top = np.sort(ref_logits[row])[-2:]
+    return top[1] - top[0] <= common.TOL * np.abs(ref_logits[row]).max()
 
 
 def _diverge(ours, ref, ref_logits, prompt_len) -> str:
     if ours == ref:
         return f"{len(ref)} identical tokens"
-    at = next((i for i, (a, b) in enumerate(zip(ours, ref)) if a != b), min(len(ours), len(ref)))
+    at = _first_difference(ours, ref)
     detail = f"diverge at token {at} of {len(ref)} (ours {ours[at:at + 3]}, reference {ref[at:at + 3]})"
     row = prompt_len - 1 + at
     if row < len(ref_logits) and at < len(ours) and at < len(ref):

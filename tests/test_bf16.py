@@ -1,5 +1,5 @@
-"""The AMX bf16 GEMM (bf16.py: prefill, and decode's rows_amx) and AMX attention prefill
-(attention.py) against numpy.
+"""The AMX bf16 GEMM (bf16.py: prefill, and decode's rows_amx) and AMX attention (attention.py)
+against numpy.
 
 GEMM: the reference splits the activations (and the values of block weights) into the same two bf16
 halves; products of bf16 values are exact in f32, so kernel and reference differ only by f32
@@ -243,7 +243,7 @@ def test_fused_weights_write_their_column_slices(rng, amx, monkeypatch):
     assert calls == [((64, k), True), ((32, k), True)]
 
 
-# --- attention prefill on AMX ---------------------------------------------------------------
+# --- attention on AMX (prefill here; decode against prefill in test_head_dim.py) ------------
 
 
 def _attention_inputs(rng, n, start, kvh, group, hd, q_scale=1.0):
@@ -254,9 +254,11 @@ def _attention_inputs(rng, n, start, kvh, group, hd, q_scale=1.0):
     return q, k, v
 
 
-def _amx_attention(q, k, v, start, nsplit):
+def _amx_attention(q, k, v, start, threads):
+    """attention_prefill, its tasks shared as among `threads` threads: on AMX tiles where head_dim
+    allows (a multiple of 16; else the f32 kernels, the same bound)."""
     out = np.full(q.shape, np.nan, np.float32)
-    attention._prefill_amx(q, k, v, start, q.shape[2] ** -0.5, out, nsplit)
+    attention._prefill(q, k, v, start, q.shape[2] ** -0.5, out, threads, attention.on_amx(BF16, q.shape[2]))
     return out
 
 
@@ -273,10 +275,10 @@ def _amx_attention(q, k, v, start, nsplit):
         (256, 2000, 3, 3, 64),  # a chunk over a long history
     ],
 )
-@pytest.mark.parametrize("nsplit", [1, 2, 3])
-def test_amx_attention_matches_reference(rng, amx, n, start, kvh, group, hd, nsplit):
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_amx_attention_matches_reference(rng, amx, n, start, kvh, group, hd, threads):
     q, k, v = _attention_inputs(rng, n, start, kvh, group, hd)
-    got = _amx_attention(q, k, v, start, nsplit)
+    got = _amx_attention(q, k, v, start, threads)
     want = np.empty_like(q)
     attention.attention_prefill_ref(q, k, v, BF16, start, hd**-0.5, want)
     bound = 2.0**-8 * float(np.abs(formats.to_f32(v, BF16)).max())
@@ -285,12 +287,12 @@ def test_amx_attention_matches_reference(rng, amx, n, start, kvh, group, hd, nsp
 
 
 @pytest.mark.parametrize("n,start,hd", [(256, 2000, 64), (50, 4097, 80), (300, 0, 128)])
-@pytest.mark.parametrize("nsplit", [1, 2])
-def test_amx_attention_key_ranges_exact(rng, amx, n, start, hd, nsplit):
+@pytest.mark.parametrize("threads", [1, 2])
+def test_amx_attention_key_ranges_exact(rng, amx, n, start, hd, threads):
     """Zero queries: every visible key weighs exactly 1 (exact in bf16), so the output is the
     plain mean of the visible values, and one key too many or too few shows at f32 precision."""
     q, k, v = _attention_inputs(rng, n, start, 2, 3, hd, q_scale=0.0)
-    got = _amx_attention(q, k, v, start, nsplit)
+    got = _amx_attention(q, k, v, start, threads)
     want = np.empty_like(q)
     attention.attention_prefill_ref(q, k, v, BF16, start, hd**-0.5, want)
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
@@ -306,27 +308,26 @@ def test_amx_attention_constant_values_stay_constant(rng, amx):
     np.testing.assert_allclose(got[:, :, 5], formats.to_f32(column[0, 0], BF16), rtol=2e-6)
 
 
-def _counting_amx(monkeypatch):
+def _counting_prefill(monkeypatch):
     calls = []
-    real = attention._prefill_amx
+    real = attention._prefill
 
-    def amx(*args):
-        calls.append(args[0].shape)
+    def prefill(*args):
+        calls.append(args[-1])  # on AMX tiles or not
         real(*args)
 
-    monkeypatch.setattr(attention, "_prefill_amx", amx)
+    monkeypatch.setattr(attention, "_prefill", prefill)
     return calls
 
 
-def test_attention_prefill_takes_amx_only_on_its_path(rng, amx, monkeypatch):
+def test_attention_takes_amx_only_on_its_path(rng, amx, monkeypatch):
     n, start, hd = 40, 70, 64
     q, k, v = _attention_inputs(rng, n, start, 2, 2, hd)
-    calls = _counting_amx(monkeypatch)
+    calls = _counting_prefill(monkeypatch)
     want = np.empty_like(q)
     attention.attention_prefill_ref(q, k, v, BF16, start, hd**-0.5, want)
     got = np.empty_like(q)
     attention.attention_prefill(q, k, v, BF16, start, hd**-0.5, got)
-    assert calls == [q.shape]
     assert np.abs(got - want).max() <= 2.0**-8 * np.abs(formats.to_f32(v, BF16)).max()
 
     for fmt in (F16, F32):  # KV kept in f16 or f32 for its precision: the f32 kernels
@@ -334,13 +335,13 @@ def test_attention_prefill_takes_amx_only_on_its_path(rng, amx, monkeypatch):
         vf = formats.to_storage(formats.to_f32(v, BF16), fmt)
         attention.attention_prefill(q, kf, vf, fmt, start, hd**-0.5, got)
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
-    # the path off (AMX for the weights alone, one arithmetic with decode); a CPU without AMX
-    for enabled, has_amx in ((frozenset({"bf16"}), True), (frozenset({"bf16-prefill"}), False)):
+    # the "bf16" path off (AMX for the untiled blocks alone), or a CPU without AMX: the f32 kernels
+    for enabled, has_amx in ((frozenset({"bf16-prefill"}), True), (frozenset({"bf16"}), False)):
         monkeypatch.setattr(cpu, "ENABLED", enabled)
         monkeypatch.setattr(bf16, "AMX", has_amx)
         attention.attention_prefill(q, k, v, BF16, start, hd**-0.5, got)
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
-    assert calls == [q.shape]
+    assert calls == [True, False, False, False, False]
 
 
 @numba.njit(cache=True)

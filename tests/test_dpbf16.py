@@ -8,6 +8,7 @@ other tokens, the rows of c past the block) hold NaN, so a stray read shows in t
 """
 
 from functools import cache
+from types import SimpleNamespace
 from importlib import import_module
 
 import numba
@@ -20,7 +21,7 @@ from test_quant import blocks
 
 from ellmd.engine import Engine
 from ellmd.kernels import attention, bf16, cpu, dpbf16, formats
-from ellmd.kernels.formats import BF16
+from ellmd.kernels.formats import BF16, F16
 
 matmul = import_module("ellmd.kernels.matmul")  # ellmd.kernels re-exports a function named matmul
 
@@ -264,22 +265,23 @@ def test_amx_wins_where_both_are_on(rng, dp, monkeypatch):
     assert calls == [((m, k), True)]
 
 
-def test_attention_prefill_stays_off_amx(rng, dp, monkeypatch):
-    """AMX attention is the "bf16-prefill" path's alone: with "dpbf16" on, bf16 KV takes the f32 kernels."""
+def test_attention_stays_off_amx(rng, dp, monkeypatch):
+    """AMX attention is the "bf16" path's (with decode on the same tiles): with "dpbf16" on, bf16 KV
+    takes the f32 kernels."""
+    assert not attention.on_amx(BF16, 64)
     n, start, hd = 40, 70, 64
     q = rng.standard_normal((n, 4, hd)).astype(np.float32)
     k, v = (formats.to_storage(rng.standard_normal((2, start + n, hd)).astype(np.float32), BF16) for _ in range(2))
-    calls = []
-    monkeypatch.setattr(attention, "_prefill_amx", lambda *args: calls.append(args))
     got, want = np.empty_like(q), np.empty_like(q)
     attention.attention_prefill(q, k, v, BF16, start, hd**-0.5, got)
     attention.attention_prefill_ref(q, k, v, BF16, start, hd**-0.5, want)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
-    assert calls == []
 
 
 def test_engine_names_the_path(monkeypatch):
-    engine = Engine.__new__(Engine)  # describe_kernels reads the paths only
+    engine = Engine.__new__(Engine)  # describe_kernels reads the paths, the KV format and head_dim only
+    engine.kv = SimpleNamespace(fmt=BF16)
+    engine.spec = SimpleNamespace(head_dim=64)
     monkeypatch.setattr(cpu, "ENABLED", frozenset({"int16", "dpbf16"}))
     assert "bf16 weights: f32 FMA in decode, vdpbf16ps (activations as two bf16 halves) in prefill;" in \
         engine.describe_kernels()
@@ -289,8 +291,11 @@ def test_engine_names_the_path(monkeypatch):
     monkeypatch.setattr(cpu, "ENABLED", frozenset({"int16", "bf16"}))
     described = engine.describe_kernels()
     assert "bf16 weights: AMX tdpbf16ps in decode and prefill" in described
-    assert "attention: f32 FMA in prefill and decode" in described
+    assert "attention: AMX tdpbf16ps in prefill and decode" in described
+    engine.kv = SimpleNamespace(fmt=F16)  # KV kept in f16 for its precision: the f32 kernels
+    assert "attention: f32 FMA in prefill and decode" in engine.describe_kernels()
+    engine.kv = SimpleNamespace(fmt=BF16)
     monkeypatch.setattr(cpu, "ENABLED", frozenset({"int16", "bf16-prefill"}))
     described = engine.describe_kernels()
     assert "bf16 weights: f32 FMA in decode, AMX tdpbf16ps (activations as two bf16 halves) in prefill" in described
-    assert "attention: AMX tdpbf16ps over bf16 KV in prefill, f32 FMA in decode" in described
+    assert "attention: f32 FMA in prefill and decode" in described
