@@ -44,7 +44,7 @@ def _weights(rng, m, k):
 
 def _work(m, k, workers):
     """Scratch for `workers` work areas: gemm takes as many as fit."""
-    return np.full(workers * bf16.worker_floats(m, k, workers), np.nan, np.float32)  # must not be read unwritten
+    return np.full(bf16.scratch_floats(m, k, workers), np.nan, np.float32)  # must not be read unwritten
 
 
 def test_amx_is_detected_from_the_cpu():

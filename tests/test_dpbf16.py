@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from llvmlite import binding
 
-from test_bf16 import _counting_gemm
+from test_bf16 import _counting_gemm, _work
 from test_quant import blocks
 
 from ellmd.engine import Engine
@@ -175,11 +175,6 @@ def test_block_matches_the_amx_block(rng, dp, row_tiles, accumulate, split, p0, 
 
 def _weights(rng, m, k):
     return formats.to_storage(rng.standard_normal((m, k)).astype(np.float32), BF16)
-
-
-def _work(m, k, workers):
-    """Scratch for `workers` work areas: gemm takes as many as fit."""
-    return np.full(workers * bf16.worker_floats(m, k, workers), np.nan, np.float32)  # must not be read unwritten
 
 
 @pytest.mark.parametrize("n,m,k", [(70, 64, 576), (300, 48, 2048), (257, 160, 96), (70, 48, 8224)])

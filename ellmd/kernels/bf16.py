@@ -266,10 +266,17 @@ def _make_amx_block(row_tiles, accumulate):
                             acc = builder.call(f["dp"], [rows, width, width, acc, a_tiles[a], b_tiles[b]])
                             builder.store(builder.call(f["vec"], [acc]), slot)
 
-            with cgutils.for_range(builder, builder.udiv(pairs, const(TILE))) as loop:
-                products(loop.index, w_p, x_halves)  # x . w = hi . w + lo . w
-                with builder.if_then(split):  # + hi . wl, its tiles loaded after w's: 7 of the 8 tiles live
-                    products(loop.index, wl_p, x_halves[:1])
+            steps = builder.udiv(pairs, const(TILE))
+            # a loop for each: a branch inside kept the 8 tiles of the 2-row block from living in
+            # registers across it (LLVM stored and reloaded the four sums every step)
+            with builder.if_else(split) as (with_split, without):
+                with with_split:
+                    with cgutils.for_range(builder, steps) as loop:
+                        products(loop.index, w_p, x_halves)  # x . w = hi . w + lo . w
+                        products(loop.index, wl_p, x_halves[:1])  # + hi . wl, its tiles loaded after w's
+                with without:
+                    with cgutils.for_range(builder, steps) as loop:
+                        products(loop.index, w_p, x_halves)
             for a in range(row_tiles):
                 for b in range(2):
                     tile = builder.call(f["tile"], [builder.load(accs[2 * a + b])])
@@ -589,13 +596,6 @@ def groups_of(m, workers):
     return ((m + AMX_ROWS - 1) // AMX_ROWS + workers - 1) // workers
 
 
-def worker_floats(m, k, workers):
-    """float32 elements of one worker's area in gemm: both halves of the packed tokens, the sums of
-    its rows for a block of tokens, and a group of rows decoded to f32 (block weights) and its two
-    bf16 halves at padded rows."""
-    return k * TOKENS + groups_of(m, workers) * AMX_ROWS * TOKENS + AMX_ROWS * k + AMX_ROWS * (k + ROW_PAD)
-
-
 def tiles(paths=None):
     """Whether gemm runs on AMX tiles with these paths on (cpu.ENABLED when None): "bf16" or
     "bf16-prefill", and AMX granted."""
@@ -642,6 +642,46 @@ def split_rows(typingctx, w, wh, wl, c0, width):
                 for half, value in zip((wh_p, wl_p), _halves(builder, vals)):
                     builder.store(value, builder.bitcast(builder.gep(half, [builder.add(dst, at)]),
                                                          _BF16X32.as_pointer()), align=2)
+        return context.get_dummy_value()
+
+    return sig, cpu.compiled_for(PATHS, codegen)
+
+
+@intrinsic
+def store_sums(typingctx, c, out, i0, nb, j0, rows):
+    """out[i0 + i, j0 + r] = c[r, i] for i < nb, r < rows (a multiple of 16): a group's sums, kept
+    weight row by token, into out's token rows, 16 x 16 at a time through a transpose in registers.
+
+    c: [>= rows, >= nb rounded up to 16] float32, C-contiguous; out: [*, *] float32, its values
+    along a row adjacent (any row stride)."""
+    f32 = types.float32
+    if not (_is_matrix(c, f32) and isinstance(out, types.Array) and out.dtype == f32 and out.ndim == 2):
+        return None
+    sig = types.void(c, out, types.intp, types.intp, types.intp, types.intp)
+
+    def codegen(context, builder, signature, args):
+        c_p, (_, ldc), _ = _data(context, builder, signature.args[0], args[0])
+        out_p, _, (row_bytes, _) = _data(context, builder, signature.args[1], args[1])
+        i0, nb, j0, rows = args[2:]
+        intp = context.get_value_type(types.intp)
+
+        def const(v):
+            return ir.Constant(intp, v)
+
+        out_bytes = builder.bitcast(out_p, ir.IntType(8).as_pointer())
+        with cgutils.for_range(builder, builder.udiv(builder.add(nb, const(_LANES - 1)), const(_LANES))) as groups:
+            t0 = builder.mul(groups.index, const(_LANES))
+            count = builder.sub(nb, t0)  # tokens of this group (more than 16 for all but the last)
+            with cgutils.for_range(builder, builder.udiv(rows, const(_LANES))) as blocks:
+                r0 = builder.mul(blocks.index, const(_LANES))
+                sums = [builder.load(builder.bitcast(builder.gep(c_p, [builder.add(builder.mul(builder.add(r0, const(r)), ldc),
+                                                                                     t0)]), _I32X16.as_pointer()), align=4)
+                        for r in range(_LANES)]
+                for i, token in enumerate(_transpose16(builder, sums)):
+                    with builder.if_then(builder.icmp_signed(">", count, const(i))):
+                        row = builder.mul(builder.add(i0, builder.add(t0, const(i))), row_bytes)
+                        at = builder.add(row, builder.mul(builder.add(j0, r0), const(4)))
+                        builder.store(token, builder.bitcast(builder.gep(out_bytes, [at]), _I32X16.as_pointer()), align=4)
         return context.get_dummy_value()
 
     return sig, cpu.compiled_for(PATHS, codegen)
@@ -719,39 +759,50 @@ def _block_product(w, out, i0, nb, xh, xl, cb, wf, wh, wl, wk, workers, tiles):
             a, a0, split = group_operands(w, j0, p0, d, wf, wh, wl)
             _rows_product(a, wl, split, a0, rows, xh, xl, p0, d, nbp, sums, p0 > 0, tiles)
             if p0 + d == pairs:
-                for i in range(nb):  # token-major: contiguous runs of out, sums (in L1) read across
-                    dst = out[i0 + i]
-                    for r in range(rows):
-                        dst[j0 + r] = sums[r, i]
+                store_sums(sums, out, i0, nb, j0, rows)
+
+
+def _worker_floats(m, k, workers):
+    """float32 elements of one worker's area in gemm: the sums of its rows for a block of tokens,
+    and a group of rows decoded to f32 (block weights) and its two bf16 halves at padded rows."""
+    return groups_of(m, workers) * AMX_ROWS * TOKENS + AMX_ROWS * k + AMX_ROWS * (k + ROW_PAD)
 
 
 @numba.njit(cache=True, nogil=True, fastmath=True, parallel=True)
-def _gemm(x, w, out, work, tiles):
+def _gemm(x, w, out, shared, work, tiles):
+    """gemm over work's workers: each block of tokens packed into `shared` (both halves) by all of
+    them, a share of its groups of 16 tokens each, then multiplied by each worker's rows."""
     n, k = x.shape
     workers = work.shape[0]
     half = k * TOKENS // 2
+    xh = shared[:half].view(np.uint16).reshape((TOKENS // TILE, k * TILE))
+    xl = shared[half : 2 * half].view(np.uint16).reshape((TOKENS // TILE, k * TILE))
     groups = groups_of(w.shape[0], workers)
     padded = AMX_ROWS * (k + ROW_PAD) // 2
-    for wk in numba.prange(workers):
-        area = work[wk]
-        xh = area[:half].view(np.uint16).reshape((TOKENS // TILE, k * TILE))
-        xl = area[half : 2 * half].view(np.uint16).reshape((TOKENS // TILE, k * TILE))
-        at = 2 * half + groups * AMX_ROWS * TOKENS
-        cb = area[2 * half : at].reshape((groups, AMX_ROWS, TOKENS))
-        wf = area[at : at + AMX_ROWS * k].reshape((AMX_ROWS, k))
-        at += AMX_ROWS * k
-        wh = area[at : at + padded].view(np.uint16).reshape((AMX_ROWS, k + ROW_PAD))
-        wl = area[at + padded : at + 2 * padded].view(np.uint16).reshape((AMX_ROWS, k + ROW_PAD))
-        for i0 in range(0, n, TOKENS):
-            nb = min(TOKENS, n - i0)
-            pack_activations(x, i0, nb, (nb + AMX_TOKENS - 1) // AMX_TOKENS * AMX_TOKENS, xh, xl)
+    for i0 in range(0, n, TOKENS):
+        nb = min(TOKENS, n - i0)
+        runs = (nb + AMX_TOKENS - 1) // AMX_TOKENS * AMX_TOKENS // TILE  # groups of 16 tokens, padded
+        for wk in numba.prange(workers):
+            g0, g1 = wk * runs // workers, (wk + 1) * runs // workers
+            if g1 > g0:  # tokens from nb on repeat token nb - 1, as one call over the block would
+                first = min(g0 * TILE, nb - 1)
+                pack_activations(x, i0 + first, min(nb - first, (g1 - g0) * TILE), (g1 - g0) * TILE, xh[g0:g1], xl[g0:g1])
+        for wk in numba.prange(workers):
+            area = work[wk]
+            at = groups * AMX_ROWS * TOKENS
+            cb = area[:at].reshape((groups, AMX_ROWS, TOKENS))
+            wf = area[at : at + AMX_ROWS * k].reshape((AMX_ROWS, k))
+            at += AMX_ROWS * k
+            wh = area[at : at + padded].view(np.uint16).reshape((AMX_ROWS, k + ROW_PAD))
+            wl = area[at + padded : at + 2 * padded].view(np.uint16).reshape((AMX_ROWS, k + ROW_PAD))
             _block_product(w, out, i0, nb, xh, xl, cb, wf, wh, wl, wk, workers, tiles)
 
 
-def scratch_floats(m, k):
-    """float32 elements of the scratch gemm needs for a [m, k] weight, a work area per numba thread."""
-    workers = numba.get_num_threads()
-    return workers * worker_floats(m, k, workers)
+def scratch_floats(m, k, workers=None):
+    """float32 elements of the scratch gemm needs for a [m, k] weight: both halves of a block of
+    packed tokens, shared, and a work area per worker (numba's threads when None)."""
+    workers = workers or numba.get_num_threads()
+    return k * TOKENS + workers * _worker_floats(m, k, workers)
 
 
 def gemm(x, w, out, scratch, paths=None):
@@ -765,10 +816,11 @@ def gemm(x, w, out, scratch, paths=None):
     """
     m, k = w.shape[0], x.shape[1]
     workers = numba.get_num_threads()
-    while workers > 1 and workers * worker_floats(m, k, workers) > scratch.size:
+    while workers > 1 and scratch_floats(m, k, workers) > scratch.size:
         workers -= 1
-    per = worker_floats(m, k, workers)
-    _gemm(x, w, out, scratch[: workers * per].reshape(workers, per), tiles(paths))
+    per = _worker_floats(m, k, workers)
+    shared = k * TOKENS
+    _gemm(x, w, out, scratch[:shared], scratch[shared : shared + workers * per].reshape(workers, per), tiles(paths))
 
 
 def split(x):
