@@ -402,11 +402,11 @@ def _unit_queries(q, h, g, q0, nq, scale, k_head, bufs, amx):
     """A unit's queries into its buffers (bufs from _task_buffers and the AMX ones from
     _amx_buffers, filled for the path the unit takes) and the AMX buffers."""
     qs, qc, qd = bufs[0], bufs[11], bufs[12]
-    amx_bufs = _amx_buffers(np.zeros(_amx_floats(nq * g if amx else 1, q.shape[2]), np.float32),
-                            nq * g if amx else 1, q.shape[2])
     if amx:
+        amx_bufs = _amx_buffers(np.zeros(amx_floats(nq * g, q.shape[2]), np.float32), nq * g, q.shape[2])
         _pack_queries(q, h, g, q0, nq, scale, amx_bufs[0], amx_bufs[1])
-    else:
+    else:  # views of nothing: the f32 path neither reads them nor pays for an area
+        amx_bufs = _amx_buffers(np.zeros(0, np.float32), 0, 0)
         _fill_queries(q, h, g, q0, nq, scale, k_head, qs, qc, qd)
     return amx_bufs
 
@@ -634,6 +634,7 @@ def _amx_rows(keys, k0, vp, qh, ql, st, pt, pr, acc, m, l, r0, cols, nk, base, g
             _values_16_32(pr, wide, 0, vp, vp, 0, hdp - 32, acc, r0 + wide, hdp - 32, AMX_KEYS // 2)
 
 
+@numba.njit(cache=True, nogil=True)
 def amx_floats(rows, hd):
     """float32 elements of _amx_buffers' area for `rows` query rows of head_dim hd."""
     rows_p, hdp = _round_up(rows, 16), _round_up(hd, 32)
@@ -641,12 +642,9 @@ def amx_floats(rows, hd):
     return 2 * hdp * rows_p + AMX_KEYS * hdp + AMX_KEYS * rb + AMX_KEYS * rb + 3 * rb + 2 * rows_p
 
 
-_amx_floats = numba.njit(cache=True, nogil=True)(amx_floats)
-
-
 @numba.njit(cache=True, nogil=True, fastmath=True)
 def _amx_buffers(area, rows, hd):
-    """An AMX task's arrays, views of area (1-D float32, _amx_floats(rows, hd) elements): qh, ql
+    """An AMX task's arrays, views of area (1-D float32, amx_floats(rows, hd) elements): qh, ql
     [hdp // 2, Rp] uint32 (the queries' halves, _pack_queries) and their uint16 views [hdp // 2,
     2 Rp]; kt [KA, hdp] and vp [KA // 2, 2 hdp] uint16 (_pack_tile; past hd zeroed, as kt meets
     the queries' zero padding and vp's sums past hd must stay finite); st [KA, RB]; pt [KA // 2, RB]
