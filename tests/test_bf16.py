@@ -82,16 +82,21 @@ def test_pack_activations_layout(rng, amx, n, k):
         assert not packed[rows // 16 :].any()  # groups past the last token untouched
 
 
-@pytest.mark.parametrize("n,m,k", [(70, 64, 64), (300, 48, 576), (64, 96, 1024), (257, 160, 96)])
+@pytest.mark.parametrize("n,m,k", [(70, 64, 64), (300, 48, 576), (64, 96, 1024), (257, 160, 96), (16, 32, 64),
+                                   (1, 16, 32)])
 @pytest.mark.parametrize("workers", [1, 2])
 def test_gemm_matches_reference(rng, amx, n, m, k, workers):
-    """Partial token blocks, a last block of 16 rows (m=48, 160), several depth blocks (k=576, 1024)."""
+    """Partial token blocks, a last block of 16 rows (m=48, 160), several depth blocks (k=576, 1024),
+    a worker packing only padding tokens (n=16, 1 on two workers); out a column slice of a wider
+    array (its rows further apart than m), the columns beside it untouched."""
     x = rng.standard_normal((n, k)).astype(np.float32)
     w = _weights(rng, m, k)
-    got, want = np.empty((n, m), np.float32), np.empty((n, m), np.float32)
+    wide = np.full((n, m + 24), np.nan, np.float32)
+    got, want = wide[:, 8 : 8 + m], np.empty((n, m), np.float32)
     bf16.gemm(x, w, got, _work(m, k, workers))
     bf16.gemm_ref(x, w, want, None)
     np.testing.assert_allclose(got, want, **TOL)
+    assert np.isnan(wide[:, :8]).all() and np.isnan(wide[:, 8 + m :]).all()
 
 
 @pytest.mark.parametrize("name", list(quant.BLOCK_DTYPES))
