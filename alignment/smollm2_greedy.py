@@ -120,8 +120,15 @@ def main(argv=None) -> int:
     return report.exit_code()
 
 
-def _first_difference(ours, ref) -> int:
-    return next((i for i, (a, b) in enumerate(zip(ours, ref)) if a != b), min(len(ours), len(ref)))
+def _parting(ours, ref, ref_logits, prompt_len) -> tuple:
+    """(at, margin, largest): the first token where ours parts from ref, and there the reference's
+    top-2 logit margin and largest |logit| (None, None past the reference's logits)."""
+    at = next((i for i, (a, b) in enumerate(zip(ours, ref)) if a != b), min(len(ours), len(ref)))
+    row = prompt_len - 1 + at
+    if row >= len(ref_logits):
+        return at, None, None
+    top = np.sort(ref_logits[row])[-2:]
+    return at, top[1] - top[0], np.abs(ref_logits[row]).max()
 
 
 def _at_near_tie(ours, ref, ref_logits, prompt_len) -> bool:
@@ -129,22 +136,17 @@ def _at_near_tie(ours, ref, ref_logits, prompt_len) -> bool:
     within the logit tolerance."""
     if ours == ref:
         return True
-    row = prompt_len - 1 + _first_difference(ours, ref)
-    if row >= len(ref_logits):
-        return False
-    top = np.sort(ref_logits[row])[-2:]
-    return top[1] - top[0] <= common.TOL * np.abs(ref_logits[row]).max()
+    _, margin, largest = _parting(ours, ref, ref_logits, prompt_len)
+    return margin is not None and margin <= common.TOL * largest
 
 
 def _diverge(ours, ref, ref_logits, prompt_len) -> str:
     if ours == ref:
         return f"{len(ref)} identical tokens"
-    at = _first_difference(ours, ref)
+    at, margin, _ = _parting(ours, ref, ref_logits, prompt_len)
     detail = f"diverge at token {at} of {len(ref)} (ours {ours[at:at + 3]}, reference {ref[at:at + 3]})"
-    row = prompt_len - 1 + at
-    if row < len(ref_logits) and at < len(ours) and at < len(ref):
-        top = np.sort(ref_logits[row])[-2:]
-        detail += f"; reference top-2 margin there {top[1] - top[0]:.2e}"
+    if margin is not None and at < len(ours) and at < len(ref):
+        detail += f"; reference top-2 margin there {margin:.2e}"
     return detail
 
 
