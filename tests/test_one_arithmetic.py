@@ -8,7 +8,9 @@ merge is part of what is compared.
 
 from __future__ import annotations
 
+import ast
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -163,3 +165,27 @@ def test_the_same_greedy_request_twice_gives_the_same_text_and_logprobs(smol):
         steps = [[(e.token, e.logprob, [(t.token, t.logprob) for t in e.top_logprobs]) for e in r.choices[0].logprobs.content]
                  for r in (first, second)]
         assert steps[1] == steps[0], topic
+
+
+def test_every_kernel_names_its_fastmath_flags():
+    """numba compiles a function that leaves fastmath unset with the flags of the first compiled
+    caller to reach it, and caches that: its sums would then depend on which kernel happened to compile
+    it first (a q8_0 KV quantizer called from a fastmath layer divided by a reciprocal, as gguf does
+    not). So every njit function and overload in the kernels sets fastmath itself."""
+    unset = []
+    for path in sorted(Path(attention.__file__).parent.glob("*.py")):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            for decorator in getattr(node, "decorator_list", ()):
+                if not (isinstance(decorator, ast.Call) and ast.unparse(decorator.func).split(".")[-1] in ("njit", "overload")):
+                    continue
+                options = {k.arg: k.value for k in decorator.keywords}
+                if "jit_options" in options:
+                    jit_options = options["jit_options"]
+                    if isinstance(jit_options, ast.Name):  # a module constant
+                        jit_options = next(n.value for n in ast.walk(tree)
+                                           if isinstance(n, ast.Assign) and ast.unparse(n.targets[0]) == jit_options.id)
+                    options = {k.value: v for k, v in zip(jit_options.keys, jit_options.values)}
+                if "fastmath" not in options:
+                    unset.append(f"{path.name}:{node.lineno} {node.name}")
+    assert not unset, unset

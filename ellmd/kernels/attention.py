@@ -623,7 +623,7 @@ def _amx_rows(keys, k0, vp, qh, ql, st, pt, pr, acc, m, l, r0, cols, nk, base, g
     if nk < AMX_KEYS or base + r0 // g < AMX_KEYS - 1:  # the diagonal or the last tile
         _mask(st, nk, r0, cols, base, g)
     _softmax_block(st, r0, cols, m, l, acc, pt, scratch)
-    bf16.transpose_words(pt, pr.view(np.uint32), cols)
+    bf16.transpose_words(pt, pr.view(np.uint32), 0, 0, pt.shape[0], cols)
     for c in range(0, wide, 32):
         for d in range(0, hdp, 32):
             _values(pr, c, 0, vp, vp, 0, d, acc, r0 + c, d, AMX_KEYS // 2)
@@ -634,7 +634,7 @@ def _amx_rows(keys, k0, vp, qh, ql, st, pt, pr, acc, m, l, r0, cols, nk, base, g
             _values_16_32(pr, wide, 0, vp, vp, 0, hdp - 32, acc, r0 + wide, hdp - 32, AMX_KEYS // 2)
 
 
-@numba.njit(cache=True, nogil=True)
+@numba.njit(cache=True, nogil=True, fastmath=False)
 def amx_floats(rows, hd):
     """float32 elements of _amx_buffers' area for `rows` query rows of head_dim hd."""
     rows_p, hdp = _round_up(rows, 16), _round_up(hd, 32)
@@ -925,7 +925,7 @@ def _store_any(k_new, v_new, k_layer, v_layer, key_mean, slots, positions):
     raise NotImplementedError("numba only")
 
 
-@overload(_store_any, jit_options={"nogil": True})
+@overload(_store_any, jit_options={"fastmath": False, "nogil": True})
 def _store_any_overload(k_new, v_new, k_layer, v_layer, key_mean, slots, positions):
     if _held_in_blocks(k_layer):
         from ellmd.kernels.kv_blocks import store_blocks as store
@@ -971,7 +971,7 @@ def _padded(values):
     raise NotImplementedError("numba only")
 
 
-@overload(_padded, jit_options={"nogil": True})
+@overload(_padded, jit_options={"fastmath": False, "nogil": True})
 def _padded_overload(values):
     if _held_in_blocks(values):
         return lambda values: False

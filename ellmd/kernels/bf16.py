@@ -412,39 +412,45 @@ def pair_keys(typingctx, v, t0, nk, vp):
 
 
 @intrinsic
-def transpose_words(typingctx, src, dst, cols):
-    """dst[c, r] = src[r, c] for r < len(src) and c < cols, 32-bit words: the bf16 pairs of
-    exp_pairs (keys in rows) as rows of an A operand of tile_product (keys along the rows).
+def transpose_words(typingctx, src, dst, i0, j0, rows, cols):
+    """dst[i0 + c, j0 + r] = src[r, c] for r < rows, c < cols, 32-bit words (float32 or uint32, one
+    dtype both), 16 x 16 at a time through a transpose in registers: the bf16 pairs of exp_pairs
+    (keys in rows) as rows of an A operand of tile_product (attention), a group's sums kept weight
+    row by token into the output's token rows (gemm).
 
-    src: [rows, >= cols] uint32, rows % 16 == 0; dst: [>= cols, >= rows] uint32; cols % 16 == 0;
-    C-contiguous. Per 16 x 16 words: 16 loads, a transpose in registers, 16 stores."""
-    u32 = types.uint32
-    if not (_is_matrix(src, u32) and _is_matrix(dst, u32)):
+    src: [>= rows, >= cols rounded up to 16], C-contiguous, rows % 16 == 0; dst: 2-D, its words
+    along a row adjacent (any row stride)."""
+    if not (isinstance(src, types.Array) and src.dtype in (types.float32, types.uint32) and _is_matrix(src, src.dtype)
+            and isinstance(dst, types.Array) and dst.dtype == src.dtype and dst.ndim == 2):
         return None
-    sig = types.void(src, dst, types.intp)
+    sig = types.void(src, dst, types.intp, types.intp, types.intp, types.intp)
 
     def codegen(context, builder, signature, args):
-        s_p, (rows, lds), _ = _data(context, builder, signature.args[0], args[0])
-        d_p, (_, ldd), _ = _data(context, builder, signature.args[1], args[1])
-        cols = args[2]
+        s_p, (_, lds), _ = _data(context, builder, signature.args[0], args[0])
+        d_p, _, (row_bytes, _) = _data(context, builder, signature.args[1], args[1])
+        i0, j0, rows, cols = args[2:]
         intp = context.get_value_type(types.intp)
 
-        def const(x):
-            return ir.Constant(intp, x)
+        def const(v):
+            return ir.Constant(intp, v)
 
-        def vec(base, row, ld, col):
-            return builder.bitcast(builder.gep(base, [builder.add(builder.mul(row, ld), col)]), _I32X16.as_pointer())
-
-        with cgutils.for_range(builder, builder.udiv(rows, const(_LANES))) as rb:
-            r0 = builder.mul(rb.index, const(_LANES))
-            with cgutils.for_range(builder, builder.udiv(cols, const(_LANES))) as cb:
-                c0 = builder.mul(cb.index, const(_LANES))
-                block = [builder.load(vec(s_p, builder.add(r0, const(i)), lds, c0), align=4) for i in range(_LANES)]
-                for i, col in enumerate(_transpose16(builder, block)):
-                    builder.store(col, vec(d_p, builder.add(c0, const(i)), ldd, r0), align=4)
+        d_bytes = builder.bitcast(d_p, ir.IntType(8).as_pointer())
+        with cgutils.for_range(builder, builder.udiv(builder.add(cols, const(_LANES - 1)), const(_LANES))) as blocks:
+            c0 = builder.mul(blocks.index, const(_LANES))
+            count = builder.sub(cols, c0)  # columns of this block (more than 16 for all but the last)
+            with cgutils.for_range(builder, builder.udiv(rows, const(_LANES))) as bands:
+                r0 = builder.mul(bands.index, const(_LANES))
+                block = [builder.load(builder.bitcast(builder.gep(s_p, [builder.add(builder.mul(builder.add(r0, const(r)), lds),
+                                                                                     c0)]), _I32X16.as_pointer()), align=4)
+                         for r in range(_LANES)]
+                for i, column in enumerate(_transpose16(builder, block)):
+                    with builder.if_then(builder.icmp_signed(">", count, const(i))):
+                        row = builder.mul(builder.add(i0, builder.add(c0, const(i))), row_bytes)
+                        at = builder.add(row, builder.mul(builder.add(j0, r0), const(4)))
+                        builder.store(column, builder.bitcast(builder.gep(d_bytes, [at]), _I32X16.as_pointer()), align=4)
         return context.get_dummy_value()
 
-    return sig, cpu.compiled_for("bf16", codegen)
+    return sig, cpu.compiled_for(PATHS, codegen)
 
 
 _F32X16 = ir.VectorType(ir.FloatType(), _LANES)
@@ -590,7 +596,7 @@ PASS_BYTES = 1 << 20  # the packed pairs of both halves a pass over a worker's r
 ROW_PAD = 32
 
 
-@numba.njit(cache=True, nogil=True)
+@numba.njit(cache=True, nogil=True, fastmath=False)
 def groups_of(m, workers):
     """Groups of AMX_ROWS weight rows of one worker (dealt round-robin) at most."""
     return ((m + AMX_ROWS - 1) // AMX_ROWS + workers - 1) // workers
@@ -642,46 +648,6 @@ def split_rows(typingctx, w, wh, wl, c0, width):
                 for half, value in zip((wh_p, wl_p), _halves(builder, vals)):
                     builder.store(value, builder.bitcast(builder.gep(half, [builder.add(dst, at)]),
                                                          _BF16X32.as_pointer()), align=2)
-        return context.get_dummy_value()
-
-    return sig, cpu.compiled_for(PATHS, codegen)
-
-
-@intrinsic
-def store_sums(typingctx, c, out, i0, nb, j0, rows):
-    """out[i0 + i, j0 + r] = c[r, i] for i < nb, r < rows (a multiple of 16): a group's sums, kept
-    weight row by token, into out's token rows, 16 x 16 at a time through a transpose in registers.
-
-    c: [>= rows, >= nb rounded up to 16] float32, C-contiguous; out: [*, *] float32, its values
-    along a row adjacent (any row stride)."""
-    f32 = types.float32
-    if not (_is_matrix(c, f32) and isinstance(out, types.Array) and out.dtype == f32 and out.ndim == 2):
-        return None
-    sig = types.void(c, out, types.intp, types.intp, types.intp, types.intp)
-
-    def codegen(context, builder, signature, args):
-        c_p, (_, ldc), _ = _data(context, builder, signature.args[0], args[0])
-        out_p, _, (row_bytes, _) = _data(context, builder, signature.args[1], args[1])
-        i0, nb, j0, rows = args[2:]
-        intp = context.get_value_type(types.intp)
-
-        def const(v):
-            return ir.Constant(intp, v)
-
-        out_bytes = builder.bitcast(out_p, ir.IntType(8).as_pointer())
-        with cgutils.for_range(builder, builder.udiv(builder.add(nb, const(_LANES - 1)), const(_LANES))) as groups:
-            t0 = builder.mul(groups.index, const(_LANES))
-            count = builder.sub(nb, t0)  # tokens of this group (more than 16 for all but the last)
-            with cgutils.for_range(builder, builder.udiv(rows, const(_LANES))) as blocks:
-                r0 = builder.mul(blocks.index, const(_LANES))
-                sums = [builder.load(builder.bitcast(builder.gep(c_p, [builder.add(builder.mul(builder.add(r0, const(r)), ldc),
-                                                                                     t0)]), _I32X16.as_pointer()), align=4)
-                        for r in range(_LANES)]
-                for i, token in enumerate(_transpose16(builder, sums)):
-                    with builder.if_then(builder.icmp_signed(">", count, const(i))):
-                        row = builder.mul(builder.add(i0, builder.add(t0, const(i))), row_bytes)
-                        at = builder.add(row, builder.mul(builder.add(j0, r0), const(4)))
-                        builder.store(token, builder.bitcast(builder.gep(out_bytes, [at]), _I32X16.as_pointer()), align=4)
         return context.get_dummy_value()
 
     return sig, cpu.compiled_for(PATHS, codegen)
@@ -759,7 +725,7 @@ def _block_product(w, out, i0, nb, xh, xl, cb, wf, wh, wl, wk, workers, tiles):
             a, a0, split = group_operands(w, j0, p0, d, wf, wh, wl)
             _rows_product(a, wl, split, a0, rows, xh, xl, p0, d, nbp, sums, p0 > 0, tiles)
             if p0 + d == pairs:
-                store_sums(sums, out, i0, nb, j0, rows)
+                transpose_words(sums, out, i0, j0, rows, nb)
 
 
 def _worker_floats(m, k, workers):
@@ -774,7 +740,7 @@ def _gemm(x, w, out, shared, work, tiles):
     them, a share of its groups of 16 tokens each, then multiplied by each worker's rows."""
     n, k = x.shape
     workers = work.shape[0]
-    half = k * TOKENS // 2
+    half = shared.size // 2
     xh = shared[:half].view(np.uint16).reshape((TOKENS // TILE, k * TILE))
     xl = shared[half : 2 * half].view(np.uint16).reshape((TOKENS // TILE, k * TILE))
     groups = groups_of(w.shape[0], workers)
@@ -798,11 +764,16 @@ def _gemm(x, w, out, shared, work, tiles):
             _block_product(w, out, i0, nb, xh, xl, cb, wf, wh, wl, wk, workers, tiles)
 
 
+def _shared_floats(k):
+    """float32 elements of both halves of a block of packed tokens (all workers read them)."""
+    return k * TOKENS
+
+
 def scratch_floats(m, k, workers=None):
-    """float32 elements of the scratch gemm needs for a [m, k] weight: both halves of a block of
-    packed tokens, shared, and a work area per worker (numba's threads when None)."""
+    """float32 elements of the scratch gemm needs for a [m, k] weight: a block of packed tokens,
+    shared, and a work area per worker (numba's threads when None)."""
     workers = workers or numba.get_num_threads()
-    return k * TOKENS + workers * _worker_floats(m, k, workers)
+    return _shared_floats(k) + workers * _worker_floats(m, k, workers)
 
 
 def gemm(x, w, out, scratch, paths=None):
@@ -811,7 +782,7 @@ def gemm(x, w, out, scratch, paths=None):
 
     x: [n, k] float32 (C-contiguous); w: [m, k] bf16 bits, or [m, k // 32 or 256] blocks of a GGUF
     type (quant.py; their values split in two halves as well), with usable(m, k); out: [n, m]
-    float32 (any strides); scratch: 1-D float32, scratch_floats(m, k) elements (room for fewer
+    float32, its values along a row adjacent (any row stride); scratch: 1-D float32, scratch_floats(m, k) elements (room for fewer
     threads only lowers the parallelism).
     """
     m, k = w.shape[0], x.shape[1]
@@ -819,7 +790,7 @@ def gemm(x, w, out, scratch, paths=None):
     while workers > 1 and scratch_floats(m, k, workers) > scratch.size:
         workers -= 1
     per = _worker_floats(m, k, workers)
-    shared = k * TOKENS
+    shared = _shared_floats(k)
     _gemm(x, w, out, scratch[:shared], scratch[shared : shared + workers * per].reshape(workers, per), tiles(paths))
 
 
@@ -903,7 +874,7 @@ def packed_shape(n, k):
     return (n + TILE - 1) // TILE, k * TILE
 
 
-@numba.njit(cache=True, nogil=True)
+@numba.njit(cache=True, nogil=True, fastmath=False)
 def pack_tokens(x, xh, xl):
     """x's n rows as rows_amx takes them: xh, xl of packed_shape(n, k), uint16."""
     pack_activations(x, 0, x.shape[0], xh.shape[0] * TILE, xh, xl)

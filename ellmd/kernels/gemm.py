@@ -40,7 +40,7 @@ PANEL = 32  # weight rows packed at a time (a multiple of COLS)
 LANE_SPAN = 32  # decode's step: depths in vectors are the multiples of it (matmul.STREAM_CHUNK)
 
 
-@numba.njit(cache=True, nogil=True, inline="always")
+@numba.njit(cache=True, nogil=True, fastmath=False, inline="always")
 def vector_depth(k):
     """The depths summed in vector lanes (the rest is the scalar tail), as decode sums them."""
     return k // LANE_SPAN * LANE_SPAN

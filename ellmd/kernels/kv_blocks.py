@@ -185,7 +185,7 @@ def _is_rotated(a):
     raise NotImplementedError("numba only")
 
 
-@overload(_is_rotated)
+@overload(_is_rotated, jit_options={"fastmath": False})
 def _is_rotated_overload(a):
     flag = _LAYOUTS[a.dtype][2]
     return lambda a: flag
@@ -196,7 +196,7 @@ def _row_values(a):
     raise NotImplementedError("numba only")
 
 
-@overload(_row_values)
+@overload(_row_values, jit_options={"fastmath": False})
 def _row_values_overload(a):
     values = _LAYOUTS[a.dtype][1]
     return lambda a: a.shape[-1] * values
@@ -222,7 +222,7 @@ def hadamard(x):
             y[j] *= norm
 
 
-@numba.njit(cache=True, nogil=True)
+@numba.njit(cache=True, nogil=True, fastmath=False)
 def _round_away(v):
     """gguf's np_roundf: round half away from zero."""
     a = abs(v)
@@ -231,15 +231,16 @@ def _round_away(v):
     return -r if v < 0 else r
 
 
-@numba.njit(cache=True, nogil=True)
+@numba.njit(cache=True, nogil=True, fastmath=False)
 def _put_scale(b, o, d):
     bits = f32_to_f16(d)
     b[o] = np.uint8(bits & np.uint16(0xFF))
     b[o + 1] = np.uint8(bits >> np.uint16(8))
 
 
-# no fastmath: the same float32 rounding as gguf's quantizers (a reciprocal would move codes)
-@numba.njit(cache=True, nogil=True)
+# fastmath off, and said so (an unset flag is the first compiled caller's): the same float32 rounding
+# as gguf's quantizers (a reciprocal would move codes)
+@numba.njit(cache=True, nogil=True, fastmath=False)
 def _quantize_q8_0(x, b, values):
     """Bytes b [nb * (2 + values)] = the Q8_0 blocks of `values` values of x [hd]."""
     for blk in range(x.shape[0] // values):
@@ -254,7 +255,7 @@ def _quantize_q8_0(x, b, values):
             b[o + 2 + l] = np.uint8(np.int32(_round_away(x[y + l] * inv)) & 0xFF)
 
 
-@numba.njit(cache=True, nogil=True)
+@numba.njit(cache=True, nogil=True, fastmath=False)
 def _quantize_q4_0(x, b):
     """Bytes b [nb * 18] = the Q4_0 blocks of x [hd]: the value of largest magnitude maps to -8."""
     for blk in range(x.shape[0] // BLOCK):
@@ -276,7 +277,7 @@ def _quantize_row(x, row):
     raise NotImplementedError("numba only")
 
 
-@overload(_quantize_row, jit_options={"nogil": True})
+@overload(_quantize_row, jit_options={"fastmath": False, "nogil": True})
 def _quantize_row_overload(x, row):
     name, values, _ = _LAYOUTS[row.dtype]
     if name == "Q8_0":
@@ -284,7 +285,7 @@ def _quantize_row_overload(x, row):
     return lambda x, row: _quantize_q4_0(x, as_bytes(row))
 
 
-@numba.njit(cache=True, nogil=True)
+@numba.njit(cache=True, nogil=True, fastmath=False)
 def _store_row(src, dst):
     """dst (blocks [nb]) = src [hd] quantized, rotated first (in place) where dst's dtype says."""
     if _is_rotated(dst):
@@ -292,7 +293,7 @@ def _store_row(src, dst):
     _quantize_row(src, dst)
 
 
-@numba.njit(cache=True, nogil=True)
+@numba.njit(cache=True, nogil=True, fastmath=False)
 def store_blocks(k_new, v_new, k_layer, v_layer, key_mean, slots, positions):
     """Quantize each token's keys and values into the cache at (slot, head, position).
 
@@ -380,7 +381,7 @@ def read_as_stored(head_type):
 
 
 
-@numba.njit(cache=True, nogil=True)
+@numba.njit(cache=True, nogil=True, fastmath=False)
 def _quantize_query_rows(qs, rows, values, qc, qd):
     for r in range(rows):
         for blk in range(qs.shape[1] // values):
@@ -403,7 +404,7 @@ def quantize_queries(head, qs, rows, qc, qd):
     raise NotImplementedError("numba only")
 
 
-@overload(quantize_queries, jit_options={"nogil": True})
+@overload(quantize_queries, jit_options={"fastmath": False, "nogil": True})
 def _quantize_queries_overload(head, qs, rows, qc, qd):
     if not read_as_stored(head):
         return lambda head, qs, rows, qc, qd: None

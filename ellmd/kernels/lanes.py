@@ -140,7 +140,7 @@ def part_rows(w):
     raise NotImplementedError("numba only")
 
 
-@overload(part_rows, jit_options={"nogil": True})
+@overload(part_rows, jit_options={"fastmath": False, "nogil": True})
 def _part_rows_overload(w):
     if tiles_type(w):
         return lambda w: LANES * w.shape[0]
@@ -679,7 +679,7 @@ def tile_values(tiles):
     raise NotImplementedError("numba only")
 
 
-@overload(tile_values)
+@overload(tile_values, jit_options={"fastmath": False})
 def _tile_values_overload(tiles):
     values = TILE_BLOCKS[tiles_name(tiles)][0]
     return lambda tiles: values

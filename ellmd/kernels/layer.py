@@ -299,7 +299,7 @@ def _packed(x, parts, halves):
     raise NotImplementedError("numba only")
 
 
-@overload(_packed)
+@overload(_packed, jit_options={"fastmath": False})
 def _packed_overload(x, parts, halves):
     if len(halves) == 0 or not any(t.dtype == numba.types.uint16 for t in parts):
         return lambda x, parts, halves: ()
@@ -320,7 +320,7 @@ def _quantizes(parts, integer):
     raise NotImplementedError("numba only")
 
 
-@overload(_quantizes)
+@overload(_quantizes, jit_options={"fastmath": False})
 def _quantizes_overload(parts, integer):
     blocks = any(quant.record_name(t.dtype) in quant.VNNI_BLOCKS for t in parts)
     tiles = any(lanes.tiles_type(t) for t in parts)

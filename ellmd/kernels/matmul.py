@@ -291,12 +291,12 @@ def _linear_int(x, w, out, xq, workers):
                     quant_int.rows_vnni_depth_first(xq[i0:i1], xd[i0:i1], xs[i0:i1], w, out[i0:i1], j0, j1)
 
 
-@numba.njit(cache=True, nogil=True)
+@numba.njit(cache=True, nogil=True, fastmath=False)
 def _linear_vnni(x, w, out, workers):
     _linear_int(x, w, out, np.empty(x.shape, np.int8), workers)
 
 
-@numba.njit(cache=True, nogil=True)
+@numba.njit(cache=True, nogil=True, fastmath=False)
 def _linear_int16(x, w, out, workers):
     _linear_int(x, w, out, np.empty(x.shape, np.int16), workers)
 
@@ -334,7 +334,7 @@ def linear(x, w, fmt, out, paths=None):
             _linear(x, kernel_view(part, fmt), cols)
 
 
-@numba.njit(cache=True, nogil=True, parallel=True)
+@numba.njit(cache=True, nogil=True, fastmath=False, parallel=True)
 def _linear_tiles(x, w, out, workers):
     """out = x @ w.T for few rows on AMX tiles (bf16.rows_amx): x packed once, then each worker an
     equal run of 16-row tiles."""

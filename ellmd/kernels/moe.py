@@ -211,7 +211,7 @@ def _on_integer(w):
     raise NotImplementedError("numba only")
 
 
-@overload(_on_integer)
+@overload(_on_integer, jit_options={"fastmath": False})
 def _on_integer_overload(w):
     flag = quant.record_name(w.dtype) in quant.VNNI_BLOCKS
     return lambda w: flag

@@ -47,7 +47,7 @@ def prefetch(typingctx, b, o):
     return types.void(b, types.intp), codegen
 
 
-@numba.njit(cache=True, nogil=True, inline="always")
+@numba.njit(cache=True, nogil=True, fastmath=False, inline="always")
 def prefetch_ahead(b, o, size):
     """Ask for the cache lines of the size bytes PREFETCH past b[o] (see PREFETCH)."""
     for line in range(0, size, 64):
