@@ -48,7 +48,14 @@ class Daemon:
 
     def stop(self) -> int:
         self.process.send_signal(signal.SIGTERM)
-        return self.process.wait(timeout=120)
+        try:
+            return self.process.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            self.process.send_signal(signal.SIGUSR1)  # the daemon writes its threads' stacks to the log
+            time.sleep(2)
+            self.kill()
+            raise AssertionError(f"the daemon did not stop in 120 s after SIGTERM; its log ends:\n"
+                                 f"{self.log.read_text()[-6000:]}") from None
 
     def kill(self) -> None:
         self.process.kill()

@@ -7,6 +7,7 @@ logits (as log-probabilities) of the first generated token.
 from __future__ import annotations
 
 import os
+import signal
 import socket as socketlib
 import subprocess
 import sys
@@ -286,6 +287,22 @@ def test_second_daemon_on_the_same_socket_is_refused(daemon):
     assert "already serving" in result.stderr
     with daemon.client() as client:
         assert client.stats()["slots"] == 2
+
+
+def test_sigusr1_writes_every_threads_stack_to_the_log_and_the_daemon_goes_on(daemon):
+    before = daemon.log.stat().st_size
+    daemon.process.send_signal(signal.SIGUSR1)
+    deadline = time.monotonic() + 60
+    # the main thread is the oldest, dumped last: its stack ends in runpy
+    while "_run_module_as_main" not in (dump := daemon.log.read_bytes()[before:].decode(errors="replace")):
+        assert time.monotonic() < deadline, dump
+        time.sleep(0.1)
+    assert "in _loop" in dump and "in run" in dump  # the engine loop, waiting on its queue
+    assert dump.lower().count("thread 0x") >= 2  # and the servers' thread beside it
+    with daemon.client() as client:
+        session = client.open_session(title="after a stack dump")
+        assert session.append(tokens=[1, 2, 3])["usage"]["prefilled_tokens"] == 3
+        session.delete()
 
 
 def ellm_cli(daemon, *args):

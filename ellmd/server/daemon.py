@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import faulthandler
 import logging
 import os
 import signal
@@ -71,6 +72,8 @@ def run(settings: Settings, progress=None) -> int:
         # kernels up (see Runtime.run); the servers' event loop has a thread of its own.
         for signum in (signal.SIGTERM, signal.SIGINT):
             signal.signal(signum, lambda *_: servers.request_stop())
+        # A daemon that seems stuck: every thread's stack to the log, from C, whatever holds the GIL.
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
         runtime.run()
     finally:
         if servers is not None:
