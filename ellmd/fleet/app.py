@@ -162,10 +162,11 @@ def run(settings: FleetSettings, http: tuple[str, int], address: str | None = No
     (and leave it running); else start a local Ray sized for the replicas."""
     import os
     import signal
-    import threading
 
     import ray
     from ray import serve
+
+    from ellmd.server.daemon import signal_pipe
 
     if address:
         ray.init(address=address, log_to_driver=False)
@@ -176,12 +177,10 @@ def run(settings: FleetSettings, http: tuple[str, int], address: str | None = No
     try:
         serve.start(http_options={"host": http[0], "port": http[1]})
         serve.run(application(settings), name=APP_NAME, route_prefix="/")
-        stop = threading.Event()  # handlers set after Ray's start, which sets its own
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(signum, lambda *_: stop.set())
+        signals = signal_pipe(signal.SIGTERM, signal.SIGINT)  # after Ray's start, which sets handlers of its own
         on_ready(f"{READY_LINE} http://{http[0]}:{http[1]} with {settings.replicas} replicas x {settings.threads} "
                  "threads (SIGTERM or Ctrl-C stops it)")
-        stop.wait()
+        os.read(signals, 1)
         on_ready("ellm fleet: stopping (replicas snapshot their sessions)")
         serve.delete(APP_NAME)
         serve.shutdown()

@@ -66,12 +66,11 @@ def run(settings: Settings, progress=None) -> int:
                           leases=leases, key_owners={key.name: key.owner for key in api_keys})
         if leases is not None:
             leases.start()
-        servers = Servers(runtime, settings, http_address, limits, api_keys)
+        servers = Servers(runtime, settings, http_address, limits, api_keys,
+                          signals=signal_pipe(signal.SIGTERM, signal.SIGINT))
         servers.start()
         # The engine loop runs here, on the main thread, which loaded the model and warmed its
         # kernels up (see Runtime.run); the servers' event loop has a thread of its own.
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(signum, lambda *_: servers.request_stop())
         # A daemon that seems stuck: every thread's stack to the log, from C, whatever holds the GIL.
         faulthandler.register(signal.SIGUSR1, all_threads=True)
         runtime.run()
@@ -88,12 +87,30 @@ def run(settings: Settings, progress=None) -> int:
     return 1 if servers.error else 0
 
 
+def signal_pipe(*signums: int) -> int:
+    """A file descriptor that turns readable when one of these signals arrives (call on the main
+    thread).
+
+    The kernel may deliver a signal to any thread, and Python runs its handlers on the main thread
+    only, which may be waiting on a lock that only a signal of its own interrupts (the engine loop
+    on its queue, the fleet on its stop): such a process did not stop. The C-level handler writes
+    the signal to the wake-up fd on whichever thread it lands, so that is what is read here; the
+    Python handler has nothing left to do."""
+    read, write = os.pipe()
+    os.set_blocking(write, False)
+    for signum in signums:
+        signal.signal(signum, lambda *_: None)
+    signal.set_wakeup_fd(write)
+    return read
+
+
 class Servers:
     """The Unix-socket (and HTTP) servers, on an asyncio event loop in a thread of their own."""
 
     def __init__(self, runtime, settings: Settings, http_address: tuple[str, int] | None, limits,
-                 api_keys=()):
+                 api_keys, signals: int):
         self.runtime, self.settings, self.http_address = runtime, settings, http_address
+        self.signals = signals  # a signal_pipe: readable, the servers stop gracefully
         self.limits, self.api_keys = limits, list(api_keys)
         self.thread = threading.Thread(target=self._main, name="servers", daemon=True)
         self.ready = threading.Event()
@@ -127,11 +144,16 @@ class Servers:
             self.ready.set()
             self.runtime.queue.put(None)  # whatever happened here, end the engine loop too
 
+    def _on_signal(self) -> None:
+        os.read(self.signals, 64)
+        self.stop.set()
+
     async def _serve(self) -> None:
         from ellmd.server.limits import Admission
         from ellmd.server.unix import UnixServer
 
         self.loop, self.stop = asyncio.get_running_loop(), asyncio.Event()
+        self.loop.add_reader(self.signals, self._on_signal)
         runtime, settings = self.runtime, self.settings
         info = {"model": str(runtime.engine.model_path)}
         admission = Admission(runtime, self.limits.max_queue)  # one engine queue bound for both servers
