@@ -51,11 +51,21 @@ class Daemon:
         try:
             return self.process.wait(timeout=120)
         except subprocess.TimeoutExpired:
-            self.process.send_signal(signal.SIGUSR1)  # the daemon writes its threads' stacks to the log
-            time.sleep(2)
+            stacks = self.stacks()
             self.kill()
-            raise AssertionError(f"the daemon did not stop in 120 s after SIGTERM; its log ends:\n"
-                                 f"{self.log.read_text()[-6000:]}") from None
+            raise AssertionError(f"the daemon did not stop in 120 s after SIGTERM; its threads:\n{stacks}") from None
+
+    def stacks(self, timeout: float = 60) -> str:
+        """Every thread's stack, as the daemon writes them to its log on SIGUSR1."""
+        before = self.log.stat().st_size
+        self.process.send_signal(signal.SIGUSR1)
+        deadline = time.monotonic() + timeout
+        # the main thread is the oldest, written last: its stack ends in runpy
+        while "_run_module_as_main" not in (dump := self.log.read_bytes()[before:].decode(errors="replace")):
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        return dump
 
     def kill(self) -> None:
         self.process.kill()

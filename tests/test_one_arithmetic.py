@@ -167,6 +167,17 @@ def test_the_same_greedy_request_twice_gives_the_same_text_and_logprobs(smol):
         assert steps[1] == steps[0], topic
 
 
+def _jit_options(decorator, tree) -> dict:
+    """The options an njit or overload decorator sets (an overload's jit_options, inline or a module
+    constant), by name."""
+    options = {k.arg: k.value for k in decorator.keywords}
+    jit_options = options.get("jit_options")
+    if isinstance(jit_options, ast.Name):
+        jit_options = next(n.value for n in ast.walk(tree) if isinstance(n, ast.Assign)
+                           and ast.unparse(n.targets[0]) == jit_options.id)
+    return options if jit_options is None else {k.value: v for k, v in zip(jit_options.keys, jit_options.values)}
+
+
 def test_every_kernel_names_its_fastmath_flags():
     """numba compiles a function that leaves fastmath unset with the flags of the first compiled
     caller to reach it, and caches that: its sums would then depend on which kernel happened to compile
@@ -175,17 +186,8 @@ def test_every_kernel_names_its_fastmath_flags():
     unset = []
     for path in sorted(Path(attention.__file__).parent.glob("*.py")):
         tree = ast.parse(path.read_text())
-        for node in ast.walk(tree):
-            for decorator in getattr(node, "decorator_list", ()):
-                if not (isinstance(decorator, ast.Call) and ast.unparse(decorator.func).split(".")[-1] in ("njit", "overload")):
-                    continue
-                options = {k.arg: k.value for k in decorator.keywords}
-                if "jit_options" in options:
-                    jit_options = options["jit_options"]
-                    if isinstance(jit_options, ast.Name):  # a module constant
-                        jit_options = next(n.value for n in ast.walk(tree)
-                                           if isinstance(n, ast.Assign) and ast.unparse(n.targets[0]) == jit_options.id)
-                    options = {k.value: v for k, v in zip(jit_options.keys, jit_options.values)}
-                if "fastmath" not in options:
-                    unset.append(f"{path.name}:{node.lineno} {node.name}")
+        unset += [f"{path.name}:{node.lineno} {node.name}" for node in ast.walk(tree)
+                  for decorator in getattr(node, "decorator_list", ())
+                  if isinstance(decorator, ast.Call) and ast.unparse(decorator.func).split(".")[-1] in ("njit", "overload")
+                  and "fastmath" not in _jit_options(decorator, tree)]
     assert not unset, unset
