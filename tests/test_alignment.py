@@ -39,3 +39,11 @@ def test_head_dim(family, alignment_dir):
 
 def test_kv_dtype_report(alignment_dir):
     assert run("kv_dtype_report", ["--dir", str(alignment_dir)]) == 0
+
+
+def test_rounded_activations(alignment_dir):
+    from ellmd.kernels import cpu
+
+    if not {"bf16", "dpbf16"} & cpu.host_paths():
+        pytest.skip("this CPU has neither AMX-BF16 nor AVX512-BF16: the bf16-round path cannot run here")
+    assert run("rounded_activations", ["--dir", str(alignment_dir)]) == 0

@@ -38,6 +38,14 @@ def amx(monkeypatch):
     monkeypatch.setattr(cpu, "ENABLED", frozenset({"bf16", "bf16-prefill"}))
 
 
+@pytest.fixture(params=[False, True], ids=["halves", "rounded"])
+def rounding(request, amx, monkeypatch):
+    """The AMX paths with activations as two bf16 halves, then rounded once ("bf16-round")."""
+    if request.param:
+        monkeypatch.setattr(cpu, "ENABLED", cpu.ENABLED | {"bf16-round"})
+    return request.param
+
+
 def _weights(rng, m, k):
     return formats.to_storage(rng.standard_normal((m, k)).astype(np.float32), BF16)
 
@@ -62,10 +70,12 @@ def test_split_keeps_sixteen_bits(rng):
 
 
 @pytest.mark.parametrize("n,k", [(5, 64), (37, 96)])
-def test_pack_activations_layout(rng, amx, n, k):
+@pytest.mark.parametrize("lo", [True, False], ids=["halves", "hi-only"])
+def test_pack_activations_layout(rng, amx, n, k, lo):
+    """Both halves; with an xl of no rows (activations rounded once), hi alone, the same bits."""
     tokens = 64
     x = rng.standard_normal((n + 3, k)).astype(np.float32)
-    xh, xl = np.zeros((tokens // 16, k * 16), np.uint16), np.zeros((tokens // 16, k * 16), np.uint16)
+    xh, xl = np.zeros((tokens // 16, k * 16), np.uint16), np.zeros((tokens // 16 if lo else 0, k * 16), np.uint16)
 
     @numba.njit
     def pack(x, xh, xl):
@@ -74,7 +84,7 @@ def test_pack_activations_layout(rng, amx, n, k):
     pack(x, xh, xl)
     rows = (n + 15) // 16 * 16
     tokens_x = np.concatenate([x[2 : 2 + n], np.repeat(x[1 + n : 2 + n], rows - n, axis=0)])  # repeats the last
-    for packed, half in zip((xh, xl), bf16.split(tokens_x)):
+    for packed, half in zip((xh, xl) if lo else (xh,), bf16.split(tokens_x)):
         bits = formats.to_storage(half, BF16)  # [rows, k]
         # group of 16 tokens g, pair p, token t: the pair (bits[16 g + t, 2p], bits[16 g + t, 2p + 1])
         want = bits.reshape(rows // 16, 16, k // 2, 2).transpose(0, 2, 1, 3).reshape(rows // 16, k * 16)
@@ -85,10 +95,11 @@ def test_pack_activations_layout(rng, amx, n, k):
 @pytest.mark.parametrize("n,m,k", [(70, 64, 64), (300, 48, 576), (64, 96, 1024), (257, 160, 96), (16, 32, 64),
                                    (1, 16, 32)])
 @pytest.mark.parametrize("workers", [1, 2])
-def test_gemm_matches_reference(rng, amx, n, m, k, workers):
+def test_gemm_matches_reference(rng, rounding, n, m, k, workers):
     """Partial token blocks, a last block of 16 rows (m=48, 160), several depth blocks (k=576, 1024),
     a worker packing only padding tokens (n=16, 1 on two workers); out a column slice of a wider
-    array (its rows further apart than m), the columns beside it untouched."""
+    array (its rows further apart than m), the columns beside it untouched. Rounded: the products
+    of bf16(x) alone, which two halves miss by far more than summation order."""
     x = rng.standard_normal((n, k)).astype(np.float32)
     w = _weights(rng, m, k)
     wide = np.full((n, m + 24), np.nan, np.float32)
@@ -97,6 +108,9 @@ def test_gemm_matches_reference(rng, amx, n, m, k, workers):
     bf16.gemm_ref(x, w, want, None)
     np.testing.assert_allclose(got, want, **TOL)
     assert np.isnan(wide[:, :8]).all() and np.isnan(wide[:, 8 + m :]).all()
+    exact = x.astype(np.float64) @ formats.to_f32(w, BF16).T.astype(np.float64)
+    error = np.abs(got - exact).max() / np.abs(exact).max()
+    assert (1e-4 < error < 2e-2) if rounding else error < 2e-5, error
 
 
 @pytest.mark.parametrize("name", list(quant.BLOCK_DTYPES))
@@ -115,7 +129,7 @@ def test_gemm_of_blocks_matches_reference(rng, amx, name, workers):
 
 
 @pytest.mark.parametrize("m,k", [(96, 576), (48, 2048)])  # rows sharing 4 KiB pages (prefetched), and not
-def test_decode_rows_are_the_gemms_to_the_bit(rng, amx, m, k):
+def test_decode_rows_are_the_gemms_to_the_bit(rng, rounding, m, k):
     """rows_amx sums a token as gemm does, whatever the tokens beside it and the rows asked for."""
     x = rng.standard_normal((70, k)).astype(np.float32)
     w = _weights(rng, m, k)
@@ -126,7 +140,8 @@ def test_decode_rows_are_the_gemms_to_the_bit(rng, amx, m, k):
     np.testing.assert_allclose(full, want, **TOL)
     c = np.empty((bf16.TILE, bf16.TILE), np.float32)
     for n, (j0, j1) in ((1, (0, m)), (3, (16, 48)), (16, (5, 37)), (17, (0, m)), (40, (33, 34))):
-        xh, xl = (np.empty(bf16.packed_shape(n, k), np.uint16) for _ in range(2))
+        xh = np.empty(bf16.packed_shape(n, k), np.uint16)
+        xl = np.empty((0, xh.shape[1]) if rounding else xh.shape, np.uint16)
         bf16.pack_tokens(x[:n], xh, xl)
         got = np.full((n, m), np.nan, np.float32)
         bf16.rows_amx(xh, xl, n, w, got, j0, j1, c)
@@ -134,7 +149,7 @@ def test_decode_rows_are_the_gemms_to_the_bit(rng, amx, m, k):
         assert np.isnan(got[:, :j0]).all() and np.isnan(got[:, j1:]).all()  # nothing outside j0:j1
 
 
-def test_decode_takes_the_tiles_on_the_bf16_path_only(rng, amx, monkeypatch):
+def test_decode_takes_the_tiles_on_the_bf16_path_only(rng, rounding, monkeypatch):
     """linear (decode) on "bf16": a token's outputs are prefill's bits in every row count; on
     "bf16-prefill" alone decode stays on the f32 kernels."""
     m, k = 80, 256
@@ -180,6 +195,7 @@ def test_usable_shapes_and_the_paths_that_take_them(monkeypatch):
     assert bf16.tiles({"bf16-prefill"}) and not bf16.decode_tiles({"bf16-prefill"})  # AMX in prefill only
     assert bf16.enabled({"dpbf16"}) and not bf16.tiles({"dpbf16"})  # vdpbf16ps in prefill only
     assert not bf16.enabled(frozenset())  # the paths off
+    assert bf16.rounded({"bf16", "bf16-round"}) and not bf16.rounded({"bf16"})  # activations rounded once, or split
     monkeypatch.setattr(bf16, "AMX", False)  # a CPU without AMX: the f32 kernels, or vdpbf16ps
     assert not (bf16.tiles({"bf16"}) or bf16.decode_tiles({"bf16"}) or bf16.enabled({"bf16", "bf16-prefill"}))
     assert bf16.enabled({"bf16", "dpbf16"})

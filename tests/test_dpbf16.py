@@ -179,11 +179,15 @@ def _weights(rng, m, k):
 
 @pytest.mark.parametrize("n,m,k", [(70, 64, 576), (300, 48, 2048), (257, 160, 96), (70, 48, 8224)])
 @pytest.mark.parametrize("workers", [1, 2])
-def test_gemm_matches_reference(rng, dp, n, m, k, workers):
+@pytest.mark.parametrize("rounded", [False, True], ids=["halves", "rounded"])
+def test_gemm_matches_reference(rng, dp, monkeypatch, n, m, k, workers, rounded):
     """Partial token blocks, a last group of 16 rows (m = 48), groups dealt unevenly (m = 160), the
     depth in several passes (k = 8224: 3 for a block of 64 tokens, 2 for the last 6). Each lane sums
     its 2k products in one sequence of f32 adds: the summation error grows with k (measured 1.1e-6,
-    1.8e-6 and 3.6e-6 of the largest output at k = 576, 2048 and 8224; AMX's tiles 0.2e-6 to 0.8e-6)."""
+    1.8e-6 and 3.6e-6 of the largest output at k = 576, 2048 and 8224; AMX's tiles 0.2e-6 to 0.8e-6).
+    Rounded ("bf16-round"): the products of bf16(x) alone, the reference's too."""
+    if rounded:
+        monkeypatch.setattr(cpu, "ENABLED", cpu.ENABLED | {"bf16-round"})
     assert not bf16.tiles()
     x = rng.standard_normal((n, k)).astype(np.float32)
     w = _weights(rng, m, k)
@@ -191,6 +195,8 @@ def test_gemm_matches_reference(rng, dp, n, m, k, workers):
     bf16.gemm(x, w, got, _work(m, k, workers))
     bf16.gemm_ref(x, w, want, None)
     assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+    exact = x.astype(np.float64) @ formats.to_f32(w, BF16).T.astype(np.float64)
+    assert (np.abs(got - exact).max() > 1e-4 * np.abs(exact).max()) == rounded  # bf16(x)'s 8 bits, or ~16
 
 
 @pytest.mark.parametrize("name", ["Q8_0", "Q4_K"])
@@ -285,8 +291,11 @@ def test_engine_names_the_path(monkeypatch):
     monkeypatch.setattr(bf16, "AMX", True)  # the start-up line of a CPU with AMX
     monkeypatch.setattr(cpu, "ENABLED", frozenset({"int16", "bf16"}))
     described = engine.describe_kernels()
-    assert "bf16 weights: AMX tdpbf16ps in decode and prefill" in described
+    assert "bf16 weights: AMX tdpbf16ps in decode and prefill (activations as two bf16 halves" in described
     assert "attention: AMX tdpbf16ps in prefill and decode" in described
+    monkeypatch.setattr(cpu, "ENABLED", frozenset({"int16", "bf16", "bf16-round"}))
+    assert "bf16 weights: AMX tdpbf16ps in decode and prefill (activations rounded to bf16" in engine.describe_kernels()
+    monkeypatch.setattr(cpu, "ENABLED", frozenset({"int16", "bf16"}))
     engine.kv = SimpleNamespace(fmt=F16)  # KV kept in f16 for its precision: the f32 kernels
     assert "attention: f32 FMA in prefill and decode" in engine.describe_kernels()
     engine.kv = SimpleNamespace(fmt=BF16)

@@ -202,12 +202,13 @@ class Engine:
             block_prefill = "the same, a GEMM over tiles of tokens (a token's numbers as in decode)"
         else:
             block_prefill = "decoded to f32 panels, f32 FMA"
+        activations = "activations rounded to bf16" if bf16.rounded() else "activations as two bf16 halves"
         if bf16.decode_tiles():
-            floats = "AMX tdpbf16ps in decode and prefill (activations as two bf16 halves, a token's numbers alike)"
+            floats = f"AMX tdpbf16ps in decode and prefill ({activations}, a token's numbers alike)"
         elif bf16.tiles():
-            floats = "f32 FMA in decode, AMX tdpbf16ps (activations as two bf16 halves) in prefill"
+            floats = f"f32 FMA in decode, AMX tdpbf16ps ({activations}) in prefill"
         elif bf16.enabled():
-            floats = "f32 FMA in decode, vdpbf16ps (activations as two bf16 halves) in prefill"
+            floats = f"f32 FMA in decode, vdpbf16ps ({activations}) in prefill"
         else:
             floats = "f32 FMA in decode and prefill"
         if attention.on_amx(self.kv.fmt, self.spec.head_dim):

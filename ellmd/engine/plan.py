@@ -78,7 +78,7 @@ class Workspace:
         self.xd = np.zeros(D * (widest // 32), f32)
         self.xs = np.zeros(D * (widest // 16), f32)
         packed = -(-D // bf16.TILE) * bf16.TILE * widest if bf16.AMX else 0  # decode rows in groups of 16 tokens
-        self.xh, self.xl = np.zeros(packed, np.uint16), np.zeros(packed, np.uint16)
+        self.xh, self.xl = np.zeros(packed, np.uint16), np.zeros(0 if bf16.rounded() else packed, np.uint16)
         if spec.num_experts:
             E, k = spec.num_experts, spec.num_experts_per_tok
             self.router_logits = np.zeros((rows, E), f32)

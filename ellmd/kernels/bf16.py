@@ -103,6 +103,28 @@ def _transpose16(builder, rows):
     return rows
 
 
+def each_variant(builder, lo, split, body):
+    """body(halves, split) in a branch of its own for each value of the bools lo (the tokens' lo
+    half is there) and split (None: never): a branch inside a loop of tile or vdpbf16ps products
+    kept its accumulators from living in registers (LLVM stored and reloaded them every step)."""
+    with builder.if_else(lo) as (two, one):
+        for branch, halves in ((two, 2), (one, 1)):
+            with branch:
+                if split is None:
+                    body(halves, False)
+                    continue
+                with builder.if_else(split) as (with_split, without):
+                    with with_split:
+                        body(halves, True)
+                    with without:
+                        body(halves, False)
+
+
+def has_lo(builder, shape):
+    """Whether packed tokens of this shape hold a lo half (rows), not activations rounded once (none)."""
+    return builder.icmp_signed(">", shape[0], ir.Constant(shape[0].type, 0))
+
+
 def _halves(builder, vals):
     """(hi, lo) of <32 x float> as <32 x bfloat>: hi = bf16(x), lo = bf16(x - hi), rounded to
     nearest even (vcvtneps2bf16)."""
@@ -117,8 +139,9 @@ def pack_activations(typingctx, x, i0, nb, nbp, xh, xl):
 
     x: [n, k] float32, k % CHUNK == 0; xh, xl: [tokens // 16, pairs * 32] uint16; nbp % 16 == 0;
     tokens from nb on repeat token nb - 1 (padding that stays finite). hi = bf16(x),
-    lo = bf16(x - hi), rounded to nearest even (vcvtneps2bf16). Per 16 tokens x 16 pairs: 16 row
-    loads, two transposes in registers, 32 row stores.
+    lo = bf16(x - hi), rounded to nearest even (vcvtneps2bf16); an xl of no rows takes no lo half
+    (activations rounded once: rounded()). Per 16 tokens x 16 pairs: 16 row loads, two transposes
+    in registers, 32 row stores (16 without lo).
     """
     if not (_is_matrix(x, types.float32) and _is_matrix(xh, types.uint16) and _is_matrix(xl, types.uint16)):
         return None
@@ -127,9 +150,10 @@ def pack_activations(typingctx, x, i0, nb, nbp, xh, xl):
     def codegen(context, builder, signature, args):
         x_p, (_, k), _ = _data(context, builder, signature.args[0], args[0])
         xh_p, (_, ld2), _ = _data(context, builder, signature.args[4], args[4])
-        xl_p, _, _ = _data(context, builder, signature.args[5], args[5])
+        xl_p, xl_shape, _ = _data(context, builder, signature.args[5], args[5])
         i0, nb, nbp = args[1], args[2], args[3]
         intp = context.get_value_type(types.intp)
+        with_lo = has_lo(builder, xl_shape)
 
         def const(v):
             return ir.Constant(intp, v)
@@ -154,10 +178,15 @@ def pack_activations(typingctx, x, i0, nb, nbp, xh, xl):
                     his.append(builder.bitcast(hi, _I32X16))
                     los.append(builder.bitcast(lo, _I32X16))
                 p0 = builder.udiv(c, const(2))
-                for dst, words in zip(halves, (his, los)):
+
+                def store(dst, words):
                     for lane, col in enumerate(_transpose16(builder, words)):
                         at = builder.add(run0, builder.mul(builder.add(p0, const(lane)), const(_LANES)))
                         builder.store(col, builder.bitcast(builder.gep(dst, [at]), _I32X16.as_pointer()), align=4)
+
+                store(halves[0], his)
+                with builder.if_then(with_lo):
+                    store(halves[1], los)
         return context.get_dummy_value()
 
     return sig, cpu.compiled_for(PATHS, codegen)
@@ -205,7 +234,8 @@ def _amx_functions(builder):
 
 def _make_amx_block(row_tiles, accumulate):
     """An intrinsic for one AMX block: row_tiles x 2 tiles of c (+)= w[j0 + 16 a rows] . tokens
-    t0 + 16 b, over `pairs` pairs of depths from p0 (pairs % TILE == 0), accumulated or not.
+    t0 + 16 b (xh + xl, or xh where xl has no rows), over `pairs` pairs of depths from p0
+    (pairs % TILE == 0), accumulated or not.
     When split (a bool), w is the hi half of the weights and wl their lo half: c += wl . xh too
     (else wl is not read)."""
 
@@ -221,7 +251,7 @@ def _make_amx_block(row_tiles, accumulate):
             w_p, (_, k), _ = _data(context, builder, signature.args[0], args[0])
             wl_p, _, _ = _data(context, builder, signature.args[1], args[1])
             xh_p, (_, ld2), _ = _data(context, builder, signature.args[4], args[4])
-            xl_p, _, _ = _data(context, builder, signature.args[5], args[5])
+            xl_p, xl_shape, _ = _data(context, builder, signature.args[5], args[5])
             c_p, (_, ldc), _ = _data(context, builder, signature.args[7], args[7])
             _, _, split, j0, _, _, t0, _, p0, pairs = args
             f = _amx_functions(builder)
@@ -266,17 +296,13 @@ def _make_amx_block(row_tiles, accumulate):
                             acc = builder.call(f["dp"], [rows, width, width, acc, a_tiles[a], b_tiles[b]])
                             builder.store(builder.call(f["vec"], [acc]), slot)
 
-            steps = builder.udiv(pairs, const(TILE))
-            # a loop for each: a branch inside kept the 8 tiles of the 2-row block from living in
-            # registers across it (LLVM stored and reloaded the four sums every step)
-            with builder.if_else(split) as (with_split, without):
-                with with_split:
-                    with cgutils.for_range(builder, steps) as loop:
-                        products(loop.index, w_p, x_halves)  # x . w = hi . w + lo . w
+            def steps(halves, with_wl):
+                with cgutils.for_range(builder, builder.udiv(pairs, const(TILE))) as loop:
+                    products(loop.index, w_p, x_halves[:halves])  # x . w = hi . w (+ lo . w)
+                    if with_wl:
                         products(loop.index, wl_p, x_halves[:1])  # + hi . wl, its tiles loaded after w's
-                with without:
-                    with cgutils.for_range(builder, steps) as loop:
-                        products(loop.index, w_p, x_halves)
+
+            each_variant(builder, has_lo(builder, xl_shape), split, steps)
             for a in range(row_tiles):
                 for b in range(2):
                     tile = builder.call(f["tile"], [builder.load(accs[2 * a + b])])
@@ -613,6 +639,11 @@ def decode_tiles(paths=None):
     return AMX and "bf16" in (cpu.ENABLED if paths is None else paths)
 
 
+def rounded(paths=None):
+    """Whether these paths round activations once to bf16 ("bf16-round"), not into two halves."""
+    return "bf16-round" in (cpu.ENABLED if paths is None else paths)
+
+
 def enabled(paths=None):
     """Whether gemm runs on this CPU with these paths on: on AMX tiles, else on vdpbf16ps ("dpbf16")."""
     return tiles(paths) or "dpbf16" in (cpu.ENABLED if paths is None else paths)
@@ -735,14 +766,16 @@ def _worker_floats(m, k, workers):
 
 
 @numba.njit(cache=True, nogil=True, fastmath=True, parallel=True)
-def _gemm(x, w, out, shared, work, tiles):
-    """gemm over work's workers: each block of tokens packed into `shared` (both halves) by all of
-    them, a share of its groups of 16 tokens each, then multiplied by each worker's rows."""
+def _gemm(x, w, out, shared, work, tiles, rounded):
+    """gemm over work's workers: each block of tokens packed into `shared` (both halves, or hi
+    alone when rounded) by all of them, a share of its groups of 16 tokens each, then multiplied
+    by each worker's rows."""
     n, k = x.shape
     workers = work.shape[0]
     half = shared.size // 2
+    lo_groups = 0 if rounded else TOKENS // TILE
     xh = shared[:half].view(np.uint16).reshape((TOKENS // TILE, k * TILE))
-    xl = shared[half : 2 * half].view(np.uint16).reshape((TOKENS // TILE, k * TILE))
+    xl = shared[half : half + lo_groups * k * TILE // 2].view(np.uint16).reshape((lo_groups, k * TILE))
     groups = groups_of(w.shape[0], workers)
     padded = AMX_ROWS * (k + ROW_PAD) // 2
     for i0 in range(0, n, TOKENS):
@@ -777,8 +810,8 @@ def scratch_floats(m, k, workers=None):
 
 
 def gemm(x, w, out, scratch, paths=None):
-    """out = x @ w.T on AMX tiles (tiles(paths)), else on vdpbf16ps, x as the sum of two bf16 halves,
-    products and sums in f32.
+    """out = x @ w.T on AMX tiles (tiles(paths)), else on vdpbf16ps, x as the sum of two bf16 halves
+    (or rounded once to bf16 where rounded(paths)), products and sums in f32.
 
     x: [n, k] float32 (C-contiguous); w: [m, k] bf16 bits, or [m, k // 32 or 256] blocks of a GGUF
     type (quant.py; their values split in two halves as well), with usable(m, k); out: [n, m]
@@ -791,7 +824,8 @@ def gemm(x, w, out, scratch, paths=None):
         workers -= 1
     per = _worker_floats(m, k, workers)
     shared = _shared_floats(k)
-    _gemm(x, w, out, scratch[:shared], scratch[shared : shared + workers * per].reshape(workers, per), tiles(paths))
+    _gemm(x, w, out, scratch[:shared], scratch[shared : shared + workers * per].reshape(workers, per), tiles(paths),
+          rounded(paths))
 
 
 def split(x):
@@ -800,10 +834,12 @@ def split(x):
     return hi, to_f32(to_storage(x - hi, BF16), BF16)
 
 
-def gemm_ref(x, w, out, scratch):
-    """numpy reference of gemm: the products of the halves (split) in float64; of block weights,
-    (hi + lo) . wh + hi . wl, the halves of their values."""
+def gemm_ref(x, w, out, scratch, paths=None):
+    """numpy reference of gemm: the products of the halves (split; hi alone where rounded(paths))
+    in float64; of block weights, (hi + lo) . wh + hi . wl, the halves of their values."""
     hi, lo = split(x)
+    if rounded(paths):
+        lo = np.zeros_like(lo)
     if quant.is_blocks(w):
         wh, wl = split(quant.dequantize(w))
         product = (hi.astype(np.float64) + lo) @ wh.T.astype(np.float64) + hi.astype(np.float64) @ wl.T
@@ -814,8 +850,8 @@ def gemm_ref(x, w, out, scratch):
 
 @intrinsic
 def _amx_rows(typingctx, w, j0, xh, xl, g, c, ahead):
-    """c[16 rows, 16 tokens] = w[j0:j0+16] . the group g of packed tokens (xh + xl): every sum the
-    chain of _make_amx_block's (per 16 pairs, the hi product, then the lo), the A tiles loaded
+    """c[16 rows, 16 tokens] = w[j0:j0+16] . the group g of packed tokens (xh + xl, or xh where xl
+    has no rows): every sum the chain of _make_amx_block's (per 16 pairs, the hi product, then the lo), the A tiles loaded
     straight from w. When ahead, the next 16 rows are prefetched to L2 over the steps, a linear run
     of 16 lines a step (their k // 2 lines in k // 32 steps).
 
@@ -829,7 +865,7 @@ def _amx_rows(typingctx, w, j0, xh, xl, g, c, ahead):
     def codegen(context, builder, signature, args):
         w_p, (_, k), _ = _data(context, builder, signature.args[0], args[0])
         xh_p, (_, ld2), _ = _data(context, builder, signature.args[2], args[2])
-        xl_p, _, _ = _data(context, builder, signature.args[3], args[3])
+        xl_p, xl_shape, _ = _data(context, builder, signature.args[3], args[3])
         c_p, _, _ = _data(context, builder, signature.args[5], args[5])
         j0, g, ahead = args[1], args[4], args[6]
         f = _amx_functions(builder)
@@ -848,20 +884,24 @@ def _amx_rows(typingctx, w, j0, xh, xl, g, c, ahead):
         b_at = builder.mul(g, builder.mul(ld2, const(2)))
         halves = [builder.gep(builder.bitcast(ptr, i8p), [b_at]) for ptr in (xh_p, xl_p)]
         acc = cgutils.alloca_once_value(builder, builder.call(f["vec"], [builder.call(f["zero"], [rows, width])]))
-        with cgutils.for_range(builder, builder.udiv(k, const(2 * TILE))) as loop:
-            s = loop.index
-            with builder.if_then(ahead):
-                run = builder.gep(after, [builder.mul(s, const(64 * TILE))])
-                for line in range(TILE):  # locality 2: prefetcht1, to L2
-                    builder.call(prefetch, [builder.gep(run, [const(64 * line)]), i32(0), i32(2), i32(1)])
-            a_tile = builder.call(f["load"], [rows, width, builder.gep(w_bytes, [builder.mul(s, const(4 * TILE))]),
-                                              w_stride])
-            step = builder.mul(s, builder.mul(x_stride, const(TILE)))
-            for half in halves:
-                b_tile = builder.call(f["load"], [rows, width, builder.gep(half, [step]), x_stride])
-                tile = builder.call(f["dp"], [rows, width, width, builder.call(f["tile"], [builder.load(acc)]),
-                                              a_tile, b_tile])
-                builder.store(builder.call(f["vec"], [tile]), acc)
+
+        def steps(count, _):
+            with cgutils.for_range(builder, builder.udiv(k, const(2 * TILE))) as loop:
+                s = loop.index
+                with builder.if_then(ahead):
+                    run = builder.gep(after, [builder.mul(s, const(64 * TILE))])
+                    for line in range(TILE):  # locality 2: prefetcht1, to L2
+                        builder.call(prefetch, [builder.gep(run, [const(64 * line)]), i32(0), i32(2), i32(1)])
+                a_tile = builder.call(f["load"], [rows, width, builder.gep(w_bytes, [builder.mul(s, const(4 * TILE))]),
+                                                  w_stride])
+                step = builder.mul(s, builder.mul(x_stride, const(TILE)))
+                for half in halves[:count]:
+                    b_tile = builder.call(f["load"], [rows, width, builder.gep(half, [step]), x_stride])
+                    tile = builder.call(f["dp"], [rows, width, width, builder.call(f["tile"], [builder.load(acc)]),
+                                                  a_tile, b_tile])
+                    builder.store(builder.call(f["vec"], [tile]), acc)
+
+        each_variant(builder, has_lo(builder, xl_shape), None, steps)
         tile = builder.call(f["tile"], [builder.load(acc)])
         builder.call(f["store"], [rows, width, builder.bitcast(c_p, i8p), x_stride, tile])
         return context.get_dummy_value()

@@ -16,6 +16,9 @@ Paths (each needs its CPU features; without them the portable f32 FMA kernels ru
   "dpbf16" vdpbf16ps (AVX512-BF16) for the prefill matmuls of bf16 weights where AMX is not on
            (Zen 4/5, Xeons from Cooper Lake; "bf16" wins where both are): bf16.py's GEMM on
            dpbf16.py's block, the same two halves. Opt-in, as "bf16-prefill"
+  "bf16-round"  with the paths above: activations rounded once to bf16 (as transformers' bf16 and
+           llama.cpp's F16 matmuls round them) in place of two halves, half the products
+           (~2e-3 of a product, logits moved as far as by the bf16 KV cache)
 
 ELLM_KERNELS picks them: "auto" (every path this CPU has), "portable" (none), or a comma-separated
 list of paths (those this CPU lacks are left out). Unset, DEFAULT applies. Kernels test
@@ -30,7 +33,8 @@ from numba.core import cgutils
 # path -> the sets of CPU features that each let it run
 _AMX = (("amx-bf16", "amx-tile"),)
 PATHS = {"int16": (("avx512vnni", "avx512bw"), ("avx2",)), "vnni": (("avx512vnni", "avx512vl"),),
-         "bf16": _AMX, "bf16-prefill": _AMX, "dpbf16": (("avx512bf16", "avx512f"),)}
+         "bf16": _AMX, "bf16-prefill": _AMX, "dpbf16": (("avx512bf16", "avx512f"),),
+         "bf16-round": (*_AMX, ("avx512bf16", "avx512f"))}
 INTEGER = frozenset({"int16", "vnni"})  # the paths of block weights; "vnni" wins when both are on
 # Only paths whose prefill sums are decode's are on by default (a token's logits must not depend on
 # how it was computed): int8 activations ("vnni") also move logits too far; "bf16-prefill" and

@@ -63,7 +63,8 @@ def _vector_at(builder, base, index, vector):
 
 def _steps(builder, dp, accs, pairs, x_rows, x_at, w_rows, w_at):
     """The loop over the call's pairs: accs[r][g] += each weight row's pair . the tokens of group
-    g, for the halves of the tokens (x_rows: hi, lo) and of the weights (w_rows: w, or w and wl)."""
+    g, for the halves of the tokens (x_rows: hi, lo, or hi alone) and of the weights (w_rows: w, or
+    w and wl)."""
     with cgutils.for_range(builder, pairs) as loop:
         p = loop.index
         step = builder.mul(p, ir.Constant(p.type, _LANES))  # a group's pairs: 16 words each
@@ -73,7 +74,7 @@ def _steps(builder, dp, accs, pairs, x_rows, x_at, w_rows, w_at):
             ws = [_broadcast(builder, builder.load(builder.gep(half, [builder.add(at, p)]))) for half in w_rows]
             for g, slot in enumerate(row_accs):
                 acc = builder.load(slot)
-                for w, x in ((ws[0], xs[0][g]), (ws[0], xs[1][g]), *((wl, xs[0][g]) for wl in ws[1:])):
+                for w, x in (*((ws[0], half[g]) for half in xs), *((wl, xs[0][g]) for wl in ws[1:])):
                     acc = builder.call(dp, [acc, w, x])  # w . hi, w . lo, then wl . hi (lo . lo dropped)
                 builder.store(acc, slot)
 
@@ -82,7 +83,8 @@ def make_block(row_tiles, accumulate):
     """An intrinsic for one block on vdpbf16ps, the signature and meaning of bf16._make_amx_block's:
 
     block(w, wl, split, j0, xh, xl, t0, c, p0, pairs): c[:16 row_tiles, t0:t0 + 32] (+)= w[j0 + rows,
-    2 p0:2 (p0 + pairs)] . (xh + xl)[p0:p0 + pairs, tokens t0..t0 + 32], accumulated into c or not;
+    2 p0:2 (p0 + pairs)] . (xh + xl)[p0:p0 + pairs, tokens t0..t0 + 32] (xh alone where xl has no
+    rows), accumulated into c or not;
     when split (a bool), w is the hi half of the weights and wl (same rows, same stride) their lo
     half: c += wl . xh too (else wl is not read). w, wl, xh, xl: uint16, c: float32, all 2-D and
     C-contiguous; pairs >= 0, any number.
@@ -101,7 +103,7 @@ def make_block(row_tiles, accumulate):
             w_p, (_, k), _ = bf16._data(context, builder, signature.args[0], args[0])
             wl_p, _, _ = bf16._data(context, builder, signature.args[1], args[1])
             xh_p, (_, ld2), _ = bf16._data(context, builder, signature.args[4], args[4])
-            xl_p, _, _ = bf16._data(context, builder, signature.args[5], args[5])
+            xl_p, xl_shape, _ = bf16._data(context, builder, signature.args[5], args[5])
             c_p, (_, ldc), _ = bf16._data(context, builder, signature.args[7], args[7])
             _, _, split, j0, _, _, t0, _, p0, pairs = args
             intp = context.get_value_type(types.intp)
@@ -130,11 +132,8 @@ def make_block(row_tiles, accumulate):
                         for r in range(ROWS)]
                 x_at = [builder.add(builder.mul(builder.add(builder.udiv(t0, const(_LANES)), const(g)), run),
                                     builder.mul(p0, const(_LANES))) for g in range(GROUPS)]
-                with builder.if_else(split) as (with_split, without):  # a pairs loop for each: no branch inside
-                    with with_split:
-                        _steps(builder, dp, accs, pairs, x_words, x_at, w_words, w_at)
-                    with without:
-                        _steps(builder, dp, accs, pairs, x_words, x_at, w_words[:1], w_at)
+                bf16.each_variant(builder, bf16.has_lo(builder, xl_shape), split, lambda halves, with_wl: _steps(
+                    builder, dp, accs, pairs, x_words[:halves], x_at, w_words[: 1 + with_wl], w_at))
                 for at, row_accs in zip(c_at, accs):
                     for c_g, slot in zip(at, row_accs):
                         builder.store(builder.load(slot), c_g, align=4)

@@ -65,7 +65,7 @@ class Stepwise(NamedTuple):
 def fused_run(integer, workers, q8buf, halves, acc, threads, attention_scratch, moe_work) -> tuple:
     """`run` of decode_layer: integer (an integer path on), workers and acc [W, ...] of _linear,
     q8buf (xq, xd, xs), halves (xh, xl: flat uint16 for bf16.pack_tokens, where bf16 weights decode
-    on AMX tiles, else ()), threads of decode attention, attention_scratch (partial_m, partial_l,
+    on AMX tiles, else (); xl empty where activations are rounded once), threads of decode attention, attention_scratch (partial_m, partial_l,
     partial_acc, tile) and moe_work (top_k, normalize, moe.fused_work's work) or ()."""
     return integer, workers, q8buf, halves, acc, threads, attention_scratch, moe_work
 
@@ -307,7 +307,8 @@ def _packed_overload(x, parts, halves):
     def impl(x, parts, halves):
         shape = ((x.shape[0] + bf16.TILE - 1) // bf16.TILE, x.shape[1] * bf16.TILE)
         xh = halves[0][: shape[0] * shape[1]].reshape(shape)
-        xl = halves[1][: shape[0] * shape[1]].reshape(shape)
+        lo_shape = (shape[0] if halves[1].size else 0, shape[1])  # no lo half: activations rounded once
+        xl = halves[1][: lo_shape[0] * shape[1]].reshape(lo_shape)
         bf16.pack_tokens(x, xh, xl)
         return xh, xl
 

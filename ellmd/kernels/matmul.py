@@ -329,19 +329,19 @@ def linear(x, w, fmt, out, paths=None):
         elif _integer(part):
             _linear_integer(x, part, cols)
         elif _decodes_on_tiles(x, part, fmt, paths):
-            _linear_tiles(x, part, cols, numba.get_num_threads())
+            _linear_tiles(x, part, cols, numba.get_num_threads(), bf16.rounded(paths))
         else:
             _linear(x, kernel_view(part, fmt), cols)
 
 
 @numba.njit(cache=True, nogil=True, fastmath=False, parallel=True)
-def _linear_tiles(x, w, out, workers):
-    """out = x @ w.T for few rows on AMX tiles (bf16.rows_amx): x packed once, then each worker an
-    equal run of 16-row tiles."""
+def _linear_tiles(x, w, out, workers, rounded):
+    """out = x @ w.T for few rows on AMX tiles (bf16.rows_amx): x packed once (in two halves, or
+    rounded once), then each worker an equal run of 16-row tiles."""
     n, k = x.shape
     m = w.shape[0]
     xh = np.empty(((n + bf16.TILE - 1) // bf16.TILE, k * bf16.TILE), np.uint16)
-    xl = np.empty_like(xh)
+    xl = np.empty((0 if rounded else xh.shape[0], xh.shape[1]), np.uint16)
     bf16.pack_tokens(x, xh, xl)
     if n * m * k < 8 * PARALLEL_MIN:
         bf16.rows_amx(xh, xl, n, w, out, 0, m, np.empty((bf16.TILE, bf16.TILE), np.float32))
@@ -365,7 +365,7 @@ def linear_ref(x, w, fmt, out, paths=None):
     paths = cpu.ENABLED if paths is None else paths
     for part, cols in _parts(w, out):
         if _decodes_on_tiles(x, part, fmt, paths):
-            bf16.gemm_ref(x, part, cols, None)
+            bf16.gemm_ref(x, part, cols, None, paths)
             continue
         w32 = lanes.dequantize_ref(part)[: cols.shape[1]] if lanes.is_tiles(part) else to_f32(part, fmt)
         cols[:] = (x.astype(np.float64) @ w32.T.astype(np.float64)).astype(np.float32)
@@ -495,7 +495,7 @@ def linear_prefill_ref(x, w, fmt, out, scratch, paths=None):
     paths = cpu.ENABLED if paths is None else paths
     for part, cols in _parts(w, out):
         if _bf16_gemm(x, part, fmt, paths) and not lanes.is_tiles(part):
-            bf16.gemm_ref(x, part, cols, None)
+            bf16.gemm_ref(x, part, cols, None, paths)
         else:
             linear_ref(x, part, fmt, cols)
 

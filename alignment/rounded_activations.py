@@ -1,0 +1,78 @@
+"""Rounded activations: the "bf16-round" path (bf16 products of activations rounded once to bf16)
+vs transformers fp32, within the error of transformers' own bf16 forward on the same weights.
+
+bf16 checkpoints, native bf16 weights, f32 KV: a 40-token prefill (logits at every position), then
+8 decode steps, as multi_token does. The two-halves paths meet multi_token's 1e-3 of the largest
+logit; one bf16 value per activation cannot (bf16 keeps 8 bits: ~2e-3 of each product). The bound
+is the reference's: transformers run in bf16 (its dtype for a bf16 checkpoint) on the same tokens,
+compared with its fp32 forward, gives the error a bf16 computation is allowed here; ellm must be no
+further from fp32 than that.
+
+Shapes: logits [n, V].
+"""
+
+from __future__ import annotations
+
+try:
+    from alignment import common
+except ImportError:
+    import pathlib
+    import sys
+
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+    from alignment import common
+
+import numpy as np
+
+PROMPT, STEPS = 40, 8
+VARIANTS = ["llama-llama3-tied-bf16", "qwen3-yarn-bf16"]
+
+
+def relative_error(ours, reference) -> float:
+    return float(np.abs(ours - reference).max() / np.abs(reference).max())
+
+
+def bf16_reference_logits(path, tokens) -> np.ndarray:
+    """transformers' logits [n, V] with the model in bf16 (weights as stored, every activation bf16)."""
+    import copy
+
+    import torch
+
+    model = copy.deepcopy(common.reference_model(path)).to(torch.bfloat16)  # the cached fp32 model stays
+    return common.reference_logits(model, tokens)
+
+
+def default_kernels() -> str:
+    """AMX's path with rounding where the CPU has AMX, else vdpbf16ps' (prefill only; decode in f32)."""
+    from ellmd.kernels import cpu
+
+    return "int16,bf16,bf16-round" if "bf16" in cpu.host_paths() else "int16,dpbf16,bf16-round"
+
+
+def main(argv=None) -> int:
+    p = common.parser(__doc__.splitlines()[0], default_variants=VARIANTS)
+    p.add_argument("--kernels", help="ELLM_KERNELS value to check [default: int16,bf16,bf16-round with AMX, "
+                   "else int16,dpbf16,bf16-round]")
+    args = p.parse_args(argv)
+    common.torch_setup()
+    request = args.kernels or default_kernels()
+    report = common.Report(f"rounded activations ({request}) vs transformers fp32, within transformers bf16's error")
+    with common.kernel_paths(request):
+        for index, name in enumerate(common.selected_variants(args)):
+            path = common.checkpoint(args, name)
+            engine = common.make_engine(path, weight_dtype=common.engine_dtype(name))
+            tokens = common.random_tokens(PROMPT + STEPS, seed=10 + index, vocab=engine.spec.vocab_size)
+            ref = common.reference_logits(common.reference_model(path), tokens)  # [48, V]
+            bound = relative_error(bf16_reference_logits(path, tokens), ref)
+            logits = engine.prefill(0, tokens[:PROMPT], logits="all")  # [40, V]
+            steps = np.stack([engine.decode([0], [t])[0].copy() for t in tokens[PROMPT:]])  # [8, V]
+            ours = relative_error(np.concatenate([logits, steps]), ref)
+            report.check(f"{name}: prefill {PROMPT} + {STEPS} decode steps", ours <= bound,
+                         f"max rel {ours:.2e}, transformers bf16 {bound:.2e}")
+            report.check(f"{name}: not the two-halves arithmetic", ours > 1e-3,
+                         f"max rel {ours:.2e} (two halves: ~1e-5)")
+    return report.exit_code()
+
+
+if __name__ == "__main__":
+    common.run(main)
