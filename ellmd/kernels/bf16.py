@@ -12,7 +12,8 @@ one L1 set, as at first, cost more than the set conflicts it avoided: without it
 GEMM's rate, Xeon model 167). Each f32 activation x is split into
 hi = bf16(x) and lo = bf16(x - hi), so x . w = hi . w + lo . w keeps ~16 bits of x (relative
 error ~2**-17, the f32 kernels' figures within the alignment tolerance; bf16(x) alone moved
-1,100-token prefill logits by 7e-3 of the largest, past the 1e-3 the suite allows). The two
+1,100-token prefill logits by 7e-3 of the largest, past the 1e-3 the suite allows; the opt-in
+"bf16-round" path takes it, half the products: hi alone, packed into an xl of no rows). The two
 halves of a block of tokens are packed per pair of depths in runs of 16 tokens
 (`pack_activations`: for tokens 16 g.., pair p, 64 bytes of (hi(x[i, 2p]), hi(x[i, 2p+1]))
 pairs), so a B operand of tdpbf16ps (16 pairs x 16 tokens) is 1 KiB in one piece; a block of
@@ -815,8 +816,8 @@ def gemm(x, w, out, scratch, paths=None):
 
     x: [n, k] float32 (C-contiguous); w: [m, k] bf16 bits, or [m, k // 32 or 256] blocks of a GGUF
     type (quant.py; their values split in two halves as well), with usable(m, k); out: [n, m]
-    float32, its values along a row adjacent (any row stride); scratch: 1-D float32, scratch_floats(m, k) elements (room for fewer
-    threads only lowers the parallelism).
+    float32, its values along a row adjacent (any row stride); scratch: 1-D float32,
+    scratch_floats(m, k) elements (room for fewer threads only lowers the parallelism).
     """
     m, k = w.shape[0], x.shape[1]
     workers = numba.get_num_threads()
@@ -851,9 +852,9 @@ def gemm_ref(x, w, out, scratch, paths=None):
 @intrinsic
 def _amx_rows(typingctx, w, j0, xh, xl, g, c, ahead):
     """c[16 rows, 16 tokens] = w[j0:j0+16] . the group g of packed tokens (xh + xl, or xh where xl
-    has no rows): every sum the chain of _make_amx_block's (per 16 pairs, the hi product, then the lo), the A tiles loaded
-    straight from w. When ahead, the next 16 rows are prefetched to L2 over the steps, a linear run
-    of 16 lines a step (their k // 2 lines in k // 32 steps).
+    has no rows): every sum the chain of _make_amx_block's (per 16 pairs, the hi product, then the
+    lo), the A tiles loaded straight from w. When ahead, the next 16 rows are prefetched to L2 over
+    the steps, a linear run of 16 lines a step (their k // 2 lines in k // 32 steps).
 
     w: [m, k] bf16 bits, m >= j0 + 16; xh, xl: [groups, k * 16] uint16 (pack_activations); c: [16, 16]
     float32; all C-contiguous."""
