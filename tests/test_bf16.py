@@ -115,8 +115,9 @@ def test_gemm_matches_reference(rng, rounding, n, m, k, workers):
 
 @pytest.mark.parametrize("name", list(quant.BLOCK_DTYPES))
 @pytest.mark.parametrize("workers", [1, 2])
-def test_gemm_of_blocks_matches_reference(rng, amx, name, workers):
-    """Every block type: a last group of 16 rows, partial token blocks, several depth blocks."""
+def test_gemm_of_blocks_matches_reference(rng, rounding, name, workers):
+    """Every block type: a last group of 16 rows, partial token blocks, several depth blocks; rounded,
+    bf16(x) meets both halves of the weights."""
     n, m, k = 300, 48, 768
     x = rng.standard_normal((n, k)).astype(np.float32)
     w = blocks(rng, name, m, k)
@@ -125,7 +126,8 @@ def test_gemm_of_blocks_matches_reference(rng, amx, name, workers):
     bf16.gemm_ref(x, w, want, None)
     np.testing.assert_allclose(got, want, **TOL)
     exact = x.astype(np.float64) @ quant.dequantize(w).T.astype(np.float64)
-    assert np.abs(got - exact).max() <= 2e-5 * np.abs(exact).max()  # ~16 bits of each factor
+    error = np.abs(got - exact).max() / np.abs(exact).max()
+    assert (1e-4 < error < 2e-2) if rounding else error <= 2e-5, error  # bf16(x)'s 8 bits, or ~16 of each factor
 
 
 @pytest.mark.parametrize("m,k", [(96, 576), (48, 2048)])  # rows sharing 4 KiB pages (prefetched), and not
