@@ -178,6 +178,17 @@ def test_weights_keep_their_precision(alignment_dir):
     assert Engine(bf16, weight_dtype="f32", sequence_length=16, chunk_size=8).model.layers[0]["qkv_proj"].dtype == np.float32
 
 
+def test_the_kernels_operands_start_cache_lines(engine):
+    """Weights, KV and every work buffer on 64-byte boundaries (aligned.py): a tile row or vector
+    load across two lines costs two, and numpy's own buffers start 16 bytes into one."""
+    from ellmd.engine.plan import _arrays
+
+    arrays = [w for layer in engine.model.layers for w in layer.values() if w.ndim == 2]
+    arrays += [engine.kv.k, engine.kv.v, *(a for a in _arrays(engine.plan.ws) if a.size)]  # (nothing to load in none)
+    assert len(arrays) > 20
+    assert [a.ctypes.data % 64 for a in arrays] == [0] * len(arrays)
+
+
 def test_kv_budget_over_memory_is_refused(llama):
     with pytest.raises(CapacityError, match="KV cache needs"):
         Engine(llama, sequence_length=1 << 30, batch_size=64)

@@ -69,6 +69,20 @@ def test_storage_helpers(rng):
     assert np.isnan(formats.to_f32(formats.to_storage(np.array([np.nan], np.float32), BF16), BF16)[0])
 
 
+def test_aligned_arrays_start_a_cache_line(rng):
+    from ellmd.kernels import aligned
+
+    for shape, dtype in [((3, 5), np.float32), (7, np.uint16), ((2, 3, 4), np.int64)]:
+        a = aligned.zeros(shape, dtype)
+        assert (a.shape, a.dtype, a.ctypes.data % 64, a.flags.c_contiguous) == (np.empty(shape).shape, dtype, 0, True)
+        assert not a.any()
+    skewed = aligned.empty(64 * 41, np.uint8)[16 : 16 + 64 * 40].view(np.float32).reshape(40, 16)  # numpy's usual 16
+    skewed[:] = randn(rng, *skewed.shape)
+    moved = aligned.on_line(skewed)
+    assert moved.ctypes.data % 64 == 0 and np.array_equal(moved, skewed) and moved is not skewed
+    assert aligned.on_line(moved) is moved
+
+
 def test_numba_decode_every_pattern():
     bits = np.arange(65536, dtype=np.uint32).astype(np.uint16)
     got_bf16, got_f16 = np.empty(65536, np.float32), np.empty(65536, np.float32)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from ellmd.errors import CapacityError, InvariantError
-from ellmd.kernels import formats, kv_blocks
+from ellmd.kernels import aligned, formats, kv_blocks
 
 
 def available_memory() -> int:
@@ -65,7 +65,7 @@ class KVCache:
         self.shape = (layers, slots, kv_heads, sequence_length, head_dim)
         self.sequence_length = sequence_length
         self.slots = slots
-        self.k, self.v = (np.empty((*self.shape[:-1], count), dtype) for dtype, count in
+        self.k, self.v = (aligned.empty((*self.shape[:-1], count), dtype) for dtype, count in
                           (element(part, head_dim) for part in kv_blocks.key_value_formats(fmt)))
         # the same memory as bytes [layers, slots, kv_heads, S, row bytes]: copies of blocks go through
         # these (numpy copies a record dtype's fields one element at a time: q8_0 ran at 3.7 GB/s)

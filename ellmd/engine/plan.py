@@ -34,7 +34,7 @@ import numba
 import numpy as np
 
 from ellmd import kernels
-from ellmd.kernels import bf16, cpu, layer, quant_f32
+from ellmd.kernels import aligned, bf16, cpu, layer, quant_f32
 from ellmd.kernels.formats import kernel_view
 from ellmd.kernels.matmul import PREFILL_MIN_ROWS
 from ellmd.kernels.moe import FUSED_MAX_TOKENS, fused_work
@@ -43,7 +43,8 @@ from ellmd.model.spec import ModelSpec
 
 
 class Workspace:
-    """Preallocated activation buffers for one model and one chunk size."""
+    """Preallocated activation buffers for one model and one chunk size, each starting a cache line
+    (aligned.py)."""
 
     def __init__(self, spec: ModelSpec, chunk_size: int, batch_size: int, sequence_length: int, weight_shapes):
         C, B = chunk_size, max(batch_size, 1)
@@ -52,39 +53,39 @@ class Workspace:
         H, G, d, h = spec.num_attention_heads, spec.num_key_value_heads, spec.head_dim, spec.hidden_size
         inter = max(spec.intermediate_size, spec.moe_intermediate_size)
         f32 = np.float32
-        self.x = np.zeros((rows, h), f32)
-        self.h = np.zeros((rows, h), f32)
-        self.rows_x = np.zeros((rows, h), f32)
-        self.qkv = np.zeros((rows, (H + 2 * G) * d), f32)
-        self.attn = np.zeros((rows, H * d), f32)
-        self.gate_up = np.zeros((rows, 2 * inter), f32)
-        self.act = np.zeros((rows, inter), f32)
-        self.logits = np.zeros((D, spec.vocab_size), f32)  # D >= B: a step's rows may carry drafts
-        self.tokens = np.zeros(rows, np.int64)
-        self.slots = np.zeros(rows, np.int64)
-        self.positions = np.zeros(rows, np.int64)
-        self.lengths = np.zeros(rows, np.int64)
-        self.row_ids = np.arange(rows, dtype=np.int64)
-        self.cos, self.sin = kernels.rope_tables(
+        self.x = aligned.zeros((rows, h), f32)
+        self.h = aligned.zeros((rows, h), f32)
+        self.rows_x = aligned.zeros((rows, h), f32)
+        self.qkv = aligned.zeros((rows, (H + 2 * G) * d), f32)
+        self.attn = aligned.zeros((rows, H * d), f32)
+        self.gate_up = aligned.zeros((rows, 2 * inter), f32)
+        self.act = aligned.zeros((rows, inter), f32)
+        self.logits = aligned.zeros((D, spec.vocab_size), f32)  # D >= B: a step's rows may carry drafts
+        self.tokens = aligned.zeros(rows, np.int64)
+        self.slots = aligned.zeros(rows, np.int64)
+        self.positions = aligned.zeros(rows, np.int64)
+        self.lengths = aligned.zeros(rows, np.int64)
+        self.row_ids = aligned.on_line(np.arange(rows, dtype=np.int64))
+        self.cos, self.sin = (aligned.on_line(t) for t in kernels.rope_tables(
             d, spec.rope_theta, spec.rope_scaling, spec.max_position_embeddings, sequence_length
-        )
+        ))
         shapes = kernels.decode_scratch_shapes(D, H, d, numba.get_num_threads(), sequence_length)
-        self.attention_scratch = {name: np.zeros(shape, f32) for name, shape in shapes.items()}
-        self.matmul_scratch = np.zeros(max(kernels.prefill_scratch_size(m, k) for m, k in weight_shapes), f32)
+        self.attention_scratch = {name: aligned.zeros(shape, f32) for name, shape in shapes.items()}
+        self.matmul_scratch = aligned.zeros(max(kernels.prefill_scratch_size(m, k) for m, k in weight_shapes), f32)
         widest = max(k for _, k in weight_shapes)
-        self.acc = np.zeros((numba.get_num_threads(), quant_f32.acc_floats(D)), f32)
-        self.xq8 = np.zeros(D * widest, np.int8)
-        self.xq16 = np.zeros(D * widest, np.int16)
-        self.xd = np.zeros(D * (widest // 32), f32)
-        self.xs = np.zeros(D * (widest // 16), f32)
+        self.acc = aligned.zeros((numba.get_num_threads(), quant_f32.acc_floats(D)), f32)
+        self.xq8 = aligned.zeros(D * widest, np.int8)
+        self.xq16 = aligned.zeros(D * widest, np.int16)
+        self.xd = aligned.zeros(D * (widest // 32), f32)
+        self.xs = aligned.zeros(D * (widest // 16), f32)
         packed = -(-D // bf16.TILE) * bf16.TILE * widest if bf16.AMX else 0  # decode rows in groups of 16 tokens
-        self.xh, self.xl = np.zeros(packed, np.uint16), np.zeros(0 if bf16.rounded() else packed, np.uint16)
+        self.xh, self.xl = aligned.zeros(packed, np.uint16), aligned.zeros(0 if bf16.rounded() else packed, np.uint16)
         if spec.num_experts:
             E, k = spec.num_experts, spec.num_experts_per_tok
-            self.router_logits = np.zeros((rows, E), f32)
-            self.expert_weights = np.zeros((rows, k), f32)
-            self.expert_ids = np.zeros((rows, k), np.int64)
-            self.moe_out = np.zeros((rows, h), f32)
+            self.router_logits = aligned.zeros((rows, E), f32)
+            self.expert_weights = aligned.zeros((rows, k), f32)
+            self.expert_ids = aligned.zeros((rows, k), np.int64)
+            self.moe_out = aligned.zeros((rows, h), f32)
             self.moe_scratch = kernels.moe_scratch(rows, k, E, h, spec.moe_intermediate_size)
 
     @property

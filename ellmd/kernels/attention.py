@@ -53,6 +53,7 @@ from numba.extending import overload
 
 from ellmd.kernels import bf16, gemm, kv_blocks
 from ellmd.kernels.activations import FASTMATH_DIVIDES, exp_f32
+from ellmd.kernels.aligned import line_start
 from ellmd.kernels.formats import BF16, _bitcast_f32, _bitcast_u32, decode, encode, kernel_view, to_f32, to_storage
 from ellmd.kernels.matmul import linear_rows
 from ellmd.kernels.quant_int import key_scores, value_sums
@@ -403,7 +404,8 @@ def _unit_queries(q, h, g, q0, nq, scale, k_head, bufs, amx):
     _amx_buffers, filled for the path the unit takes) and the AMX buffers."""
     qs, qc, qd = bufs[0], bufs[11], bufs[12]
     if amx:
-        amx_bufs = _amx_buffers(np.zeros(amx_floats(nq * g, q.shape[2]), np.float32), nq * g, q.shape[2])
+        area = line_start(np.zeros(amx_floats(nq * g, q.shape[2]) + 16, np.float32))  # tile rows on lines
+        amx_bufs = _amx_buffers(area, nq * g, q.shape[2])
         _pack_queries(q, h, g, q0, nq, scale, amx_bufs[0], amx_bufs[1])
     else:  # views of nothing: the f32 path neither reads them nor pays for an area
         amx_bufs = _amx_buffers(np.zeros(0, np.float32), 0, 0)
@@ -771,6 +773,7 @@ def decode_scratch_shapes(max_batch, H, hd, threads, sequence_length):
     hdp = _round_up(hd, NR)
     tile = max(rows_p * (hd + TILE_KEYS + hdp + 5 + hd + max(1, hd // 32)) + 2 * TILE_KEYS * hdp
                + (gemm.PANEL * hd if H > FEW_ROWS else 0), amx_floats(H, hd))
+    tile = _round_up(tile, 16)  # each thread's row starts a cache line (the scratch does: aligned.py)
     segments = (sequence_length + SEGMENT - 1) // SEGMENT
     return {
         "partial_m": (segments, max_batch, H),

@@ -15,20 +15,8 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
+from ellmd.kernels.aligned import line_start
 from ellmd.kernels.quant import PREFETCH, QK, as_bytes, f16_at, record_name, scale_min_k4, u32_at
-
-@intrinsic
-def address(typingctx, a):
-    """The address of an array's first element."""
-    if not isinstance(a, types.Array):
-        return None
-
-    def codegen(context, builder, signature, args):
-        data = context.make_array(signature.args[0])(context, builder, args[0]).data
-        return builder.ptrtoint(data, context.get_value_type(types.intp))
-
-    return types.intp(a), codegen
-
 
 @intrinsic
 def prefetch(typingctx, b, o):
@@ -292,8 +280,7 @@ def _dot_rows_overload(x, w, out, j0, j1, acc=None):
         n = x.shape[0]
         width = _LANES * ACC_SLOTS
         # on a cache line: a vector store split over two lines is not forwarded to the next load
-        skip = (-address(raw) % 64) // 4
-        acc = raw[skip : skip + n * width].reshape((n, width))
+        acc = line_start(raw)[: n * width].reshape((n, width))
         for j in range(j0, j1):
             acc[:] = 0.0
             row_dot(x, wb[j], acc)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 
 from ellmd import kernels
-from ellmd.kernels import formats, lanes, quant
+from ellmd.kernels import aligned, formats, lanes, quant
 from ellmd.kernels.formats import kernel_view
 from ellmd.model.registry import Family, register
 from ellmd.model.spec import ModelSpec
@@ -69,10 +69,13 @@ def logical_shape(w) -> tuple:
 
 
 def repacked(w):
-    """A weight (or each part of a fusion) as tiles where lanes.wanted, else as it is."""
+    """A weight (or each part of a fusion) as tiles where lanes.wanted, else as it is; tiles and
+    float matrices (bf16, f16, f32) start a cache line (aligned.py: the kernels' loads)."""
     if isinstance(w, tuple):
         return tuple(repacked(p) for p in w)
-    return lanes.repack(w) if lanes.wanted(w) else w
+    if lanes.wanted(w):
+        return aligned.on_line(lanes.repack(w))
+    return aligned.on_line(w) if w.ndim == 2 and w.dtype in (np.uint16, np.float32) else w
 
 
 class Llama:
