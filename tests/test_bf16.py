@@ -151,6 +151,89 @@ def test_decode_rows_are_the_gemms_to_the_bit(rng, rounding, m, k):
         assert np.isnan(got[:, :j0]).all() and np.isnan(got[:, j1:]).all()  # nothing outside j0:j1
 
 
+def test_packing_lays_out_b_tiles_and_unpacks(rng):
+    m, k = 48, 96
+    w = _weights(rng, m, k)
+    packed = bf16.pack(w)
+    assert packed.shape == (m // 16, k // 32) and bf16.is_packed(packed) and not bf16.is_packed(w)
+    tiles = packed.view(np.uint16).reshape(m // 16, k // 32, 16, 32)
+    for j, s, p, r, e in [(0, 0, 0, 0, 1), (2, 1, 15, 3, 0), (1, 2, 7, 15, 1)]:  # tile (j, s), pair row p, weight row r
+        assert tiles[j, s, p, 2 * r + e] == w[16 * j + r, 32 * s + 2 * p + e]
+    assert np.array_equal(bf16.unpack(packed), w)
+
+
+@pytest.mark.parametrize("n,m,k", [(70, 64, 64), (300, 48, 576), (600, 96, 2048), (40, 48, 4096), (16, 32, 64),
+                                   (1, 16, 32)])
+@pytest.mark.parametrize("workers", [1, 2])
+def test_packed_gemm_is_the_gemms_to_the_bit(rng, rounding, n, m, k, workers):
+    """Weights packed at load, tokens as the A operand: gemm's sums to the bit, a last edge of fewer
+    than 32 tokens (through the edge block), a last single tile of 16 rows (m = 48), several blocks of
+    256 tokens (n = 600), passes over depth that resume the sums of the one before (k = 2,048 in two
+    halves, k = 4,096 either way; the edge's too); out a column slice, the columns beside it untouched."""
+    x = rng.standard_normal((n, k)).astype(np.float32)
+    w = _weights(rng, m, k)
+    want = np.empty((n, m), np.float32)
+    bf16.gemm(x, w, want, _work(m, k, workers))
+    wide = np.full((n, m + 24), np.nan, np.float32)
+    got = wide[:, 8 : 8 + m]
+    bf16.gemm_packed(x, bf16.pack(w), got, np.full(bf16.packed_scratch_floats(k, workers), np.nan, np.float32))
+    assert np.array_equal(got, want)
+    assert np.isnan(wide[:, :8]).all() and np.isnan(wide[:, 8 + m :]).all()
+    reference = np.empty((n, m), np.float32)
+    bf16.gemm_packed_ref(x, bf16.pack(w), reference)
+    np.testing.assert_allclose(got, reference, **TOL)
+
+
+@pytest.mark.parametrize("m,k", [(96, 576), (48, 2048)])
+def test_packed_decode_rows_are_the_gemms_to_the_bit(rng, rounding, m, k):
+    """rows_packed sums a token as gemm_packed does, whatever the tokens beside it and the rows asked for."""
+    x = rng.standard_normal((70, k)).astype(np.float32)
+    packed = bf16.pack(_weights(rng, m, k))
+    full = np.empty((70, m), np.float32)
+    bf16.gemm_packed(x, packed, full, np.empty(bf16.packed_scratch_floats(k), np.float32))
+    c = np.empty((bf16.TILE, bf16.TILE), np.float32)
+    for n, (j0, j1) in ((1, (0, m)), (3, (16, 48)), (16, (5, 37)), (17, (0, m)), (40, (33, 34))):
+        xa = np.empty(bf16.packed_shape(n, k), np.uint16)
+        xal = np.empty((0, xa.shape[1]) if rounding else xa.shape, np.uint16)
+        bf16.pack_token_rows(x[:n], xa, xal)
+        got = np.full((n, m), np.nan, np.float32)
+        bf16.rows_packed(xa, xal, n, packed, got, j0, j1, c)
+        assert np.array_equal(got[:, j0:j1], full[:n, j0:j1]), (n, j0, j1)
+        assert np.isnan(got[:, :j0]).all() and np.isnan(got[:, j1:]).all()
+
+
+def test_packed_parts_in_decode_and_prefill(rng, rounding):
+    """A fusion of packed parts through matmul: decode (linear) gives prefill's bits in every row
+    count, and both the unpacked weights' bits."""
+    m, k = 80, 256
+    x = rng.standard_normal((100, k)).astype(np.float32)
+    parts = (_weights(rng, 48, k), _weights(rng, 32, k))
+    packed = tuple(bf16.pack(p) for p in parts)
+    scratch = np.empty(matmul.prefill_scratch_size(m, k), np.float32)
+    prefill, unpacked = np.empty((100, m), np.float32), np.empty((100, m), np.float32)
+    matmul.linear_prefill(x, packed, BF16, prefill, scratch)
+    matmul.linear_prefill(x, parts, BF16, unpacked, scratch)
+    assert np.array_equal(prefill, unpacked)
+    for n in (1, 3, 16, 17, 63):
+        got = np.empty((n, m), np.float32)
+        matmul.linear(x[:n], packed, BF16, got)
+        assert np.array_equal(got, prefill[:n]), n
+    want = np.empty((3, m), np.float32)
+    matmul.linear_ref(x[:3], packed, BF16, want)
+    np.testing.assert_allclose(prefill[:3], want, **TOL)
+
+
+def test_weights_are_packed_at_load_where_decode_runs_on_tiles(amx, monkeypatch):
+    from ellmd.model.llama import logical_shape, repacked
+
+    w = formats.to_storage(np.ones((64, 96), np.float32), BF16)
+    assert bf16.packs(w, BF16) and not bf16.packs(w, F16) and not bf16.packs(w[:, :80].copy(), BF16)
+    assert bf16.is_packed(repacked(w, BF16)) and logical_shape(repacked(w, BF16)) == (64, 96)
+    monkeypatch.setattr(cpu, "ENABLED", frozenset({"bf16-prefill"}))  # AMX in prefill only: decode's f32 rows
+    kept = repacked(w, BF16)
+    assert kept.dtype == np.uint16 and np.array_equal(kept, w)
+
+
 def test_decode_takes_the_tiles_on_the_bf16_path_only(rng, rounding, monkeypatch):
     """linear (decode) on "bf16": a token's outputs are prefill's bits in every row count; on
     "bf16-prefill" alone decode stays on the f32 kernels."""

@@ -48,7 +48,7 @@ def address(typingctx, a):
     return types.intp(a), codegen
 
 
-@numba.njit(cache=True, nogil=True, inline="always")
+@numba.njit(cache=True, nogil=True, fastmath=False, inline="always")
 def line_start(raw):
     """raw (1-D float32) from its first element on a cache line: up to 15 fewer elements (numba's
     arrays start 32 bytes into one as often as not)."""

@@ -29,6 +29,11 @@ padded by ROW_PAD values: 4 KiB apart at k = 2048, they all fell in one L1 set),
 and the block adds lo(w) . hi(x) to the two products: w . x to ~2**-16 of each term (the dropped
 lo(w) . lo(x) is ~2**-18), where the f32 panels of matmul.py ran at a third of the bf16 speed.
 
+Where decode runs on AMX too (the "bf16" path: decode_tiles), bf16 weights are packed at load as
+B tiles and the tokens become the A operand (`gemm_packed`, the last section): the sums land as
+c[token, weight row], stored by tiles straight into out, with the same bits as `gemm`. The GEMM
+above serves bf16 weights elsewhere (the "bf16-prefill" path alone) and GGUF blocks.
+
 tile_product builds the same kind of block for operands at any offsets, pair_keys and
 transpose_words lay operands out for it (attention.py's AMX attention: keys . queries and
 probabilities . values).
@@ -49,7 +54,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
-from ellmd.kernels import cpu, dpbf16, quant
+from ellmd.kernels import aligned, cpu, dpbf16, quant
 from ellmd.kernels.formats import BF16, to_f32, to_storage
 
 _LANES = 16  # 32-bit lanes of a zmm register
@@ -944,3 +949,280 @@ def rows_amx(xh, xl, n, w, out, j0, j1, c):
                 dst = out[g * TILE + i]
                 for r in range(r0, r1):
                     dst[j + r] = c[r, i]
+
+
+# ---- bf16 weights packed at load: tokens as the A operand, weights as B --------------------------
+#
+# Where decode and prefill both run on AMX ("bf16"), bf16 weight matrices are packed once at load
+# (pack) into the B operand's layout, 1 KiB a tile: tile (j, s) holds weight rows 16 j.. by the 16
+# pairs of depths from 32 s, row p the pairs (w[16 j + r, 32 s + 2 p], w[16 j + r, 32 s + 2 p + 1])
+# of its 16 rows r. The tokens are the A operand, 32 depths of a token a 64-byte row (pack_rows),
+# so a block's sums are c[token, weight row], stored by tiles straight into the output's rows: the
+# GEMM above keeps c[weight row, token] and turns it through registers into the output, a second
+# pass over every output. Each sum is the same chain of products as the GEMM above (the same tiles
+# met in the same order: the bits agree), and decode (rows_packed) takes the same tiles. A block
+# of 256 tokens is packed once, then each worker takes every other pair of weight tiles over all
+# its tokens, in passes over the depths whose tokens stay in L2 (a pass resumes the sums the one
+# before stored: f32 either way, the same chain). 1.05-1.45x the GEMM above on the Xeon, 1,000-1,990
+# GFLOP/s on 2 cores (docs/engine.md).
+
+PACKED = np.dtype([("bf16_tiles", np.uint16, (2 * TILE * TILE,))])  # one B tile: 16 pairs x 16 weight rows
+PACKED_PASS_BYTES = 1 << 20  # the packed tokens a pass reads: 1,024 depths of 256 tokens' two halves
+
+
+def packs(w, fmt, paths=None):
+    """Whether weight w is packed at load: a bf16 [m, k] matrix with usable(m, k), where decode and
+    prefill run on AMX tiles (decode_tiles)."""
+    return (decode_tiles(paths) and fmt == BF16 and isinstance(w, np.ndarray) and w.dtype == np.uint16 and w.ndim == 2
+            and usable(*w.shape))
+
+
+def pack(w):
+    """bf16 bits [m, k] -> PACKED tiles [m // 16, k // 32] (the layout above), on a cache line."""
+    m, k = w.shape
+    tiles = aligned.empty((m // TILE, k // CHUNK, TILE, TILE, 2), np.uint16)
+    tiles[...] = w.reshape(m // TILE, TILE, k // CHUNK, TILE, 2).transpose(0, 2, 3, 1, 4)
+    return tiles.reshape(m // TILE, k // CHUNK, 2 * TILE * TILE).view(PACKED)[..., 0]
+
+
+def unpack(w):
+    """PACKED tiles -> the bf16 bits [m, k] they were packed from."""
+    mt, steps = w.shape
+    tiles = w.view(np.uint16).reshape(mt, steps, TILE, TILE, 2).transpose(0, 3, 1, 2, 4)
+    return np.ascontiguousarray(tiles).reshape(mt * TILE, steps * CHUNK)
+
+
+def is_packed(w) -> bool:
+    return isinstance(w, np.ndarray) and w.dtype == PACKED
+
+
+def packed_type(t) -> bool:
+    """True for the numba type of PACKED tiles (typing time)."""
+    return (isinstance(t, types.Array) and isinstance(t.dtype, types.Record) and t.dtype.size == PACKED.itemsize
+            and "bf16_tiles" in t.dtype.fields)
+
+
+@intrinsic
+def pack_rows(typingctx, x, i0, nb, nbp, xa, xal):
+    """xa[g, 512 s + 32 t ..] = hi(x[i0 + 16 g + t, 32 s ..]), 32 bf16 values (64 bytes), the A tile
+    (g, s) 1 KiB in one piece; xal the same of lo when it has rows. Tokens from nb on repeat token
+    nb - 1 (up to nbp, a multiple of 16). x: [n, k] float32, k % 32 == 0; xa, xal: [>= nbp // 16,
+    k * 16] uint16 (xal: or no rows), all C-contiguous."""
+    if not (_is_matrix(x, types.float32) and _is_matrix(xa, types.uint16) and _is_matrix(xal, types.uint16)):
+        return None
+    sig = types.void(x, types.intp, types.intp, types.intp, xa, xal)
+
+    def codegen(context, builder, signature, args):
+        x_p, (_, k), _ = _data(context, builder, signature.args[0], args[0])
+        a_p, (_, lda), _ = _data(context, builder, signature.args[4], args[4])
+        l_p, l_shape, _ = _data(context, builder, signature.args[5], args[5])
+        i0, nb, nbp = args[1], args[2], args[3]
+        intp = context.get_value_type(types.intp)
+        with_lo = has_lo(builder, l_shape)
+
+        def const(v):
+            return ir.Constant(intp, v)
+
+        last = builder.sub(nb, const(1))
+        with cgutils.for_range(builder, nbp) as token:
+            t = builder.select(builder.icmp_signed(">", token.index, last), last, token.index)
+            src = builder.gep(x_p, [builder.mul(builder.add(i0, t), k)])
+            at = builder.add(builder.mul(builder.udiv(token.index, const(TILE)), lda),
+                             builder.mul(builder.urem(token.index, const(TILE)), const(CHUNK)))
+            with cgutils.for_range(builder, builder.udiv(k, const(CHUNK))) as chunks:
+                vals = builder.load(builder.bitcast(builder.gep(src, [builder.mul(chunks.index, const(CHUNK))]),
+                                                    _F32X32.as_pointer()), align=4)
+                hi, lo = _halves(builder, vals)
+                dst = builder.add(at, builder.mul(chunks.index, const(2 * TILE * TILE)))
+                builder.store(hi, builder.bitcast(builder.gep(a_p, [dst]), _BF16X32.as_pointer()), align=2)
+                with builder.if_then(with_lo):
+                    builder.store(lo, builder.bitcast(builder.gep(l_p, [dst]), _BF16X32.as_pointer()), align=2)
+        return context.get_dummy_value()
+
+    return sig, cpu.compiled_for(PATHS, codegen)
+
+
+def _make_packed_block(token_tiles, row_tiles, accumulate):
+    """An intrinsic c[r0 + T i + t, c0 + 16 b + row] (+)= token t of block i (A tiles g +
+    token_tiles i ..; xa, plus xal where it has rows) . weight tiles j + b, over the `count` steps
+    of 32 depths from s0, for the `blocks` blocks i of T = 16 token_tiles tokens, b < row_tiles;
+    c any float32 matrix whose rows hold adjacent values. Accumulating, the sums start from c's
+    (f32 both in tiles and in c: the chain of products is the one a single pass makes). One call
+    takes a weight pair's whole run of tokens: a call per block paid numba's reference counts and
+    the tile configuration each time (2x slower in all)."""
+
+    @intrinsic
+    def block(typingctx, w, j, xa, xal, g, blocks, c, r0, c0, s0, count):
+        if not (packed_type(w) and _is_matrix(xa, types.uint16) and _is_matrix(xal, types.uint16)
+                and isinstance(c, types.Array) and c.dtype == types.float32 and c.ndim == 2):
+            return None
+        ip = types.intp
+        sig = types.void(w, ip, xa, xal, ip, ip, c, ip, ip, ip, ip)
+
+        def codegen(context, builder, signature, args):
+            w_p, (_, steps), _ = _data(context, builder, signature.args[0], args[0])
+            a_p, (_, lda), _ = _data(context, builder, signature.args[2], args[2])
+            l_p, l_shape, _ = _data(context, builder, signature.args[3], args[3])
+            c_p, _, (c_stride, _) = _data(context, builder, signature.args[6], args[6])
+            _, j, _, _, g, blocks, _, r0, c0, s0, count = args
+            f = _amx_functions(builder)
+            i8p = ir.IntType(8).as_pointer()
+            intp = context.get_value_type(types.intp)
+
+            def const(v):
+                return ir.Constant(intp, v)
+
+            rows, width, run = ir.Constant(ir.IntType(16), TILE), ir.Constant(ir.IntType(16), 4 * TILE), const(4 * TILE)
+            tile_bytes = const(4 * TILE * TILE)
+            w_bytes, c_bytes = builder.bitcast(w_p, i8p), builder.bitcast(c_p, i8p)
+            x_halves = [builder.bitcast(ptr, i8p) for ptr in (a_p, l_p)]
+            b_at = [builder.mul(builder.mul(builder.add(j, const(b)), steps), tile_bytes) for b in range(row_tiles)]
+            accs = [cgutils.alloca_once(builder, _TILE_VEC) for _ in range(token_tiles * row_tiles)]
+
+            def token_blocks(halves, _):
+                with cgutils.for_range(builder, blocks) as block_loop:
+                    first = builder.add(g, builder.mul(block_loop.index, const(token_tiles)))
+                    row0 = builder.add(r0, builder.mul(block_loop.index, const(TILE * token_tiles)))
+                    a_at = [builder.mul(builder.add(first, const(a)), builder.mul(lda, const(2)))
+                            for a in range(token_tiles)]
+                    c_at = [[builder.add(builder.mul(builder.add(row0, const(TILE * a)), c_stride),
+                                         builder.mul(builder.add(c0, const(TILE * b)), const(4)))
+                             for b in range(row_tiles)] for a in range(token_tiles)]
+                    for a in range(token_tiles):
+                        for b in range(row_tiles):
+                            start = (builder.call(f["load"], [rows, width, builder.gep(c_bytes, [c_at[a][b]]), c_stride])
+                                     if accumulate else builder.call(f["zero"], [rows, width]))
+                            builder.store(builder.call(f["vec"], [start]), accs[a * row_tiles + b])
+                    with cgutils.for_range(builder, count) as loop:
+                        step = builder.mul(builder.add(s0, loop.index), tile_bytes)
+                        b_tiles = [builder.call(f["load"], [rows, width, builder.gep(w_bytes, [builder.add(at, step)]), run])
+                                   for at in b_at]
+                        for half in x_halves[:halves]:  # per step the hi products, then the lo: the GEMM's chain
+                            for a in range(token_tiles):
+                                a_tile = builder.call(f["load"], [rows, width,
+                                                                  builder.gep(half, [builder.add(a_at[a], step)]), run])
+                                for b in range(row_tiles):
+                                    slot = accs[a * row_tiles + b]
+                                    acc = builder.call(f["tile"], [builder.load(slot)])
+                                    acc = builder.call(f["dp"], [rows, width, width, acc, a_tile, b_tiles[b]])
+                                    builder.store(builder.call(f["vec"], [acc]), slot)
+                    for a in range(token_tiles):
+                        for b in range(row_tiles):
+                            tile = builder.call(f["tile"], [builder.load(accs[a * row_tiles + b])])
+                            builder.call(f["store"], [rows, width, builder.gep(c_bytes, [c_at[a][b]]), c_stride, tile])
+
+            each_variant(builder, has_lo(builder, l_shape), None, token_blocks)
+            return context.get_dummy_value()
+
+        return sig, cpu.compiled_for("bf16", codegen)
+
+    return block
+
+
+_packed_2x2, _packed_2x1 = _make_packed_block(2, 2, False), _make_packed_block(2, 1, False)
+_onto_2x2, _onto_2x1 = _make_packed_block(2, 2, True), _make_packed_block(2, 1, True)
+_packed_1x1 = _make_packed_block(1, 1, False)
+
+
+def packed_scratch_floats(k, workers=None):
+    """float32 elements of gemm_packed's scratch: a block of packed tokens, a 32 x 32 block a worker."""
+    return TOKENS * k + (workers or numba.get_num_threads()) * AMX_TOKENS * AMX_ROWS
+
+
+@numba.njit(cache=True, nogil=True, fastmath=True)
+def _pair_block(w, j, xa, xal, g, blocks, c, r0, c0, s0, count):
+    """The block of weight tiles j (and j + 1 where w has it) and `blocks` pairs of A tiles from g,
+    over steps s0 .. s0 + count, onto c's sums where s0 > 0."""
+    if j + 1 < w.shape[0]:
+        if s0:
+            _onto_2x2(w, j, xa, xal, g, blocks, c, r0, c0, s0, count)
+        else:
+            _packed_2x2(w, j, xa, xal, g, blocks, c, r0, c0, s0, count)
+    elif s0:
+        _onto_2x1(w, j, xa, xal, g, blocks, c, r0, c0, s0, count)
+    else:
+        _packed_2x1(w, j, xa, xal, g, blocks, c, r0, c0, s0, count)
+
+
+@numba.njit(cache=True, nogil=True, fastmath=True)
+def _packed_pair(w, j, xa, xal, out, r0, c0, nb, edge, s0, count):
+    """out[r0 .. r0 + nb, c0 .. c0 + 16 tiles] (+)= the nb tokens of xa, xal (from A tile 0) .
+    weight tiles j (and j + 1 where w has it) over steps s0 .. s0 + count; the tokens past a
+    multiple of 32 through edge ([32, 32])."""
+    whole = nb // AMX_TOKENS
+    if whole:
+        _pair_block(w, j, xa, xal, 0, whole, out, r0, c0, s0, count)
+    rest = nb - whole * AMX_TOKENS
+    if rest == 0:
+        return
+    cols = TILE * min(2, w.shape[0] - j)
+    first = r0 + whole * AMX_TOKENS
+    if s0:
+        edge[:rest, :cols] = out[first : first + rest, c0 : c0 + cols]
+    _pair_block(w, j, xa, xal, whole * AMX_TOKENS // TILE, 1, edge, 0, 0, s0, count)
+    out[first : first + rest, c0 : c0 + cols] = edge[:rest, :cols]
+
+
+@numba.njit(cache=True, nogil=True, fastmath=True, parallel=True)
+def _gemm_packed(x, w, out, scratch, workers, rounded):
+    n, k = x.shape
+    groups = TOKENS // TILE
+    halves = scratch[: TOKENS * k].view(np.uint16)
+    xa = halves[: groups * k * TILE].reshape((groups, k * TILE))
+    lo = 0 if rounded else groups
+    xal = halves[groups * k * TILE : (groups + lo) * k * TILE].reshape((lo, k * TILE))
+    edges = scratch[TOKENS * k : TOKENS * k + workers * AMX_TOKENS * AMX_ROWS].reshape((workers, AMX_TOKENS, AMX_ROWS))
+    pairs = (w.shape[0] + 1) // 2  # of weight tiles
+    steps = w.shape[1]
+    depth = PACKED_PASS_BYTES // (TOKENS * 2 * CHUNK * (1 if rounded else 2))  # steps of a pass
+    for i0 in range(0, n, TOKENS):
+        nb = min(TOKENS, n - i0)
+        runs = (nb + AMX_TOKENS - 1) // AMX_TOKENS * AMX_TOKENS // TILE  # groups of 16 tokens, padded
+        for wk in numba.prange(workers):
+            g0, g1 = wk * runs // workers, (wk + 1) * runs // workers
+            if g1 > g0:  # tokens from nb on repeat token nb - 1, as one call over the block would
+                first = min(g0 * TILE, nb - 1)
+                pack_rows(x, i0 + first, min(nb - first, (g1 - g0) * TILE), (g1 - g0) * TILE, xa[g0:g1],
+                          xal[g0:g1])
+        for wk in numba.prange(workers):
+            for s0 in range(0, steps, depth):  # a pass's tokens stay in L2
+                for p in range(wk, pairs, workers):  # dealt round-robin: equal shares
+                    _packed_pair(w, 2 * p, xa, xal, out, i0, 2 * p * TILE, nb, edges[wk], s0, min(depth, steps - s0))
+
+
+def gemm_packed(x, w, out, scratch, paths=None):
+    """out = x @ w.T for PACKED weights on AMX tiles, x as two bf16 halves (or rounded once where
+    rounded(paths)); the same bits as gemm on the weights unpacked.
+
+    x: [n, k] float32 (C-contiguous); w: PACKED [m // 16, k // 32]; out: [n, m] float32, its values
+    along a row adjacent (any row stride); scratch: 1-D float32, packed_scratch_floats(k) elements
+    (room for fewer threads only lowers the parallelism)."""
+    k = x.shape[1]
+    workers = numba.get_num_threads()
+    while workers > 1 and packed_scratch_floats(k, workers) > scratch.size:
+        workers -= 1
+    _gemm_packed(x, w, out, scratch, workers, rounded(paths))
+
+
+def gemm_packed_ref(x, w, out, paths=None):
+    """numpy reference of gemm_packed: gemm_ref on the weights unpacked."""
+    gemm_ref(x, unpack(w), out, None, paths)
+
+
+@numba.njit(cache=True, nogil=True, fastmath=False)
+def pack_token_rows(x, xa, xal):
+    """x's n rows as rows_packed takes them: xa, xal of packed_shape(n, k) (xal: or no rows), uint16."""
+    pack_rows(x, 0, x.shape[0], xa.shape[0] * TILE, xa, xal)
+
+
+@numba.njit(cache=True, nogil=True, fastmath=True)
+def rows_packed(xa, xal, n, w, out, j0, j1, c):
+    """out[:n, j0:j1] = x @ w.T for PACKED w on AMX tiles for few tokens (decode), x packed by
+    pack_token_rows; c: a [16, 16] float32 work area. A token's sums are gemm_packed's, to the bit:
+    the same tiles of w and of its halves, summed in the same order, whatever tokens are beside it."""
+    for j in range(j0 // TILE, (j1 + TILE - 1) // TILE):
+        r0, r1 = max(j0 - j * TILE, 0), min(j1 - j * TILE, TILE)  # rows of this tile inside j0:j1
+        for g in range(xa.shape[0]):
+            _packed_1x1(w, j, xa, xal, g, 1, c, 0, 0, 0, w.shape[1])
+            for i in range(min(TILE, n - g * TILE)):
+                out[g * TILE + i, j * TILE + r0 : j * TILE + r1] = c[i, r0:r1]

@@ -44,7 +44,7 @@ from numba.extending import overload
 
 from ellmd.kernels import attention, bf16, lanes, moe, norm, quant
 from ellmd.kernels.activations import PARALLEL_MIN, silu_mul
-from ellmd.kernels.matmul import ROW_BLOCK, matmul, path_rows
+from ellmd.kernels.matmul import ROW_BLOCK, matmul, part_rows, path_rows
 from ellmd.kernels.norm import _rmsnorm_rows, qk_norm
 from ellmd.kernels.rope import _rope_rows, rope
 
@@ -285,7 +285,7 @@ def _parts_rows_overload(x, parts, out, j0, j1, acc, q8, halves, integer):
         return impl_one
 
     def impl(x, parts, out, j0, j1, acc, q8, halves, integer):
-        m0 = lanes.part_rows(parts[0])
+        m0 = part_rows(parts[0])
         if j0 < m0:
             path_rows(x, q8, halves, parts[0], out, j0, min(j1, m0), acc, integer)
         if j1 > m0:
@@ -295,22 +295,25 @@ def _parts_rows_overload(x, parts, out, j0, j1, acc, q8, halves, integer):
 
 
 def _packed(x, parts, halves):
-    """(xh, xl): x packed for AMX tiles (bf16.pack_tokens) into the flat halves, when they are given
-    (decode on tiles) and a part is bf16; else ()."""
+    """(xh, xl): x packed for AMX tiles into the flat halves, when they are given (decode on tiles)
+    and a part is bf16: as rows (bf16.pack_token_rows) for weights packed at load, else by pairs
+    (bf16.pack_tokens); else ()."""
     raise NotImplementedError("numba only")
 
 
 @overload(_packed, jit_options={"fastmath": False})
 def _packed_overload(x, parts, halves):
-    if len(halves) == 0 or not any(t.dtype == numba.types.uint16 for t in parts):
+    packed = any(bf16.packed_type(t) for t in parts)
+    if len(halves) == 0 or not (packed or any(t.dtype == numba.types.uint16 for t in parts)):
         return lambda x, parts, halves: ()
+    pack = bf16.pack_token_rows if packed else bf16.pack_tokens
 
     def impl(x, parts, halves):
         shape = ((x.shape[0] + bf16.TILE - 1) // bf16.TILE, x.shape[1] * bf16.TILE)
         xh = halves[0][: shape[0] * shape[1]].reshape(shape)
         lo_shape = (shape[0] if halves[1].size else 0, shape[1])  # no lo half: activations rounded once
         xl = halves[1][: lo_shape[0] * shape[1]].reshape(lo_shape)
-        bf16.pack_tokens(x, xh, xl)
+        pack(x, xh, xl)
         return xh, xl
 
     return impl

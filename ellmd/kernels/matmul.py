@@ -224,6 +224,13 @@ def _path_rows_overload(x, q, halves, w, out, j0, j1, acc, integer):
             lanes.lanes_rows(q[0], q[1], q[2], w, out, j0 // lanes.LANES, (j1 + lanes.LANES - 1) // lanes.LANES)
 
         return impl_tiles
+    if bf16.packed_type(w):  # bf16 packed at load: halves packed by bf16.pack_token_rows
+
+        def impl_packed(x, q, halves, w, out, j0, j1, acc, integer):
+            c = acc[: bf16.TILE * bf16.TILE].reshape((bf16.TILE, bf16.TILE))  # the workspace: acc_floats(D) >= 256
+            bf16.rows_packed(halves[0], halves[1], x.shape[0], w, out, j0, j1, c)
+
+        return impl_packed
     if len(halves) == 2 and w.dtype == types.uint16 and w.layout == "C":  # bf16 (f16 views are int16)
 
         def impl_amx(x, q, halves, w, out, j0, j1, acc, integer):
@@ -326,6 +333,8 @@ def linear(x, w, fmt, out, paths=None):
     for part, cols in _parts(w, out):
         if lanes.is_tiles(part):
             lanes.linear_lanes(x, part, cols, numba.get_num_threads())
+        elif bf16.is_packed(part):
+            _linear_packed(x, part, cols, numba.get_num_threads(), bf16.rounded(paths))
         elif _integer(part):
             _linear_integer(x, part, cols)
         elif _decodes_on_tiles(x, part, fmt, paths):
@@ -352,11 +361,45 @@ def _linear_tiles(x, w, out, workers, rounded):
         bf16.rows_amx(xh, xl, n, w, out, wk * tiles // workers * bf16.TILE, (wk + 1) * tiles // workers * bf16.TILE, c)
 
 
+@numba.njit(cache=True, nogil=True, fastmath=False, parallel=True)
+def _linear_packed(x, w, out, workers, rounded):
+    """out = x @ w.T for few rows and PACKED w (bf16.rows_packed): x packed once (in two halves, or
+    rounded once), then each worker an equal run of the weight's tiles."""
+    n, k = x.shape
+    xa = np.empty(((n + bf16.TILE - 1) // bf16.TILE, k * bf16.TILE), np.uint16)
+    xal = np.empty((0 if rounded else xa.shape[0], xa.shape[1]), np.uint16)
+    bf16.pack_token_rows(x, xa, xal)
+    tiles = w.shape[0]
+    if n * tiles * bf16.TILE * k < 8 * PARALLEL_MIN:
+        bf16.rows_packed(xa, xal, n, w, out, 0, tiles * bf16.TILE, np.empty((bf16.TILE, bf16.TILE), np.float32))
+        return
+    for wk in prange(workers):
+        c = np.empty((bf16.TILE, bf16.TILE), np.float32)
+        bf16.rows_packed(xa, xal, n, w, out, wk * tiles // workers * bf16.TILE, (wk + 1) * tiles // workers * bf16.TILE, c)
+
+
+def rows(w) -> int:
+    """Weight rows of a matrix as it is held: lanes' tiles and AMX's packed tiles hold 16 a tile."""
+    return bf16.TILE * w.shape[0] if bf16.is_packed(w) else lanes.rows(w)
+
+
+def part_rows(w):
+    """rows, inside numba code."""
+    raise NotImplementedError("numba only")
+
+
+@overload(part_rows, jit_options={"fastmath": False, "nogil": True})
+def _part_rows_overload(w):
+    if bf16.packed_type(w):
+        return lambda w: bf16.TILE * w.shape[0]
+    return lambda w: lanes.part_rows(w)
+
+
 def _parts(w, out):
     """(matrix, out columns) of a weight or of each part of a tuple of weights."""
     if not isinstance(w, tuple):
         return ((w, out),)
-    bounds = np.cumsum([0] + [lanes.rows(p) for p in w])
+    bounds = np.cumsum([0] + [rows(p) for p in w])
     return tuple((p, out[:, a:b]) for p, a, b in zip(w, bounds[:-1], bounds[1:]))
 
 
@@ -364,6 +407,7 @@ def linear_ref(x, w, fmt, out, paths=None):
     """numpy reference of linear."""
     paths = cpu.ENABLED if paths is None else paths
     for part, cols in _parts(w, out):
+        part = bf16.unpack(part) if bf16.is_packed(part) else part
         if _decodes_on_tiles(x, part, fmt, paths):
             bf16.gemm_ref(x, part, cols, None, paths)
             continue
@@ -459,6 +503,8 @@ def linear_prefill(x, w, fmt, out, scratch, paths=None):
     for part, cols in _parts(w, out):
         if lanes.is_tiles(part):  # decode's kernel: the same sums
             lanes.linear_lanes(x, part, cols, workers)
+        elif bf16.is_packed(part):
+            bf16.gemm_packed(x, part, cols, scratch, paths)
         elif _integer_prefill(x, part, fmt, paths):
             _linear_integer(x, part, cols)
         elif _bf16_gemm(x, part, fmt, paths):
@@ -494,6 +540,7 @@ def linear_prefill_ref(x, w, fmt, out, scratch, paths=None):
     """numpy reference of linear_prefill (of its bf16 GEMM where the paths send w there)."""
     paths = cpu.ENABLED if paths is None else paths
     for part, cols in _parts(w, out):
+        part = bf16.unpack(part) if bf16.is_packed(part) else part
         if _bf16_gemm(x, part, fmt, paths) and not lanes.is_tiles(part):
             bf16.gemm_ref(x, part, cols, None, paths)
         else:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 
 from ellmd import kernels
-from ellmd.kernels import aligned, formats, lanes, quant
+from ellmd.kernels import aligned, bf16, formats, lanes, quant
 from ellmd.kernels.formats import kernel_view
 from ellmd.model.registry import Family, register
 from ellmd.model.spec import ModelSpec
@@ -65,16 +65,21 @@ def logical_shape(w) -> tuple:
         return (sum(s[0] for s in shapes), *shapes[0][1:])
     if lanes.is_tiles(w):
         return (lanes.rows(w), lanes.columns(w))
+    if bf16.is_packed(w):
+        return (bf16.TILE * w.shape[0], bf16.CHUNK * w.shape[1])
     return (*w.shape[:-1], quant.columns(w)) if w.ndim >= 2 else w.shape
 
 
-def repacked(w):
-    """A weight (or each part of a fusion) as tiles where lanes.wanted, else as it is; tiles and
-    float matrices (bf16, f16, f32) start a cache line (aligned.py: the kernels' loads)."""
+def repacked(w, fmt: int):
+    """A weight (or each part of a fusion) as lanes' tiles where lanes.wanted, as AMX's packed tiles
+    where bf16.packs, else as it is; tiles and float matrices (bf16, f16, f32) start a cache line
+    (aligned.py: the kernels' loads)."""
     if isinstance(w, tuple):
-        return tuple(repacked(p) for p in w)
+        return tuple(repacked(p, fmt) for p in w)
     if lanes.wanted(w):
         return aligned.on_line(lanes.repack(w))
+    if bf16.packs(w, fmt):
+        return bf16.pack(w)
     return aligned.on_line(w) if w.ndim == 2 and w.dtype in (np.uint16, np.float32) else w
 
 
@@ -87,8 +92,8 @@ class Llama:
         self.embed_tokens = weights["embed_tokens"]
         self.norm = weights["norm"]
         tied = weights["lm_head"] is weights["embed_tokens"]  # embed reads the table as blocks
-        self.lm_head = weights["lm_head"] if tied else repacked(weights["lm_head"])
-        self.layers = [{name: repacked(w) for name, w in layer.items()} for layer in weights["layers"]]
+        self.lm_head = weights["lm_head"] if tied else repacked(weights["lm_head"], fmt)
+        self.layers = [{name: repacked(w, fmt) for name, w in layer.items()} for layer in weights["layers"]]
         self.scale = float(spec.head_dim) ** -0.5
 
     # ---- loading -------------------------------------------------------------------------
