@@ -73,7 +73,20 @@ class Fleet:
                  "--batch-size", "4", "--sequence-length", "2048", "--store", str(self.store),
                  "--http", f"127.0.0.1:{self.port}"],
                 stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
-        self.wait_ready()
+        try:
+            self.wait_ready()
+        except BaseException:  # pytest-timeout's too: a fleet that never served must not outlive the test
+            self.stop()
+            raise
+
+    def stop(self) -> None:
+        """SIGTERM, which stops Ray's processes with the fleet (a SIGKILL left them running, busy);
+        SIGKILL past a minute."""
+        self.process.terminate()
+        try:
+            self.process.wait(60)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
 
     def wait_ready(self, timeout: float = 900) -> None:
         """Until the fleet says it serves: every replica is up (its /health answers from the first)."""
@@ -97,7 +110,7 @@ def fleet(tmp_path_factory):
     fleet = Fleet(tmp_path_factory.mktemp("fleet"))
     yield fleet
     if fleet.process.poll() is None:
-        fleet.process.kill()
+        fleet.stop()
         fleet.process.wait()
     shutil.rmtree(fleet.ray_tmp, ignore_errors=True)
 
