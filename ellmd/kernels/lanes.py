@@ -91,9 +91,12 @@ TILE_BLOCKS = {"Q8_0": (32, TILE_BLOCK), "Q5_0": (32, Q5_BLOCK), "Q4_0": (32, Q4
 ONE_SCALE = ("Q8_0", "Q5_0", "Q4_0", "Q4_1")  # a scale per 32 values (Q4_1: and a min), in float steps
 TILE_DTYPES = {name: np.dtype([(name, np.uint8, (size,))]) for name, (_, size) in TILE_BLOCKS.items()}
 # input rows x tiles of a register block: RB * SB int32 sums and as many float accumulators, SB
-# widened weight vectors and RB broadcast pairs (AVX-512: 4 x 3 -> 24 + 3 + 4 of 32 registers;
-# AVX2 keeps each 16-lane vector in two registers of its 16)
-RB, SB = (4, 3) if WORDS_VNNI else (2, 1)
+# widened weight vectors and RB broadcast pairs (AVX-512: 4 x 3 -> 24 + 3 + 4 of 32 registers).
+# AVX2 keeps each 16-lane vector in two registers of its 16: 5 x 1 -> 10 sums + 2 + 1, the float
+# accumulators (touched once a block) spilled; cutting a tile's codes costs as much as several
+# rows' vpmaddwd there, so more rows share it (Zen 1, one thread, 512 rows: Q5_0 16-17 -> 23-24
+# GFLOP/s, Q4_K 21 -> 23.5, Q6_K 18 -> 21, Q8_0 17-28 -> 26-29 against 2 x 1)
+RB, SB = (4, 3) if WORDS_VNNI else (5, 1)
 
 
 def is_tiles(w) -> bool:
