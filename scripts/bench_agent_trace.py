@@ -101,7 +101,7 @@ def context_per_agent(args) -> int:
     from ellmd.model.weights import GGUFCheckpoint
     from ellmd.text import ChatTemplate, Tokenizer
 
-    tokenizer = Tokenizer.from_gguf(GGUFCheckpoint(args.model).reader)
+    tokenizer = Tokenizer.from_gguf(GGUFCheckpoint(args.model).fields)
     template = ChatTemplate.from_tokenizer(tokenizer)
     need = 0
     for agent in range(args.agents):

@@ -148,7 +148,7 @@ def main() -> None:
         tmp = Path(tmp)
         args.layers, args.seed = None, 0
         case = prepare_model("builtin", args, tmp)
-        tokenizer = Tokenizer.from_gguf(GGUFCheckpoint(builtin_model_path()).reader)
+        tokenizer = Tokenizer.from_gguf(GGUFCheckpoint(builtin_model_path()).fields)
         template = ChatTemplate.from_tokenizer(tokenizer)
         results = {}
         console.print(f"{args.agents} agents x {args.turns} turns, {args.threads} threads: ellm daemon")

@@ -421,15 +421,14 @@ def check_ellm_fits(path: Path, dtype: str | None) -> None:
     from ellmd.model.weights import GGUFCheckpoint
 
     checkpoint = GGUFCheckpoint(path)
-    tensors = checkpoint.reader.tensors
-    quantized = [t for t in tensors if t.tensor_type.name not in ("F32", "F16", "BF16") and len(t.shape) >= 2]
+    tensors = {name: checkpoint.tensor(name) for name in checkpoint.names()}
+    quantized = [name for name, t in tensors.items() if t.kind not in ("F32", "F16", "BF16") and len(t.dims) >= 2]
     element = 4 if dtype == "f32" else 2
     if quantized and dtype is None:
-        probe = min(quantized, key=lambda t: int(t.n_bytes))
-        name = next(n for n, t in checkpoint._tensors.items() if t is probe)
-        if quant.is_blocks(checkpoint.get(name, checkpoint.native_format(), keep_blocks=True)):
+        probe = min(quantized, key=lambda name: tensors[name].nbytes)
+        if quant.is_blocks(checkpoint.get(probe, checkpoint.native_format(), keep_blocks=True)):
             return  # blocks stay blocks: the file's size, which is mapped
-    need = sum(int(t.n_elements) * (4 if len(t.shape) == 1 else element) for t in tensors)
+    need = sum(int(np.prod(t.dims)) * (4 if len(t.dims) == 1 else element) for t in tensors.values())
     free = available_memory()
     if need > 0.9 * free:
         raise MemoryError(f"ellm would hold {need / 2**30:.1f} GiB of weights (converted to "

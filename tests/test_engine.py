@@ -296,6 +296,39 @@ def test_gguf_metadata_out_of_range_gets_one_line_naming_it():
             ModelSpec.from_gguf({**fields, key: value})
 
 
+
+def test_a_gguf_index_is_parsed_once_then_read_from_its_cache(tmp_path, monkeypatch):
+    """The gguf package parses a file's metadata and tensor table once; later opens decode the cached
+    index, and a file written anew is parsed anew."""
+    import gguf
+
+    from ellmd.model.weights import gguf_index
+
+    def write(name):
+        writer = gguf.GGUFWriter(str(tmp_path / "model.gguf"), "llama")
+        writer.add_name(name)
+        writer.add_tensor("output_norm.weight", np.arange(8, dtype=np.float32))
+        writer.add_tensor("token_embd.weight", np.ones((4, 32), np.float16))
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    parsed, parse = [], gguf.GGUFReader
+    monkeypatch.setattr(gguf, "GGUFReader", lambda *args: parsed.append(args) or parse(*args))
+    write("first")
+    index = gguf_index(tmp_path / "model.gguf")
+    assert gguf_index(tmp_path / "model.gguf") == index and len(parsed) == 1
+    assert index.fields["general.name"] == "first"
+    reader = parse(tmp_path / "model.gguf")
+    assert [(t.name, t.kind, t.dims, t.nbytes) for t in index.tensors] == [
+        ("output_norm.weight", "F32", [8], 32), ("token_embd.weight", "F16", [32, 4], 256)]
+    assert [t.offset for t in index.tensors] == [t.data_offset for t in reader.tensors]
+    write("second, a longer name")
+    assert gguf_index(tmp_path / "model.gguf").fields["general.name"] == "second, a longer name"
+    assert len(parsed) == 2
+
 def test_generate_json_on_the_builtin_model():
     result = subprocess.run(
         [sys.executable, "-m", "ellmd.cli", "generate", "-p", "What is the capital of France?", "--max-tokens", "12",
@@ -347,7 +380,7 @@ def test_a_gguf_without_a_vocabulary_loads_without_a_tokenizer(tmp_path, model):
     import gguf
 
     from ellmd.engine.engine import load_tokenizer
-    from ellmd.model.weights import GGUFCheckpoint
+    from ellmd.model.weights import GGUFCheckpoint, gguf_index
 
     path = tmp_path / "no-vocab.gguf"
     writer = gguf.GGUFWriter(str(path), "llama")
@@ -359,5 +392,5 @@ def test_a_gguf_without_a_vocabulary_loads_without_a_tokenizer(tmp_path, model):
     writer.write_tensors_to_file()
     writer.close()
     checkpoint = GGUFCheckpoint.__new__(GGUFCheckpoint)  # the tokenizer needs only the file's metadata
-    checkpoint.reader = gguf.GGUFReader(str(path))
+    checkpoint.fields = gguf_index(path).fields
     assert load_tokenizer(checkpoint) is None

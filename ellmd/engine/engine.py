@@ -376,10 +376,9 @@ def load_tokenizer(checkpoint) -> Tokenizer | None:
     if isinstance(checkpoint, RandomCheckpoint):
         return None
     if isinstance(checkpoint, GGUFCheckpoint):
-        model = checkpoint.reader.fields.get("tokenizer.ggml.model")
-        if model is None or model.contents() == "none":  # no vocabulary (llama.cpp writes "none"): token ids only
+        if checkpoint.fields.get("tokenizer.ggml.model", "none") == "none":  # no vocabulary (llama.cpp writes "none"): token ids only
             return None
-        return Tokenizer.from_gguf(checkpoint.reader)
+        return Tokenizer.from_gguf(checkpoint.fields)
     return Tokenizer.from_dir(checkpoint.directory)
 
 
