@@ -376,7 +376,8 @@ def load_tokenizer(checkpoint) -> Tokenizer | None:
     if isinstance(checkpoint, RandomCheckpoint):
         return None
     if isinstance(checkpoint, GGUFCheckpoint):
-        if checkpoint.fields.get("tokenizer.ggml.model", "none") == "none":  # no vocabulary (llama.cpp writes "none"): token ids only
+        # no vocabulary (llama.cpp writes "none"): token ids only
+        if checkpoint.fields.get("tokenizer.ggml.model", "none") == "none":
             return None
         return Tokenizer.from_gguf(checkpoint.fields)
     return Tokenizer.from_dir(checkpoint.directory)

@@ -140,7 +140,7 @@ def gguf_index(file: Path) -> GGUFIndex:
     """The metadata and tensor table of a GGUF file, read by the gguf package once and cached
     (XDG_CACHE_HOME/ellm/gguf-index, an entry per path, size and time of change): the package
     slices the file once per metadata value, ~250,000 times for a 49k-token vocabulary and its
-    merges (5-9 s on a slow core, at every start); the cached index decodes in milliseconds. A
+    merges (5-10 s on a slow core, at every start); the cached index decodes in milliseconds. A
     cache that cannot be read or written only costs the parse."""
     import gguf
 
