@@ -329,6 +329,20 @@ def test_a_gguf_index_is_parsed_once_then_read_from_its_cache(tmp_path, monkeypa
     assert gguf_index(tmp_path / "model.gguf").fields["general.name"] == "second, a longer name"
     assert len(parsed) == 2
 
+
+def test_a_big_endian_gguf_gets_one_line(tmp_path):
+    import gguf
+
+    path = tmp_path / "big.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama", endianess=gguf.GGUFEndian.BIG)
+    writer.add_tensor("output_norm.weight", np.arange(8, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ModelError, match="big-endian GGUF file"):
+        Engine(path, sequence_length=16, chunk_size=8)
+
 def test_generate_json_on_the_builtin_model():
     result = subprocess.run(
         [sys.executable, "-m", "ellmd.cli", "generate", "-p", "What is the capital of France?", "--max-tokens", "12",

@@ -155,6 +155,8 @@ def gguf_index(file: Path) -> GGUFIndex:
         reader = gguf.GGUFReader(file)
     except Exception as e:  # the gguf package raises bare ValueError/IndexError on corrupt input
         raise ModelError(f"{file}: not a readable GGUF file ({type(e).__name__}: {e})") from None
+    if reader.byte_order != "I":  # the tensors are read in place, in this machine's byte order
+        raise ModelError(f"{file}: a big-endian GGUF file (ellm reads little-endian ones)")
     fields = {}
     for name, field in reader.fields.items():
         try:
