@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import ast
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -126,6 +129,37 @@ def test_the_prefill_gemm_sums_as_decode():
             gemm.product(x, formats.kernel_view(w, fmt), prefill, np.zeros((2, gemm.PANEL * k), np.float32))
             assert np.array_equal(prefill, decode), (n, m, k, fmt)
 
+
+
+NORM_BOTH_PATHS = """
+import sys
+import numpy as np
+from ellmd.kernels.activations import PARALLEL_MIN
+from ellmd.kernels.norm import rmsnorm
+width = int(sys.argv[1])
+rows = PARALLEL_MIN // width + 40  # past PARALLEL_MIN: the prange path
+rng = np.random.default_rng(width)
+x, w = rng.standard_normal((rows, width)).astype(np.float32), rng.standard_normal(width).astype(np.float32)
+long, short = np.empty_like(x), np.empty_like(x[:20])
+rmsnorm(x, w, 1e-6, long)
+rmsnorm(x[:20], w, 1e-6, short)  # below it: the serial path
+print(int((long[:20] != short).any(axis=1).sum()))
+"""
+
+
+@pytest.mark.parametrize("width", [96, 576])
+def test_a_rows_norm_is_the_same_in_a_long_chunk_and_a_short_one(tmp_path, width):
+    """rmsnorm's parallel path (a chunk of PARALLEL_MIN / width rows or more) and its serial one (a
+    short chunk, a decode step) give a row the same bits when both compile in one process, as on a
+    first start: summed with reassoc, every row differed there (and agreed on a cache loaded from
+    disk). A subprocess with a kernel cache of its own compiles them."""
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path)}
+    if os.environ.get("NUMBA_CACHE_DIR"):
+        env["NUMBA_CACHE_DIR"] = str(tmp_path / "numba")
+    result = subprocess.run([sys.executable, "-c", NORM_BOTH_PATHS, str(width)], env=env, capture_output=True,
+                            text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.split() == ["0"], "rows whose norm differs between the two paths"
 
 # ---- over HTTP, the real daemon -------------------------------------------------------------
 

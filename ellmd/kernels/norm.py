@@ -10,9 +10,17 @@ import numpy as np
 from numba import prange
 
 from ellmd.kernels.activations import PARALLEL_MIN
+from ellmd.kernels.quant_int import FASTMATH_IN_ORDER
+
+# The sums of squares run without reassoc: with it, LLVM chose their order per compiled copy, and
+# the prange path's copy (a chunk of >= PARALLEL_MIN / d tokens) summed a row's squares in another
+# order than the serial one (a short chunk, a decode step) whenever both compiled in one process:
+# other last bits for the same token (on a cache loaded from disk the two happened to agree).
+# In order (Zen 1): a row of 576 takes 1.35 us, 512 rows on 2 threads 346 us (66 with reassoc),
+# under 1% of a prefill; explicit 8-lane partial sums would vectorize in a fixed order.
 
 
-@numba.njit(cache=True, nogil=True, fastmath=True)
+@numba.njit(cache=True, nogil=True, fastmath=FASTMATH_IN_ORDER)
 def _rmsnorm_rows(x, weight, eps, out, lo, hi):
     d = x.shape[1]
     for i in range(lo, hi):
@@ -44,7 +52,7 @@ def rmsnorm_ref(x, weight, eps, out):
     out[:] = (x / np.sqrt(var + eps) * weight).astype(np.float32)
 
 
-@numba.njit(cache=True, nogil=True, fastmath=True)
+@numba.njit(cache=True, nogil=True, fastmath=FASTMATH_IN_ORDER)
 def rmsnorm_heads(x, weight, eps):
     """Qwen3's q/k norm: rmsnorm over each head, in place. x: [n, heads, d] float32 (may be a
     strided view of the fused qkv buffer); weight: [d] float32."""
