@@ -3,6 +3,7 @@ the GGUF's values, the GEMM/GEMV agrees with numpy, and every output is one chai
 whatever the batch."""
 
 import json
+from collections import Counter
 
 import numpy as np
 import pytest
@@ -256,8 +257,14 @@ def test_an_engine_holds_blocks_in_tiles_and_agrees_with_the_blocks(alignment_di
     blocks = block_engine(alignment_dir, tmp_path, variant, weight_dtype, **options)
     assert not any(lanes.is_tiles(p) for p in engine_parts(blocks))
     # counted as the GGUF type, the same bytes (Q4_K: a tile's 12 x 16 bytes of scales as 16 x 16)
-    grown = sum(64 * p.size for p in engine_parts(engine, head=True) if lanes.is_tiles(p) and lanes.block_name(p) == "Q4_K")
-    assert engine.memory_budget()[f"weights:{held}"] == blocks.memory_budget()[f"weights:{held}"] + grown
+    grown = Counter({held: sum(64 * p.size for p in engine_parts(engine, head=True)
+                               if lanes.is_tiles(p) and lanes.block_name(p) == "Q4_K")})
+    head = engine.model.lm_head
+    assert lanes.is_tiles(head) == (engine.spec.vocab_size % lanes.LANES == 0)  # a tied table too
+    if lanes.is_tiles(head) and blocks.model.lm_head is blocks.model.embed_tokens:  # embed's blocks, the logits' tiles
+        grown[lanes.block_name(head)] += head.nbytes
+    for name, more in grown.items():
+        assert engine.memory_budget()[f"weights:{name}"] == blocks.memory_budget()[f"weights:{name}"] + more
     # one quantization, float steps in other orders: ~1e-6 of a product apart (Q4_K at k = 2048: its
     # mins term cancels most of its codes' term), which this random model's layers amplify
     tolerance = 5e-4 if held == "Q4_K" else 1e-4

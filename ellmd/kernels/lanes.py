@@ -28,8 +28,10 @@ m are zero), a tile's block for tile t and block b:
        low 4 bits as Q4_K's, then their high 2 bits per 32 values in 4 runs of 32 bytes (run j, bits
        4e + 2u: the nibble run 2j + e, its half u).
 Cutting codes from nibbles and bit runs costs a few byte-wise instructions a vector of 16 rows,
-shared by the input rows of a register block; a K-quant's sub-block scales multiply the codes in
-int16 (vpmullw; Q6_K's offset 32 taken off first), so its 8 sub-blocks sum in int32.
+shared by the input rows of a register block; in prefill a K-quant's sub-block scales multiply the
+codes in int16 (vpmullw; Q6_K's offset 32 taken off first), so its 8 sub-blocks sum in int32; in
+decode (one input row: nothing shares the vpmullw) they multiply each sub-block's int32 sums
+(vpmulld), the same exact integers.
 
 One arithmetic: every output is, block by block in increasing order from acc = 0,
   acc = fma(float(isum), d[j, b] * xd[i, b], acc)
@@ -417,6 +419,11 @@ def _store_lanes(builder, q, value, row_ptr, j, m):
                                   builder.gep(base, [ir.Constant(intp, lane)]))
 
 
+def _bytes_of(q, value, width):
+    """A vector of width bytes, each value."""
+    return ir.Constant(q.vec(q.i8, width), [value] * width)
+
+
 class _Frame:
     """What a register block's IR shares, rows input rows (from i0) times count tiles (from t0): the
     types, a float accumulator an output, the loop over the tiles' blocks (of `values` values and
@@ -426,7 +433,7 @@ class _Frame:
         self.b, self.q, self.t0, self.rows, self.count, self.size = builder, q, t0, rows, count, size
         self.intp = context.get_value_type(types.intp)
         self.i32v, self.f32v = q.vec(q.i32, LANES), q.vec(q.f32, LANES)
-        self.w16, self.b32 = q.vec(ir.IntType(16), 2 * LANES), q.vec(q.i8, 2 * LANES)
+        self.w16 = q.vec(ir.IntType(16), 2 * LANES)
         xq_a, xd_a, xs_a, _, self.out_a = arrays
         self.xd, self.xs = xd_a.data, xs_a.data
         k = cgutils.unpack_tuple(builder, xq_a.shape)[1]
@@ -440,7 +447,7 @@ class _Frame:
         return ir.Constant(self.intp, v)
 
     def zeros(self, vty):
-        return ir.Constant(vty, [0] * LANES)
+        return ir.Constant(vty, [0] * vty.count)
 
     def fma(self, a, x, y):
         """a * x + y, one rounding (16 lanes)."""
@@ -452,10 +459,25 @@ class _Frame:
         ptr = self.b.bitcast(self.q.ptr(at), self.q.vec(ir.HalfType(), LANES).as_pointer())
         return self.b.fpext(self.b.load(ptr, align=2), self.f32v)
 
-    def x_pair(self, r, at):
-        """Input row r's int16 pair at value offset `at` (an IR value), broadcast to 16 lanes."""
+    def x_pair(self, r, at, lanes=LANES):
+        """Input row r's int16 pair at value offset `at` (an IR value), broadcast to `lanes` lanes."""
         ptr = self.b.gep(self.x_rows[r], [self.b.mul(at, self.c(2))])
-        return self.q.splat(self.b.load(self.b.bitcast(ptr, self.q.i32.as_pointer()), align=2), LANES)
+        return self.q.splat(self.b.load(self.b.bitcast(ptr, self.q.i32.as_pointer()), align=2), lanes)
+
+    def parts(self):
+        """The parts a register block cuts a tile's 16 rows of codes into (None: whole) and their
+        lanes. On AVX2 a decode step takes rows 0-7 and rows 8-15 apart, each cut from its own 16
+        bytes: cut from 32, the halves' words came from an extract and a shuffle, and LLVM spilled
+        most registers (Zen 1, Q4_K: 894 stack accesses a super-block; Q4_K and Q6_K tiles 1.4x the
+        GB/s without them)."""
+        parts = (0, 1) if self.rows == 1 and not WORDS_VNNI else (None,)
+        return parts, LANES // len(parts)
+
+    def joined(self, sums):
+        """The int32 sums of the parts as one vector of 16 lanes."""
+        if len(sums) == 1:
+            return sums[0]
+        return self.b.shuffle_vector(sums[0], sums[1], ir.Constant(self.q.vec(self.q.i32, LANES), list(range(LANES))))
 
     def dx(self, r, blk, per):
         """Input row r's activation scale at block blk (of `per` blocks of 32 values)."""
@@ -497,29 +519,40 @@ def _one_scale_emit(name, rows, count, context, builder, q, arrays, i0, t0):
     f = _Frame(context, builder, q, arrays, i0, t0, rows, count, 32, TILE_BLOCKS[name][1])
     c = f.c
 
-    def codes(o, p):
-        """Pair p's 32 codes (16 rows x 2 depths) of the tile block at o, as signed words."""
+    parts, part_lanes = f.parts()
+
+    def codes(o, p, part):
+        """Pair p's 32 codes (16 rows x 2 depths) of the tile block at o, as signed words (of one part:
+        16, rows 8 part to 8 part + 7)."""
+        width, o = (2 * LANES, o) if part is None else (LANES, builder.add(o, c(LANES * part)))
+        words = q.vec(ir.IntType(16), width)
+
+        def b8(v):
+            return _bytes_of(q, v, width)
+
         if name == "Q8_0":  # int8 codes widened (vpmovsxbw)
-            return builder.sext(q.bytes(builder.add(o, c(2 * LANES * (1 + p))), 2 * LANES), f.w16)
+            return builder.sext(q.bytes(builder.add(o, c(2 * LANES * (1 + p))), width), words)
         run, u = p % 8, p // 8  # 4 bits from a nibble run (Q5_0: the fifth from a bit run), less the offset
         runs = {"Q5_0": Q5_LOW, "Q4_0": 2 * LANES, "Q4_1": 4 * LANES}[name]
-        nibbles = q.bytes(builder.add(o, c(runs + 2 * LANES * run)), 2 * LANES)
-        code = builder.and_(nibbles, ir.Constant(f.b32, [15] * 2 * LANES)) if u == 0 else \
-            builder.lshr(nibbles, ir.Constant(f.b32, [4] * 2 * LANES))
+        nibbles = q.bytes(builder.add(o, c(runs + 2 * LANES * run)), width)
+        code = builder.and_(nibbles, b8(15)) if u == 0 else builder.lshr(nibbles, b8(4))
         if name == "Q5_0":
-            bits = q.bytes(builder.add(o, c(Q5_HIGH + 2 * LANES * (run // 4))), 2 * LANES)
-            code = builder.or_(code, q.field(bits, 2 * (run % 4) + u, 1, 4))
+            bits = q.bytes(builder.add(o, c(Q5_HIGH + 2 * LANES * (run // 4))), width)
+            fifth = builder.and_(builder.lshr(bits, b8(2 * (run % 4) + u)), b8(1))
+            code = builder.or_(code, builder.shl(fifth, b8(4)))
         offset = {"Q5_0": 16, "Q4_0": 8, "Q4_1": 0}[name]  # Q4_1's min is a float step (its codes' sums)
-        return builder.sub(builder.zext(code, f.w16), ir.Constant(f.w16, [offset] * 2 * LANES))
+        return builder.sub(builder.zext(code, words), ir.Constant(words, [offset] * width))
 
     with f.blocks() as (blk, at):
-        sums = [[f.zeros(f.i32v)] * count for _ in range(rows)]
-        for p in range(16):
-            words = [builder.bitcast(codes(o, p), f.i32v) for o in at]  # shared by the rows
+        sums = [[[f.zeros(q.vec(q.i32, part_lanes))] * len(parts) for _ in range(count)] for _ in range(rows)]
+        for p in (run + 8 * u for run in range(8) for u in (0, 1)):  # a nibble run's two pairs in turn (exact sums: any order)
+            words = [[builder.bitcast(codes(o, p, part), q.vec(q.i32, part_lanes)) for part in parts]
+                     for o in at]  # shared by the rows
             for r in range(rows):
-                pair = f.x_pair(r, builder.add(builder.mul(blk, c(32)), c(2 * p)))
+                pair = f.x_pair(r, builder.add(builder.mul(blk, c(32)), c(2 * p)), part_lanes)
                 for s in range(count):
-                    sums[r][s] = _dot_words(builder, sums[r][s], words[s], pair)
+                    sums[r][s] = [_dot_words(builder, acc, w, pair) for acc, w in zip(sums[r][s], words[s])]
+        sums = [[f.joined(parts_sums) for parts_sums in row_sums] for row_sums in sums]
         scales = [f.f16s(o) for o in at]
         mins = [f.f16s(builder.add(o, c(2 * LANES))) for o in at] if name == "Q4_1" else None
         for r in range(rows):
@@ -547,28 +580,53 @@ def _k_emit(name, rows, count, context, builder, q, arrays, i0, t0):
     f = _Frame(context, builder, q, arrays, i0, t0, rows, count, 256, TILE_BLOCKS[name][1])
     c = f.c
 
-    def b8(v):
-        return ir.Constant(f.b32, [v] * 2 * LANES)
-
     def scale_words(at):  # the 16 rows' scale bytes -> 32 words, row r's twice (lanes 2 r, 2 r + 1)
         raw = q.bytes(at, LANES)
         pairs = builder.shuffle_vector(raw, raw, ir.Constant(q.vec(q.i32, 2 * LANES), [l // 2 for l in range(2 * LANES)]))
         return (builder.zext if k4 else builder.sext)(pairs, f.w16)
 
-    def codes(o, g, run, u):
+    def codes(o, g, run, u, part=None):
         """The 32 code bytes of pair run + 8 u of group g (values 32 g + 16 u + 2 run + h; g an IR
-        value, run and u constants)."""
+        value, run and u constants) as words, or the 16 of rows 8 part to 8 part + 7."""
+        width, skip = (2 * LANES, 0) if part is None else (LANES, LANES * part)
+        words = q.vec(ir.IntType(16), width)
+
+        def b8(v):
+            return _bytes_of(q, v, width)
+
         at = builder.add(o, builder.mul(g, c(8 * 2 * LANES)))
-        nibbles = q.bytes(builder.add(at, c((K4_CODES if k4 else K6_LOW) + 2 * LANES * run)), 2 * LANES)
+        nibbles = q.bytes(builder.add(at, c((K4_CODES if k4 else K6_LOW) + 2 * LANES * run + skip)), width)
         low = builder.and_(nibbles, b8(15)) if u == 0 else builder.lshr(nibbles, b8(4))
         if k4:
-            return builder.zext(low, f.w16)
+            return builder.zext(low, words)
         at = builder.add(o, builder.mul(g, c(4 * 2 * LANES)))
-        bits = q.bytes(builder.add(at, c(K6_HIGH + 2 * LANES * (run // 2))), 2 * LANES)
+        bits = q.bytes(builder.add(at, c(K6_HIGH + 2 * LANES * (run // 2) + skip)), width)
         shift = 4 * (run % 2) + 2 * u
         high = builder.and_(builder.lshr(bits, b8(shift)), b8(3)) if shift else builder.and_(bits, b8(3))
         code = builder.or_(low, builder.shl(high, b8(4)))
-        return builder.sub(builder.zext(code, f.w16), ir.Constant(f.w16, [32] * 2 * LANES))
+        return builder.sub(builder.zext(code, words), ir.Constant(words, [32] * width))
+
+    def group_sums(o, g, group_at):
+        """The int32 sums of group g's code products of one input row, 16 lanes (Q6_K: one vector
+        per 16 values, each of its scale)."""
+        parts, part_lanes = f.parts()
+        sums = [[f.zeros(q.vec(q.i32, part_lanes))] * len(parts) for _ in range(1 if k4 else 2)]
+        for run in range(8):
+            for u in (0, 1):
+                pair = f.x_pair(0, builder.add(group_at, c(2 * (run + 8 * u))), part_lanes)
+                half = sums[0 if k4 else u]
+                for h, part in enumerate(parts):
+                    half[h] = _dot_words(builder, half[h], builder.bitcast(codes(o, g, run, u, part), q.vec(q.i32, part_lanes)), pair)
+        return [f.joined(half) for half in sums]
+
+    def scaled_after(o, scale_at, g, group_at, acc):
+        """acc + group g's products of one input row (decode), its scales applied to the int32 sums
+        of the codes' products (vpmulld: one a scale of 16 rows), not to each pair's codes (vpmullw:
+        16 a scale, on the port vpmaddwd needs); the same exact int32 sums as the prefill's."""
+        for h, half in enumerate(group_sums(o, g, group_at)):
+            scale = (builder.zext if k4 else builder.sext)(q.bytes(scale_at[h], LANES), f.i32v)
+            acc = builder.add(acc, builder.mul(half, scale))
+        return acc
 
     with f.blocks() as (blk, at):
         sums = [[cgutils.alloca_once_value(builder, f.zeros(f.i32v)) for _ in range(count)] for _ in range(rows)]
@@ -576,24 +634,28 @@ def _k_emit(name, rows, count, context, builder, q, arrays, i0, t0):
             for slot in row_sums:
                 builder.store(f.zeros(f.i32v), slot)
         # a loop over the 8 groups in prefill (8x less code to compile); unrolled in decode, where
-        # the loop cost a third of the rate (Q4_K at k = 2048: 17.5 against 25 GB/s of cached tiles)
-        unrolled = 8 if rows == 1 else 1
+        # the loop cost a third of the rate (Q4_K at k = 2048: 17.5 against 25 GB/s of cached tiles),
+        # but for AVX2, where LLVM spilled the unrolled groups' registers
+        unrolled = 8 if rows == 1 and WORDS_VNNI else 1
         with cgutils.for_range(builder, c(8 // unrolled)) as groups:
             for g_in in range(unrolled):
                 g = builder.add(builder.mul(groups.index, c(unrolled)), c(g_in))
                 # Q4_K: a scale per 32 values; Q6_K: per 16, one for each half u of the group
-                scales = [[scale_words(builder.add(o, builder.add(builder.mul(g, c(LANES if k4 else 2 * LANES)),
-                                                                   c(scales_at + (0 if k4 else LANES * u)))))
-                           for u in (0, 1)] for o in at]
+                scale_at = [[builder.add(o, builder.add(builder.mul(g, c(LANES if k4 else 2 * LANES)),
+                                                        c(scales_at + (0 if k4 else LANES * u)))) for u in (0, 1)] for o in at]
                 group_at = builder.add(builder.mul(blk, c(256)), builder.mul(g, c(32)))
                 total = [[builder.load(slot) for slot in row_sums] for row_sums in sums]
-                for run in range(8):
-                    for u in (0, 1):
-                        words = [builder.bitcast(builder.mul(codes(o, g, run, u), sc[u]), f.i32v) for o, sc in zip(at, scales)]
-                        for r in range(rows):
-                            pair = f.x_pair(r, builder.add(group_at, c(2 * (run + 8 * u))))
-                            for s in range(count):
-                                total[r][s] = _dot_words(builder, total[r][s], words[s], pair)
+                if rows == 1:
+                    total = [[scaled_after(o, at_u, g, group_at, acc) for o, at_u, acc in zip(at, scale_at, total[0])]]
+                else:
+                    scales = [[scale_words(a) for a in at_u] for at_u in scale_at]
+                    for run in range(8):
+                        for u in (0, 1):
+                            words = [builder.bitcast(builder.mul(codes(o, g, run, u), sc[u]), f.i32v) for o, sc in zip(at, scales)]
+                            for r in range(rows):
+                                pair = f.x_pair(r, builder.add(group_at, c(2 * (run + 8 * u))))
+                                for s in range(count):
+                                    total[r][s] = _dot_words(builder, total[r][s], words[s], pair)
                 for row_sums, row_total in zip(sums, total):
                     for slot, value in zip(row_sums, row_total):
                         builder.store(value, slot)

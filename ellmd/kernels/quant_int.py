@@ -223,15 +223,17 @@ WORDS_VNNI = bool(binding.get_host_cpu_features().get("avx512vnni"))  # else the
 
 
 def _dot_words(b, acc, a, x):
-    """acc + the pairwise products of a and x (<16 x i32> each, as 32 int16), exact int32 sums.
-    With AVX512-VNNI the instruction vpdpwssd itself (LLVM would otherwise split it into vpmaddwd
-    and vpaddd: two uops); on AVX2, vpmaddwd and vpaddd on each 256-bit half."""
+    """acc + the pairwise products of a and x (<16 x i32> each, as 32 int16; AVX2: or <8 x i32>),
+    exact int32 sums. With AVX512-VNNI the instruction vpdpwssd itself (LLVM would otherwise split
+    it into vpmaddwd and vpaddd: two uops); on AVX2, vpmaddwd and vpaddd on each 256-bit half."""
     if WORDS_VNNI:
         return b.asm(ir.FunctionType(acc.type, [acc.type] * 3), "vpdpwssd $3, $2, $0", "=v,0,v,v", [acc, a, x],
                      side_effect=False, name="dpwssd")
     i32 = ir.IntType(32)
     words, pairs = ir.VectorType(ir.IntType(16), 16), ir.VectorType(i32, 8)
     madd = cgutils.get_or_insert_function(b.module, ir.FunctionType(pairs, [words, words]), "llvm.x86.avx2.pmadd.wd")
+    if acc.type.count == 8:
+        return b.add(acc, b.call(madd, [b.bitcast(a, words), b.bitcast(x, words)]))
     halves = []
     for h in (0, 8):
         pick = ir.Constant(ir.VectorType(i32, 8), list(range(h, h + 8)))
