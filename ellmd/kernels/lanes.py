@@ -419,9 +419,10 @@ def _store_lanes(builder, q, value, row_ptr, j, m):
                                   builder.gep(base, [ir.Constant(intp, lane)]))
 
 
-def _bytes_of(q, value, width):
-    """A vector of width bytes, each value."""
-    return ir.Constant(q.vec(q.i8, width), [value] * width)
+# vpunpcklbw and vpunpckhbw as shuffles of 32 bytes with 32 more: each 128-bit lane's low (high)
+# 8 bytes interleaved with the other vector's; and where their halves' lanes put the rows (_Frame.words)
+_UNPACK = [[i for lane in (0, 16) for at in range(8 * h, 8 * h + 8) for i in (lane + at, 2 * LANES + lane + at)] for h in (0, 1)]
+_ROWS_OF_HALVES = [0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15]
 
 
 class _Frame:
@@ -434,6 +435,10 @@ class _Frame:
         self.intp = context.get_value_type(types.intp)
         self.i32v, self.f32v = q.vec(q.i32, LANES), q.vec(q.f32, LANES)
         self.w16 = q.vec(ir.IntType(16), 2 * LANES)
+        # AVX2's 16 ymm registers hold a decode step's 16 rows best as two halves of 8 lanes (words)
+        self.halves = rows == 1 and not WORDS_VNNI
+        self.parts = 2 if self.halves else 1
+        self.part_sums = q.vec(q.i32, LANES // self.parts)
         xq_a, xd_a, xs_a, _, self.out_a = arrays
         self.xd, self.xs = xd_a.data, xs_a.data
         k = cgutils.unpack_tuple(builder, xq_a.shape)[1]
@@ -464,20 +469,27 @@ class _Frame:
         ptr = self.b.gep(self.x_rows[r], [self.b.mul(at, self.c(2))])
         return self.q.splat(self.b.load(self.b.bitcast(ptr, self.q.i32.as_pointer()), align=2), lanes)
 
-    def parts(self):
-        """The parts a register block cuts a tile's 16 rows of codes into (None: whole) and their
-        lanes. On AVX2 a decode step takes rows 0-7 and rows 8-15 apart, each cut from its own 16
-        bytes: cut from 32, the halves' words came from an extract and a shuffle, and LLVM spilled
-        most registers (Zen 1, Q4_K: 894 stack accesses a super-block; Q4_K and Q6_K tiles 1.4x the
-        GB/s without them)."""
-        parts = (0, 1) if self.rows == 1 and not WORDS_VNNI else (None,)
-        return parts, LANES // len(parts)
+    def words(self, raw, signed=False):
+        """A pair's 32 code bytes (16 rows x 2 depths, <32 x i8>) as words, a vector a part: whole
+        (vpmovzxbw, vpmovsxbw), or on AVX2 in a decode step two halves, each 128-bit lane's low and
+        high 8 bytes interleaved with zeros or their signs (vpunpcklbw, vpunpckhbw), so that the
+        halves' int32 lanes hold rows 0-3 and 8-11, then 4-7 and 12-15 (joined puts them in order).
+        Widened whole, the AVX2 halves came from an extract and shuffles and LLVM spilled most
+        registers; widened from 16 bytes each (vpmovzxbw across lanes), a Q4_K run cut 1.26x slower
+        than in lanes (Zen 1, the inner loop alone in C)."""
+        b = self.b
+        if not self.halves:
+            return [(b.sext if signed else b.zext)(raw, self.w16)]
+        high = b.sext(b.icmp_signed("<", raw, self.zeros(raw.type)), raw.type) if signed else self.zeros(raw.type)
+        words = self.q.vec(ir.IntType(16), LANES)
+        return [b.bitcast(b.shuffle_vector(raw, high, ir.Constant(self.q.vec(self.q.i32, 2 * LANES), mask)), words)
+                for mask in _UNPACK]
 
     def joined(self, sums):
-        """The int32 sums of the parts as one vector of 16 lanes."""
-        if len(sums) == 1:
+        """The int32 sums of the parts (words) as one vector of 16 lanes in row order."""
+        if not self.halves:
             return sums[0]
-        return self.b.shuffle_vector(sums[0], sums[1], ir.Constant(self.q.vec(self.q.i32, LANES), list(range(LANES))))
+        return self.b.shuffle_vector(sums[0], sums[1], ir.Constant(self.i32v, _ROWS_OF_HALVES))
 
     def dx(self, r, blk, per):
         """Input row r's activation scale at block blk (of `per` blocks of 32 values)."""
@@ -519,37 +531,26 @@ def _one_scale_emit(name, rows, count, context, builder, q, arrays, i0, t0):
     f = _Frame(context, builder, q, arrays, i0, t0, rows, count, 32, TILE_BLOCKS[name][1])
     c = f.c
 
-    parts, part_lanes = f.parts()
-
-    def codes(o, p, part):
-        """Pair p's 32 codes (16 rows x 2 depths) of the tile block at o, as signed words (of one part:
-        16, rows 8 part to 8 part + 7)."""
-        width, o = (2 * LANES, o) if part is None else (LANES, builder.add(o, c(LANES * part)))
-        words = q.vec(ir.IntType(16), width)
-
-        def b8(v):
-            return _bytes_of(q, v, width)
-
-        if name == "Q8_0":  # int8 codes widened (vpmovsxbw)
-            return builder.sext(q.bytes(builder.add(o, c(2 * LANES * (1 + p))), width), words)
+    def codes(o, p):
+        """Pair p's 32 codes (16 rows x 2 depths) of the tile block at o, as signed words, a vector a
+        part (_Frame.words)."""
+        if name == "Q8_0":  # int8 codes widened
+            return f.words(q.bytes(builder.add(o, c(2 * LANES * (1 + p))), 2 * LANES), signed=True)
         run, u = p % 8, p // 8  # 4 bits from a nibble run (Q5_0: the fifth from a bit run), less the offset
         runs = {"Q5_0": Q5_LOW, "Q4_0": 2 * LANES, "Q4_1": 4 * LANES}[name]
-        nibbles = q.bytes(builder.add(o, c(runs + 2 * LANES * run)), width)
-        code = builder.and_(nibbles, b8(15)) if u == 0 else builder.lshr(nibbles, b8(4))
+        code = q.field(q.bytes(builder.add(o, c(runs + 2 * LANES * run)), 2 * LANES), 4 * u, 15, 0)
         if name == "Q5_0":
-            bits = q.bytes(builder.add(o, c(Q5_HIGH + 2 * LANES * (run // 4))), width)
-            fifth = builder.and_(builder.lshr(bits, b8(2 * (run % 4) + u)), b8(1))
-            code = builder.or_(code, builder.shl(fifth, b8(4)))
+            code = builder.or_(code, q.field(q.bytes(builder.add(o, c(Q5_HIGH + 2 * LANES * (run // 4))), 2 * LANES),
+                                             2 * (run % 4) + u, 1, 4))
         offset = {"Q5_0": 16, "Q4_0": 8, "Q4_1": 0}[name]  # Q4_1's min is a float step (its codes' sums)
-        return builder.sub(builder.zext(code, words), ir.Constant(words, [offset] * width))
+        return [builder.sub(w, ir.Constant(w.type, [offset] * w.type.count)) for w in f.words(code)]
 
     with f.blocks() as (blk, at):
-        sums = [[[f.zeros(q.vec(q.i32, part_lanes))] * len(parts) for _ in range(count)] for _ in range(rows)]
+        sums = [[[f.zeros(f.part_sums)] * f.parts for _ in range(count)] for _ in range(rows)]
         for p in (run + 8 * u for run in range(8) for u in (0, 1)):  # a nibble run's two pairs in turn (exact sums: any order)
-            words = [[builder.bitcast(codes(o, p, part), q.vec(q.i32, part_lanes)) for part in parts]
-                     for o in at]  # shared by the rows
+            words = [[builder.bitcast(w, f.part_sums) for w in codes(o, p)] for o in at]  # shared by the rows
             for r in range(rows):
-                pair = f.x_pair(r, builder.add(builder.mul(blk, c(32)), c(2 * p)), part_lanes)
+                pair = f.x_pair(r, builder.add(builder.mul(blk, c(32)), c(2 * p)), f.part_sums.count)
                 for s in range(count):
                     sums[r][s] = [_dot_words(builder, acc, w, pair) for acc, w in zip(sums[r][s], words[s])]
         sums = [[f.joined(parts_sums) for parts_sums in row_sums] for row_sums in sums]
@@ -585,38 +586,28 @@ def _k_emit(name, rows, count, context, builder, q, arrays, i0, t0):
         pairs = builder.shuffle_vector(raw, raw, ir.Constant(q.vec(q.i32, 2 * LANES), [l // 2 for l in range(2 * LANES)]))
         return (builder.zext if k4 else builder.sext)(pairs, f.w16)
 
-    def codes(o, g, run, u, part=None):
+    def codes(o, g, run, u):
         """The 32 code bytes of pair run + 8 u of group g (values 32 g + 16 u + 2 run + h; g an IR
-        value, run and u constants) as words, or the 16 of rows 8 part to 8 part + 7."""
-        width, skip = (2 * LANES, 0) if part is None else (LANES, LANES * part)
-        words = q.vec(ir.IntType(16), width)
-
-        def b8(v):
-            return _bytes_of(q, v, width)
-
+        value, run and u constants) as words, a vector a part (_Frame.words)."""
         at = builder.add(o, builder.mul(g, c(8 * 2 * LANES)))
-        nibbles = q.bytes(builder.add(at, c((K4_CODES if k4 else K6_LOW) + 2 * LANES * run + skip)), width)
-        low = builder.and_(nibbles, b8(15)) if u == 0 else builder.lshr(nibbles, b8(4))
+        code = q.field(q.bytes(builder.add(at, c((K4_CODES if k4 else K6_LOW) + 2 * LANES * run)), 2 * LANES), 4 * u, 15, 0)
         if k4:
-            return builder.zext(low, words)
+            return f.words(code)
         at = builder.add(o, builder.mul(g, c(4 * 2 * LANES)))
-        bits = q.bytes(builder.add(at, c(K6_HIGH + 2 * LANES * (run // 2) + skip)), width)
-        shift = 4 * (run % 2) + 2 * u
-        high = builder.and_(builder.lshr(bits, b8(shift)), b8(3)) if shift else builder.and_(bits, b8(3))
-        code = builder.or_(low, builder.shl(high, b8(4)))
-        return builder.sub(builder.zext(code, words), ir.Constant(words, [32] * width))
+        bits = q.bytes(builder.add(at, c(K6_HIGH + 2 * LANES * (run // 2))), 2 * LANES)
+        code = builder.or_(code, q.field(bits, 4 * (run % 2) + 2 * u, 3, 4))
+        return [builder.sub(w, ir.Constant(w.type, [32] * w.type.count)) for w in f.words(code)]
 
     def group_sums(o, g, group_at):
         """The int32 sums of group g's code products of one input row, 16 lanes (Q6_K: one vector
         per 16 values, each of its scale)."""
-        parts, part_lanes = f.parts()
-        sums = [[f.zeros(q.vec(q.i32, part_lanes))] * len(parts) for _ in range(1 if k4 else 2)]
+        sums = [[f.zeros(f.part_sums)] * f.parts for _ in range(1 if k4 else 2)]
         for run in range(8):
             for u in (0, 1):
-                pair = f.x_pair(0, builder.add(group_at, c(2 * (run + 8 * u))), part_lanes)
+                pair = f.x_pair(0, builder.add(group_at, c(2 * (run + 8 * u))), f.part_sums.count)
                 half = sums[0 if k4 else u]
-                for h, part in enumerate(parts):
-                    half[h] = _dot_words(builder, half[h], builder.bitcast(codes(o, g, run, u, part), q.vec(q.i32, part_lanes)), pair)
+                for h, words in enumerate(codes(o, g, run, u)):
+                    half[h] = _dot_words(builder, half[h], builder.bitcast(words, f.part_sums), pair)
         return [f.joined(half) for half in sums]
 
     def scaled_after(o, scale_at, g, group_at, acc):
@@ -641,8 +632,8 @@ def _k_emit(name, rows, count, context, builder, q, arrays, i0, t0):
             for g_in in range(unrolled):
                 g = builder.add(builder.mul(groups.index, c(unrolled)), c(g_in))
                 # Q4_K: a scale per 32 values; Q6_K: per 16, one for each half u of the group
-                scale_at = [[builder.add(o, builder.add(builder.mul(g, c(LANES if k4 else 2 * LANES)),
-                                                        c(scales_at + (0 if k4 else LANES * u)))) for u in (0, 1)] for o in at]
+                scale_at = [[builder.add(o, builder.add(builder.mul(g, c(LANES if k4 else 2 * LANES)), c(scales_at + LANES * u)))
+                             for u in ((0,) if k4 else (0, 1))] for o in at]
                 group_at = builder.add(builder.mul(blk, c(256)), builder.mul(g, c(32)))
                 total = [[builder.load(slot) for slot in row_sums] for row_sums in sums]
                 if rows == 1:
@@ -651,7 +642,8 @@ def _k_emit(name, rows, count, context, builder, q, arrays, i0, t0):
                     scales = [[scale_words(a) for a in at_u] for at_u in scale_at]
                     for run in range(8):
                         for u in (0, 1):
-                            words = [builder.bitcast(builder.mul(codes(o, g, run, u), sc[u]), f.i32v) for o, sc in zip(at, scales)]
+                            words = [builder.bitcast(builder.mul(codes(o, g, run, u)[0], sc[0 if k4 else u]), f.i32v)
+                                     for o, sc in zip(at, scales)]
                             for r in range(rows):
                                 pair = f.x_pair(r, builder.add(group_at, c(2 * (run + 8 * u))))
                                 for s in range(count):
