@@ -419,9 +419,12 @@ def _store_lanes(builder, q, value, row_ptr, j, m):
                                   builder.gep(base, [ir.Constant(intp, lane)]))
 
 
-def _bytes_of(q, value, width):
-    """A vector of width bytes, each value."""
-    return ir.Constant(q.vec(q.i8, width), [value] * width)
+# vpunpcklbw and vpunpckhbw as shuffles of 32 bytes with 32 more: each 128-bit lane's low (high)
+# 8 bytes interleaved with the other vector's (_Frame.words)
+_UNPACK = [[i for lane in (0, 16) for at in range(8 * h, 8 * h + 8) for i in (lane + at, 2 * LANES + lane + at)] for h in (0, 1)]
+# the rows in the lanes of the two halves one after the other: rows 0-3 and 8-11, then 4-7 and 12-15;
+# it swaps lanes 4-7 and 8-11, so it also puts the halves' lanes back in row order (_Frame.joined)
+_HALVES_ROWS = [0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15]
 
 
 class _Frame:
@@ -434,6 +437,12 @@ class _Frame:
         self.intp = context.get_value_type(types.intp)
         self.i32v, self.f32v = q.vec(q.i32, LANES), q.vec(q.f32, LANES)
         self.w16 = q.vec(ir.IntType(16), 2 * LANES)
+        # AVX2 holds a tile's 16 rows as two halves of 8 lanes (words): split by LLVM, its 16-lane
+        # vectors spilled most registers in decode (Zen 1: 1.1-1.4x the GB/s without); prefill at
+        # the same speed with a third fewer stack accesses (Q4_1 at 5 rows)
+        self.halves = not WORDS_VNNI
+        self.parts = 2 if self.halves else 1
+        self.part_sums = q.vec(q.i32, LANES // self.parts)
         xq_a, xd_a, xs_a, _, self.out_a = arrays
         self.xd, self.xs = xd_a.data, xs_a.data
         k = cgutils.unpack_tuple(builder, xq_a.shape)[1]
@@ -464,20 +473,34 @@ class _Frame:
         ptr = self.b.gep(self.x_rows[r], [self.b.mul(at, self.c(2))])
         return self.q.splat(self.b.load(self.b.bitcast(ptr, self.q.i32.as_pointer()), align=2), lanes)
 
-    def parts(self):
-        """The parts a register block cuts a tile's 16 rows of codes into (None: whole) and their
-        lanes. On AVX2 a decode step takes rows 0-7 and rows 8-15 apart, each cut from its own 16
-        bytes: cut from 32, the halves' words came from an extract and a shuffle, and LLVM spilled
-        most registers (Zen 1, Q4_K: 894 stack accesses a super-block; Q4_K and Q6_K tiles 1.4x the
-        GB/s without them)."""
-        parts = (0, 1) if self.rows == 1 and not WORDS_VNNI else (None,)
-        return parts, LANES // len(parts)
+    def words(self, raw, signed=False):
+        """A pair's 32 code bytes (16 rows x 2 depths, <32 x i8>) as words, a vector a part: whole
+        (vpmovzxbw, vpmovsxbw), or, on AVX2, two halves: each 128-bit lane's low and
+        high 8 bytes interleaved with zeros or their signs (vpunpcklbw, vpunpckhbw), whose int32 lanes
+        hold rows 0-3 and 8-11, then 4-7 and 12-15 (joined puts them back in order). In lanes, a Q4_K
+        run is cut 1.26x faster than by widening each 16 bytes across lanes (Zen 1, the inner loop in
+        C); widened whole, LLVM spilled most registers."""
+        b = self.b
+        if not self.halves:
+            return [(b.sext if signed else b.zext)(raw, self.w16)]
+        high = b.sext(b.icmp_signed("<", raw, self.zeros(raw.type)), raw.type) if signed else self.zeros(raw.type)
+        words = self.q.vec(ir.IntType(16), LANES)
+        return [b.bitcast(b.shuffle_vector(raw, high, ir.Constant(self.q.vec(self.q.i32, 2 * LANES), mask)), words)
+                for mask in _UNPACK]
 
     def joined(self, sums):
-        """The int32 sums of the parts as one vector of 16 lanes."""
-        if len(sums) == 1:
+        """The int32 sums of the parts (words) as one vector of 16 lanes in row order."""
+        if not self.halves:
             return sums[0]
-        return self.b.shuffle_vector(sums[0], sums[1], ir.Constant(self.q.vec(self.q.i32, LANES), list(range(LANES))))
+        return self.b.shuffle_vector(sums[0], sums[1], ir.Constant(self.i32v, _HALVES_ROWS))
+
+    def lanes_of(self, raw, signed):
+        """The 16 rows' bytes (<16 x i8>) as int32 lanes, a vector a part, in the parts' row order."""
+        extend = self.b.sext if signed else self.b.zext
+        if not self.halves:
+            return [extend(raw, self.i32v)]
+        return [extend(self.b.shuffle_vector(raw, raw, ir.Constant(self.part_sums, _HALVES_ROWS[8 * h : 8 * h + 8])), self.part_sums)
+                for h in (0, 1)]
 
     def dx(self, r, blk, per):
         """Input row r's activation scale at block blk (of `per` blocks of 32 values)."""
@@ -519,37 +542,26 @@ def _one_scale_emit(name, rows, count, context, builder, q, arrays, i0, t0):
     f = _Frame(context, builder, q, arrays, i0, t0, rows, count, 32, TILE_BLOCKS[name][1])
     c = f.c
 
-    parts, part_lanes = f.parts()
-
-    def codes(o, p, part):
-        """Pair p's 32 codes (16 rows x 2 depths) of the tile block at o, as signed words (of one part:
-        16, rows 8 part to 8 part + 7)."""
-        width, o = (2 * LANES, o) if part is None else (LANES, builder.add(o, c(LANES * part)))
-        words = q.vec(ir.IntType(16), width)
-
-        def b8(v):
-            return _bytes_of(q, v, width)
-
-        if name == "Q8_0":  # int8 codes widened (vpmovsxbw)
-            return builder.sext(q.bytes(builder.add(o, c(2 * LANES * (1 + p))), width), words)
+    def codes(o, p):
+        """Pair p's 32 codes (16 rows x 2 depths) of the tile block at o, as signed words, a vector a
+        part (_Frame.words)."""
+        if name == "Q8_0":  # int8 codes widened
+            return f.words(q.bytes(builder.add(o, c(2 * LANES * (1 + p))), 2 * LANES), signed=True)
         run, u = p % 8, p // 8  # 4 bits from a nibble run (Q5_0: the fifth from a bit run), less the offset
         runs = {"Q5_0": Q5_LOW, "Q4_0": 2 * LANES, "Q4_1": 4 * LANES}[name]
-        nibbles = q.bytes(builder.add(o, c(runs + 2 * LANES * run)), width)
-        code = builder.and_(nibbles, b8(15)) if u == 0 else builder.lshr(nibbles, b8(4))
+        code = q.field(q.bytes(builder.add(o, c(runs + 2 * LANES * run)), 2 * LANES), 4 * u, 15, 0)
         if name == "Q5_0":
-            bits = q.bytes(builder.add(o, c(Q5_HIGH + 2 * LANES * (run // 4))), width)
-            fifth = builder.and_(builder.lshr(bits, b8(2 * (run % 4) + u)), b8(1))
-            code = builder.or_(code, builder.shl(fifth, b8(4)))
+            code = builder.or_(code, q.field(q.bytes(builder.add(o, c(Q5_HIGH + 2 * LANES * (run // 4))), 2 * LANES),
+                                             2 * (run % 4) + u, 1, 4))
         offset = {"Q5_0": 16, "Q4_0": 8, "Q4_1": 0}[name]  # Q4_1's min is a float step (its codes' sums)
-        return builder.sub(builder.zext(code, words), ir.Constant(words, [offset] * width))
+        return [builder.sub(w, ir.Constant(w.type, [offset] * w.type.count)) for w in f.words(code)]
 
     with f.blocks() as (blk, at):
-        sums = [[[f.zeros(q.vec(q.i32, part_lanes))] * len(parts) for _ in range(count)] for _ in range(rows)]
+        sums = [[[f.zeros(f.part_sums)] * f.parts for _ in range(count)] for _ in range(rows)]
         for p in (run + 8 * u for run in range(8) for u in (0, 1)):  # a nibble run's two pairs in turn (exact sums: any order)
-            words = [[builder.bitcast(codes(o, p, part), q.vec(q.i32, part_lanes)) for part in parts]
-                     for o in at]  # shared by the rows
+            words = [[builder.bitcast(w, f.part_sums) for w in codes(o, p)] for o in at]  # shared by the rows
             for r in range(rows):
-                pair = f.x_pair(r, builder.add(builder.mul(blk, c(32)), c(2 * p)), part_lanes)
+                pair = f.x_pair(r, builder.add(builder.mul(blk, c(32)), c(2 * p)), f.part_sums.count)
                 for s in range(count):
                     sums[r][s] = [_dot_words(builder, acc, w, pair) for acc, w in zip(sums[r][s], words[s])]
         sums = [[f.joined(parts_sums) for parts_sums in row_sums] for row_sums in sums]
@@ -580,59 +592,68 @@ def _k_emit(name, rows, count, context, builder, q, arrays, i0, t0):
     f = _Frame(context, builder, q, arrays, i0, t0, rows, count, 256, TILE_BLOCKS[name][1])
     c = f.c
 
-    def scale_words(at):  # the 16 rows' scale bytes -> 32 words, row r's twice (lanes 2 r, 2 r + 1)
+    def scale_words(at):  # the 16 rows' scale bytes as words, row r's twice (as its pair of codes), a vector a part
         raw = q.bytes(at, LANES)
-        pairs = builder.shuffle_vector(raw, raw, ir.Constant(q.vec(q.i32, 2 * LANES), [l // 2 for l in range(2 * LANES)]))
-        return (builder.zext if k4 else builder.sext)(pairs, f.w16)
+        return f.words(builder.shuffle_vector(raw, raw, ir.Constant(q.vec(q.i32, 2 * LANES), [l // 2 for l in range(2 * LANES)])),
+                       signed=not k4)
 
-    def codes(o, g, run, u, part=None):
-        """The 32 code bytes of pair run + 8 u of group g (values 32 g + 16 u + 2 run + h; g an IR
-        value, run and u constants) as words, or the 16 of rows 8 part to 8 part + 7."""
-        width, skip = (2 * LANES, 0) if part is None else (LANES, LANES * part)
-        words = q.vec(ir.IntType(16), width)
-
-        def b8(v):
-            return _bytes_of(q, v, width)
-
-        at = builder.add(o, builder.mul(g, c(8 * 2 * LANES)))
-        nibbles = q.bytes(builder.add(at, c((K4_CODES if k4 else K6_LOW) + 2 * LANES * run + skip)), width)
-        low = builder.and_(nibbles, b8(15)) if u == 0 else builder.lshr(nibbles, b8(4))
+    def codes(o, g, run, odd, u):
+        """The 32 code bytes of pair run + 8 u of group g (values 32 g + 16 u + 2 run + h; g and run
+        IR values, odd = run % 2 and u constants) as words, a vector a part (_Frame.words)."""
+        at = builder.add(o, builder.add(builder.mul(g, c(8 * 2 * LANES)), builder.mul(run, c(2 * LANES))))
+        code = q.field(q.bytes(builder.add(at, c(K4_CODES if k4 else K6_LOW)), 2 * LANES), 4 * u, 15, 0)
         if k4:
-            return builder.zext(low, words)
-        at = builder.add(o, builder.mul(g, c(4 * 2 * LANES)))
-        bits = q.bytes(builder.add(at, c(K6_HIGH + 2 * LANES * (run // 2) + skip)), width)
-        shift = 4 * (run % 2) + 2 * u
-        high = builder.and_(builder.lshr(bits, b8(shift)), b8(3)) if shift else builder.and_(bits, b8(3))
-        code = builder.or_(low, builder.shl(high, b8(4)))
-        return builder.sub(builder.zext(code, words), ir.Constant(words, [32] * width))
+            return f.words(code)
+        at = builder.add(o, builder.add(builder.mul(g, c(4 * 2 * LANES)), builder.mul(builder.lshr(run, c(1)), c(2 * LANES))))
+        bits = q.bytes(builder.add(at, c(K6_HIGH)), 2 * LANES)
+        code = builder.or_(code, q.field(bits, 4 * odd + 2 * u, 3, 4))
+        return [builder.sub(w, ir.Constant(w.type, [32] * w.type.count)) for w in f.words(code)]
 
     def group_sums(o, g, group_at):
-        """The int32 sums of group g's code products of one input row, 16 lanes (Q6_K: one vector
-        per 16 values, each of its scale)."""
-        parts, part_lanes = f.parts()
-        sums = [[f.zeros(q.vec(q.i32, part_lanes))] * len(parts) for _ in range(1 if k4 else 2)]
+        """The int32 sums of group g's code products of one input row, a vector a part (Q6_K: such
+        sums per 16 values, each of its scale)."""
+        sums = [[f.zeros(f.part_sums)] * f.parts for _ in range(1 if k4 else 2)]
         for run in range(8):
             for u in (0, 1):
-                pair = f.x_pair(0, builder.add(group_at, c(2 * (run + 8 * u))), part_lanes)
+                pair = f.x_pair(0, builder.add(group_at, c(2 * (run + 8 * u))), f.part_sums.count)
                 half = sums[0 if k4 else u]
-                for h, part in enumerate(parts):
-                    half[h] = _dot_words(builder, half[h], builder.bitcast(codes(o, g, run, u, part), q.vec(q.i32, part_lanes)), pair)
-        return [f.joined(half) for half in sums]
+                for h, words in enumerate(codes(o, g, c(run), run % 2, u)):
+                    half[h] = _dot_words(builder, half[h], builder.bitcast(words, f.part_sums), pair)
+        return sums
 
     def scaled_after(o, scale_at, g, group_at, acc):
         """acc + group g's products of one input row (decode), its scales applied to the int32 sums
         of the codes' products (vpmulld: one a scale of 16 rows), not to each pair's codes (vpmullw:
         16 a scale, on the port vpmaddwd needs); the same exact int32 sums as the prefill's."""
         for h, half in enumerate(group_sums(o, g, group_at)):
-            scale = (builder.zext if k4 else builder.sext)(q.bytes(scale_at[h], LANES), f.i32v)
-            acc = builder.add(acc, builder.mul(half, scale))
+            acc = [builder.add(a, builder.mul(part, scale))
+                   for a, part, scale in zip(acc, half, f.lanes_of(q.bytes(scale_at[h], LANES), signed=not k4))]
         return acc
 
+    def products(total, at, group_at, g, run, odd, u, scales):
+        """total + pair run + 8 u of group g's code products (times their scales, vpmullw) of every
+        input row (prefill); run an IR value, odd = run % 2."""
+        words = [[builder.bitcast(builder.mul(w, scale), f.part_sums) for w, scale in zip(codes(o, g, run, odd, u), sc[0 if k4 else u])]
+                 for o, sc in zip(at, scales)]  # shared by the rows
+        for r in range(rows):
+            pair = f.x_pair(r, builder.add(group_at, builder.mul(builder.add(run, c(8 * u)), c(2))), f.part_sums.count)
+            for s in range(count):
+                total[r][s] = [_dot_words(builder, acc, w, pair) for acc, w in zip(total[r][s], words[s])]
+        return total
+
+    def add_up(sums, step):
+        """The sums' slots (a slot a part) = step(their values)."""
+        total = step([[[builder.load(slot) for slot in parts] for parts in row_sums] for row_sums in sums])
+        for row_sums, row_total in zip(sums, total):
+            for parts, values in zip(row_sums, row_total):
+                for slot, value in zip(parts, values):
+                    builder.store(value, slot)
+
     with f.blocks() as (blk, at):
-        sums = [[cgutils.alloca_once_value(builder, f.zeros(f.i32v)) for _ in range(count)] for _ in range(rows)]
-        for row_sums in sums:
-            for slot in row_sums:
-                builder.store(f.zeros(f.i32v), slot)
+        sums = [[[cgutils.alloca_once_value(builder, f.zeros(f.part_sums)) for _ in range(f.parts)] for _ in range(count)]
+                for _ in range(rows)]  # a slot a part
+        for slot in (slot for row_sums in sums for parts in row_sums for slot in parts):
+            builder.store(f.zeros(f.part_sums), slot)
         # a loop over the 8 groups in prefill (8x less code to compile); unrolled in decode, where
         # the loop cost a third of the rate (Q4_K at k = 2048: 17.5 against 25 GB/s of cached tiles),
         # but for AVX2, where LLVM spilled the unrolled groups' registers
@@ -641,24 +662,16 @@ def _k_emit(name, rows, count, context, builder, q, arrays, i0, t0):
             for g_in in range(unrolled):
                 g = builder.add(builder.mul(groups.index, c(unrolled)), c(g_in))
                 # Q4_K: a scale per 32 values; Q6_K: per 16, one for each half u of the group
-                scale_at = [[builder.add(o, builder.add(builder.mul(g, c(LANES if k4 else 2 * LANES)),
-                                                        c(scales_at + (0 if k4 else LANES * u)))) for u in (0, 1)] for o in at]
+                scale_at = [[builder.add(o, builder.add(builder.mul(g, c(LANES if k4 else 2 * LANES)), c(scales_at + LANES * u)))
+                             for u in ((0,) if k4 else (0, 1))] for o in at]
                 group_at = builder.add(builder.mul(blk, c(256)), builder.mul(g, c(32)))
-                total = [[builder.load(slot) for slot in row_sums] for row_sums in sums]
                 if rows == 1:
-                    total = [[scaled_after(o, at_u, g, group_at, acc) for o, at_u, acc in zip(at, scale_at, total[0])]]
-                else:
-                    scales = [[scale_words(a) for a in at_u] for at_u in scale_at]
-                    for run in range(8):
-                        for u in (0, 1):
-                            words = [builder.bitcast(builder.mul(codes(o, g, run, u), sc[u]), f.i32v) for o, sc in zip(at, scales)]
-                            for r in range(rows):
-                                pair = f.x_pair(r, builder.add(group_at, c(2 * (run + 8 * u))))
-                                for s in range(count):
-                                    total[r][s] = _dot_words(builder, total[r][s], words[s], pair)
-                for row_sums, row_total in zip(sums, total):
-                    for slot, value in zip(row_sums, row_total):
-                        builder.store(value, slot)
+                    add_up(sums, lambda total: [[scaled_after(o, at_u, g, group_at, acc) for o, at_u, acc in zip(at, scale_at, total[0])]])
+                    continue
+                scales = [[scale_words(a) for a in at_u] for at_u in scale_at]
+                for run in range(8):
+                    for u in (0, 1):
+                        add_up(sums, lambda total: products(total, at, group_at, g, c(run), run % 2, u, scales))
         d = [f.f16s(builder.add(o, c(d_at))) for o in at]
         if k4:
             dmin = [builder.fneg(f.f16s(builder.add(o, c(K4_DMIN)))) for o in at]
@@ -670,7 +683,8 @@ def _k_emit(name, rows, count, context, builder, q, arrays, i0, t0):
                 xs = f.xs_at(r, blk, 16)
                 xs = [q.splat(builder.fadd(xs[2 * g], xs[2 * g + 1]), LANES) for g in range(8)]  # exact: < 2^21
             for s in range(count):
-                acc = f.fma(builder.sitofp(builder.load(sums[r][s]), f.f32v), builder.fmul(d[s], dx), builder.load(f.accs[r][s]))
+                isum = f.joined([builder.load(slot) for slot in sums[r][s]])
+                acc = f.fma(builder.sitofp(isum, f.f32v), builder.fmul(d[s], dx), builder.load(f.accs[r][s]))
                 if k4:  # the mins times the codes' sums per 32, in order, then times -dmin
                     bias = builder.fmul(mins[s][0], xs[0])
                     for g in range(1, 8):
