@@ -28,14 +28,14 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from ellmd.kernels.formats import decode
-from ellmd.kernels.tile import lane_sum
+from ellmd.kernels.tile import lane_sums4
 
 W = 16 if binding.get_host_cpu_features().get("avx512f") else 8
 P = W // 8
 # input rows x weight vectors of a register block: RB * SB accumulators, RB broadcast rows of x and
 # one weight vector (31 of AVX-512's 32 registers; 16 of AVX2's 16)
 RB, SB = (6, 4) if W == 16 else (3, 4)
-COLS = SB * P  # weight rows of a block
+COLS = SB * P  # weight rows of a block: a multiple of 4 (tile.lane_sums4)
 PANEL = 32  # weight rows packed at a time (a multiple of COLS)
 LANE_SPAN = 32  # decode's step: depths in vectors are the multiples of it (matmul.STREAM_CHUNK)
 
@@ -84,31 +84,41 @@ def _block_codegen(context, builder, signature, args):
             wv = builder.load(builder.bitcast(builder.gep(at, [c(s * W)]), vw.as_pointer()), align=4)
             for r in range(RB):
                 builder.store(builder.call(fmaw, [xv[r], wv, builder.load(accs[r][s])]), accs[r][s])
-    # the tail: one scalar chain per output, as decode's
-    tails = [[cgutils.alloca_once_value(builder, ir.Constant(f32, 0.0)) for _ in range(COLS)] for _ in range(RB)]
+    f4 = ir.VectorType(f32, 4)
     tail_base = builder.gep(p_a.data, [builder.add(builder.mul(c(PANEL), kv),
                                                    builder.mul(builder.mul(block, c(COLS)), tail))])
-    with cgutils.for_range(builder, tail) as loop:
-        t = loop.index
-        xs = [builder.load(builder.gep(xrow, [builder.add(kv, t)])) for _, xrow in xrows]
-        for col in range(COLS):
-            wv = builder.load(builder.gep(tail_base, [builder.add(builder.mul(c(col), tail), t)]))
-            for r in range(RB):
-                builder.store(builder.call(fma1, [xs[r], wv, builder.load(tails[r][col])]), tails[r][col])
-    for r, (i, _) in enumerate(xrows):
+    tails = [cgutils.alloca_once(builder, f32) for _ in range(COLS)]
+    for r, (i, xrow) in enumerate(xrows):
         with builder.if_then(builder.icmp_signed("<", c(r), rows)):
+            eights = []  # the outputs' 8 lanes, column by column
             for s in range(SB):
                 acc = builder.load(accs[r][s])
-                for p in range(P):
-                    col = s * P + p
-                    half = acc if W == 8 else builder.shuffle_vector(
-                        acc, ir.Constant(vw, ir.Undefined), ir.Constant(ir.VectorType(i32, 8), list(range(8 * p, 8 * p + 8))))
-                    value = builder.fadd(lane_sum(builder, half), builder.load(tails[r][col]))
+                eights += [acc if W == 8 else builder.shuffle_vector(
+                    acc, ir.Constant(vw, ir.Undefined), ir.Constant(ir.VectorType(i32, 8), list(range(8 * p, 8 * p + 8))))
+                    for p in range(P)]
+            sums = [lane_sums4(builder, eights[c0 : c0 + 4]) for c0 in range(0, COLS, 4)]
+            # the tail: one scalar chain per output, as decode's (a row at a time: the other rows'
+            # accumulators stay in registers)
+            for slot in tails:
+                builder.store(ir.Constant(f32, 0.0), slot)
+            with cgutils.for_range(builder, tail) as loop:
+                t = loop.index
+                x = builder.load(builder.gep(xrow, [builder.add(kv, t)]))
+                for col in range(COLS):
+                    wv = builder.load(builder.gep(tail_base, [builder.add(builder.mul(c(col), tail), t)]))
+                    builder.store(builder.call(fma1, [x, wv, builder.load(tails[col])]), tails[col])
+            for c0 in range(0, COLS, 4):
+                tails4 = ir.Constant(f4, ir.Undefined)
+                for lane in range(4):
+                    tails4 = builder.insert_element(tails4, builder.load(tails[c0 + lane]), ir.Constant(i32, lane))
+                values = builder.fadd(sums[c0 // 4], tails4)
+                for lane in range(4):
+                    col = c0 + lane
                     with builder.if_then(builder.icmp_signed("<", c(col), cols)):
                         ptr = builder.gep(builder.bitcast(out_a.data, i8p),
                                           [builder.add(builder.mul(i, out_strides[0]),
                                                        builder.mul(builder.add(j_out, c(col)), out_strides[1]))])
-                        builder.store(value, builder.bitcast(ptr, f32.as_pointer()))
+                        builder.store(builder.extract_element(values, ir.Constant(i32, lane)), builder.bitcast(ptr, f32.as_pointer()))
     return context.get_dummy_value()
 
 

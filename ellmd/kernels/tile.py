@@ -62,6 +62,20 @@ def lane_sum(builder, v):
     return builder.extract_element(v, ir.Constant(ir.IntType(32), 0))
 
 
+def lane_sums4(builder, vectors):
+    """lane_sum of four 8-lane float vectors as one <4 x float>, with the very same adds (lanes
+    i + 4, then i + 2, then i + 1) four vectors at a time: 7 vector adds where four lane_sum take 12
+    (gemm.py's epilogue, as costly as its products at depth 64: the attention scores of hd 64)."""
+    i32 = ir.IntType(32)
+
+    def pick(a, b, lanes):
+        return builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(i32, len(lanes)), lanes))
+
+    fours = [builder.fadd(pick(v, v, [0, 1, 2, 3]), pick(v, v, [4, 5, 6, 7])) for v in vectors]
+    twos = [builder.fadd(pick(a, b, [0, 1, 4, 5]), pick(a, b, [2, 3, 6, 7])) for a, b in (fours[:2], fours[2:])]
+    return builder.fadd(pick(*twos, [0, 2, 4, 6]), pick(*twos, [1, 3, 5, 7]))
+
+
 def _load_vec(builder, ptr, dtype):
     """Load 8 values of bt at ptr as <8 x float>, converting storage formats."""
     if dtype == types.float32:
