@@ -348,6 +348,23 @@ def test_attention_prefill_key_splits(rng, n, start):
     attention.attention_prefill_ref(q, k, v, BF16, start, hd**-0.5, want)
     np.testing.assert_allclose(got, want, **TOL)
 
+
+@pytest.mark.parametrize("n,kvh,group", [(240, 3, 3), (100, 3, 3), (240, 1, 9), (7, 3, 3)])
+def test_attention_prefill_tasks_even_for_the_threads(rng, n, kvh, group):
+    """A chunk's (kv head, query block) tasks come in a multiple of the threads where smaller blocks
+    make them so (SmolLM2's 3 kv heads and a 240-token turn: 18 tasks for 2 threads, not 15 split
+    8 / 7), and a query's output is the same bits whatever block it falls in."""
+    qb, nqb = attention._task_queries(n, kvh, group, 2)
+    assert (kvh * nqb) % 2 == 0 and (nqb - 1) * qb < n <= nqb * qb
+    hd, start = 64, 500
+    q = randn(rng, n, kvh * group, hd)
+    k = formats.to_storage(randn(rng, kvh, start + n, hd), BF16)
+    v = formats.to_storage(randn(rng, kvh, start + n, hd), BF16)
+    blocks_for_one, blocks_for_two = np.full_like(q, np.nan), np.full_like(q, np.nan)
+    attention._prefill(q, k, v, start, hd**-0.5, blocks_for_one, 1, False)
+    attention._prefill(q, k, v, start, hd**-0.5, blocks_for_two, 2, False)
+    assert np.array_equal(blocks_for_one.view(np.uint32), blocks_for_two.view(np.uint32))
+
 @pytest.mark.parametrize(
     "fmt,lengths,kvh,group,hd",
     [

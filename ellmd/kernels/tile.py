@@ -71,7 +71,7 @@ def lane_sums4(builder, vectors):
     def pick(a, b, lanes):
         return builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(i32, len(lanes)), lanes))
 
-    fours = [builder.fadd(pick(v, v, [0, 1, 2, 3]), pick(v, v, [4, 5, 6, 7])) for v in vectors]
+    fours = [fold(builder, v) for v in vectors]
     twos = [builder.fadd(pick(a, b, [0, 1, 4, 5]), pick(a, b, [2, 3, 6, 7])) for a, b in (fours[:2], fours[2:])]
     return builder.fadd(pick(*twos, [0, 2, 4, 6]), pick(*twos, [1, 3, 5, 7]))
 
