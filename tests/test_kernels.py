@@ -365,6 +365,7 @@ def test_attention_prefill_tasks_even_for_the_threads(rng, n, kvh, group):
     attention._prefill(q, k, v, start, hd**-0.5, blocks_for_two, 2, False)
     assert np.array_equal(blocks_for_one.view(np.uint32), blocks_for_two.view(np.uint32))
 
+
 @pytest.mark.parametrize(
     "fmt,lengths,kvh,group,hd",
     [
