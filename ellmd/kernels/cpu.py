@@ -32,7 +32,7 @@ from numba.core import cgutils
 
 # path -> the sets of CPU features that each let it run
 _AMX = (("amx-bf16", "amx-tile"),)
-PATHS = {"int16": (("avx512vnni", "avx512bw"), ("avx2",)), "vnni": (("avx512vnni", "avx512vl"),),
+PATHS = {"int16": (("avx512vnni", "avx512bw"), ("avx2",)), "vnni": (("avx512vnni", "avx512vl"),), "int8": (("avx2",),),
          "bf16": _AMX, "bf16-prefill": _AMX, "dpbf16": (("avx512bf16", "avx512f"),),
          "bf16-round": (*_AMX, ("avx512bf16", "avx512f"))}
 INTEGER = frozenset({"int16", "vnni"})  # the paths of block weights; "vnni" wins when both are on
@@ -45,7 +45,8 @@ DEFAULT = "int16,bf16"
 def host_paths() -> frozenset[str]:
     """The paths whose CPU features this machine has."""
     features = binding.get_host_cpu_features()
-    return frozenset(p for p, options in PATHS.items() if any(all(features.get(f) for f in needs) for needs in options))
+    paths = frozenset(p for p, options in PATHS.items() if any(all(features.get(f) for f in needs) for needs in options))
+    return paths - {"int8"} if "vnni" in paths else paths  # "int8" is AVX2's int8 activations; VNNI has its own
 
 
 def compiled_for(paths, codegen):

@@ -61,6 +61,7 @@ decode. The model families repack matrices at load where `wanted` says (model/ll
 matmul's linear, linear_prefill and path_rows run the tiles.
 """
 import contextlib
+import functools
 
 import numba
 import numpy as np
@@ -452,8 +453,9 @@ class _Frame:
         k = cgutils.unpack_tuple(builder, xq_a.shape)[1]
         self.k, self.nb = k, builder.udiv(k, self.c(values))
         self.rows_i = [builder.add(i0, self.c(r)) for r in range(rows)]
+        self.code_bytes = xq_a.data.type.pointee.width // 8  # int16 or int8 activation codes
         xb = builder.bitcast(xq_a.data, q.i8.as_pointer())
-        self.x_rows = [builder.gep(xb, [builder.mul(i, builder.mul(k, self.c(2)))]) for i in self.rows_i]
+        self.x_rows = [builder.gep(xb, [builder.mul(i, builder.mul(k, self.c(self.code_bytes)))]) for i in self.rows_i]
         self.accs = [[cgutils.alloca_once_value(builder, self.zeros(self.f32v)) for _ in range(count)] for _ in range(rows)]
 
     def c(self, v):
@@ -476,6 +478,11 @@ class _Frame:
         """Input row r's int16 pair at value offset `at` (an IR value), broadcast to `lanes` lanes."""
         ptr = self.b.gep(self.x_rows[r], [self.b.mul(at, self.c(2))])
         return self.q.splat(self.b.load(self.b.bitcast(ptr, self.q.i32.as_pointer()), align=2), lanes)
+
+    def x_pair8(self, r, at):
+        """Input row r's int8 pair at value offset `at` (an IR value), broadcast to 32 bytes."""
+        ptr = self.b.bitcast(self.b.gep(self.x_rows[r], [at]), ir.IntType(16).as_pointer())
+        return self.b.bitcast(self.q.splat(self.b.load(ptr, align=1), 16), self.q.vec(self.q.i8, 2 * LANES))
 
     def words(self, raw, signed=False):
         """A pair's 32 code bytes (16 rows x 2 depths, <32 x i8>) as words, a vector a part: whole
@@ -703,11 +710,72 @@ def _k_emit(name, rows, count, context, builder, q, arrays, i0, t0):
     f.store()
 
 
-def _make_lanes_block(name, emit, rb, sb):
-    """The intrinsic lanes_block of one tile format: its register blocks dispatched at run time (every
-    size <= rb x sb is generated: left-over rows and tiles run the same per-output arithmetic)."""
+# vpunpcklwd and vpunpckhwd as shuffles of 16 words with 16 more: each 128-bit lane's low (high) 4
+# words interleaved with the other vector's, so row r's two sums sit side by side in the halves' order
+_UNPACK_WORDS = [[i for lane in (0, 8) for at in range(4 * h, 4 * h + 4) for i in (lane + at, LANES + lane + at)] for h in (0, 1)]
 
-    def codegen(context, builder, signature, args):
+
+def _k4_int8_emit(name, rows, count, context, builder, q, arrays, i0, t0):
+    """IR of a Q4_K register block on int8 activations (AVX2, the "int8" path): per pair of depths
+    one vpmaddubsw a row (a tile's 16 rows x 2 depths of codes against the row's broadcast pair of
+    int8 codes: 16 int16 sums of two products), each half of a group's 16 pairs summed in int16 (8
+    pairs of at most 2 x 15 x 127: < 2^15), then the halves' sums interleaved by row and times the
+    sub-block scales in one vpmaddwd per 8 rows (int32, exact); per group of 32 values, one
+    conversion and one FMA an output for the codes, one for the mins (the activations' scale is per
+    32 values). An output's bits depend neither on n nor on its register block."""
+    f = _Frame(context, builder, q, arrays, i0, t0, rows, count, 256, TILE_BLOCKS[name][1])
+    c = f.c
+    b8, w16, i32x8 = q.vec(q.i8, 2 * LANES), q.vec(ir.IntType(16), LANES), q.vec(q.i32, 8)
+    maddubs = cgutils.get_or_insert_function(builder.module, ir.FunctionType(w16, [b8, b8]), "llvm.x86.avx2.pmadd.ub.sw")
+    madd = cgutils.get_or_insert_function(builder.module, ir.FunctionType(i32x8, [w16, w16]), "llvm.x86.avx2.pmadd.wd")
+
+    def scale_words(at):  # the 16 rows' scale bytes as words, row r's twice, in the halves' row order
+        raw = q.bytes(at, LANES)
+        return [builder.bitcast(w, w16) for w in
+                f.words(builder.shuffle_vector(raw, raw, ir.Constant(q.vec(q.i32, 2 * LANES), [l // 2 for l in range(2 * LANES)])))]
+
+    with f.blocks() as (blk, at):
+        d = [f.f16s(builder.add(o, c(K4_D))) for o in at]
+        dmin = [builder.fneg(f.f16s(builder.add(o, c(K4_DMIN)))) for o in at]
+        with cgutils.for_range(builder, c(8)) as groups:
+            g = groups.index
+            group_at = builder.add(builder.mul(blk, c(256)), builder.mul(g, c(32)))
+            halves = [[[None, None] for _ in range(count)] for _ in range(rows)]
+            for run in range(8):
+                raw = [q.bytes(builder.add(o, builder.add(builder.mul(g, c(8 * 2 * LANES)), c(K4_CODES + run * 2 * LANES))), 2 * LANES)
+                       for o in at]
+                for u in (0, 1):
+                    codes = [q.field(v, 4 * u, 15, 0) for v in raw]  # shared by the rows
+                    for r in range(rows):
+                        pair = f.x_pair8(r, builder.add(group_at, c(2 * (run + 8 * u))))
+                        for s in range(count):
+                            prod = builder.call(maddubs, [codes[s], pair])
+                            half = halves[r][s][u]
+                            halves[r][s][u] = prod if half is None else builder.add(half, prod)
+            group = builder.udiv(group_at, c(32))
+            for s, o in enumerate(at):
+                scales = scale_words(builder.add(o, builder.add(builder.mul(g, c(LANES)), c(K4_SCALES))))
+                mins = builder.uitofp(builder.zext(q.bytes(builder.add(o, builder.add(builder.mul(g, c(LANES)), c(K4_MINS))), LANES),
+                                                   f.i32v), f.f32v)
+                for r in range(rows):
+                    a, bh = halves[r][s]
+                    parts = [builder.call(madd, [builder.shuffle_vector(a, bh, ir.Constant(q.vec(q.i32, LANES), mask)), sc])
+                             for mask, sc in zip(_UNPACK_WORDS, scales)]
+                    isum = f.joined(parts)
+                    dx = f.dx(r, group, 1)
+                    xs = f.xs_at(r, group, 2)
+                    acc = f.fma(builder.sitofp(isum, f.f32v), builder.fmul(d[s], q.splat(dx, LANES)), builder.load(f.accs[r][s]))
+                    acc = f.fma(mins, builder.fmul(dmin[s], q.splat(builder.fmul(builder.fadd(*xs), dx), LANES)), acc)
+                    builder.store(acc, f.accs[r][s])
+    f.store()
+
+
+def _make_lanes_block(name, emits, rb, sb):
+    """The intrinsic lanes_block of one tile format: its register blocks dispatched at run time (every
+    size <= rb x sb is generated: left-over rows and tiles run the same per-output arithmetic);
+    emits: the activation codes' numba type -> (the path, the emit of a register block)."""
+
+    def codegen(emit, context, builder, signature, args):
         arrays = [context.make_array(t)(context, builder, v) for t, v in zip(signature.args[:5], args[:5])]
         i0, rows, t0, count = args[5:9]
         q = _Ir(builder, builder.bitcast(arrays[3].data, ir.IntType(8).as_pointer()))
@@ -722,23 +790,27 @@ def _make_lanes_block(name, emit, rb, sb):
 
     def lanes_block(typingctx, xq, xd, xs, tiles, out, i0, rows, t0, count):
         """out[i0:i0 + rows, 16 t0 : 16 (t0 + count)] (columns < m) = the input rows times the tiles'
-        weight rows, rows <= rb, count <= sb. xq: [n, k] int16 codes, xd: [n, k/32] float32 scales and
-        xs: [n, k/16] code sums (quant.quantize_activations), tiles: [T, k / values of a block] of this
-        block type (repack), all C-contiguous; out: [n, m] float32 of contiguous columns (a column slice is fine).
-        Needs the "int16" path's features (cpu.py)."""
-        if not (isinstance(xq, types.Array) and xq.dtype == types.int16 and xq.layout == "C"):
+        weight rows, rows <= rb, count <= sb. xq: [n, k] int16 codes (int8 on the "int8" path, for
+        INT8_BLOCKS), xd: [n, k/32] float32 scales and xs: [n, k/16] code sums
+        (quant.quantize_activations), tiles: [T, k / values of a block] of this block type (repack),
+        all C-contiguous; out: [n, m] float32 of contiguous columns (a column slice is fine). Needs
+        the features of the codes' path (cpu.py)."""
+        if not (isinstance(xq, types.Array) and xq.dtype in emits and xq.layout == "C"):
             return None
         if not all(isinstance(a, types.Array) and a.layout == "C" for a in (xd, xs, tiles)) or not isinstance(out, types.Array):
             return None
         if tiles_name(tiles) != name:
             return None
         sig = types.void(xq, xd, xs, tiles, out, types.intp, types.intp, types.intp, types.intp)
-        return sig, cpu.compiled_for("int16", codegen)
+        path, emit = emits[xq.dtype]
+        return sig, cpu.compiled_for(path, functools.partial(codegen, emit))
 
     return intrinsic(lanes_block)
 
 
-BLOCKS = {name: _make_lanes_block(name, _one_scale_emit if name in ONE_SCALE else _k_emit, RB, SB)
+INT8_BLOCKS = {"Q4_K": _k4_int8_emit}  # the tile formats with a kernel on int8 codes ("int8" path, AVX2)
+BLOCKS = {name: _make_lanes_block(name, {types.int16: ("int16", _one_scale_emit if name in ONE_SCALE else _k_emit),
+                                         **({types.int8: ("int8", INT8_BLOCKS[name])} if name in INT8_BLOCKS else {})}, RB, SB)
           for name in TILE_BLOCKS}  # block type -> its intrinsic lanes_block
 
 
