@@ -89,6 +89,28 @@ def test_a_row_alike_in_every_batch(rng, name):
             np.testing.assert_array_equal(product(x[i0 : i0 + n], tiles, m, workers=1), whole[i0 : i0 + n])
 
 
+@pytest.mark.parametrize("name", sorted(lanes.INT8_BLOCKS))
+def test_k_quant_tiles_on_int8_codes(rng, use_kernels, name):
+    """On the "int8" path (AVX2) Q4_K and Q6_K tiles take int8 activation codes: numpy on those codes
+    to float32 rounding, int8's error against the exact product (not int16's), and a row's bits the
+    same alone (decode) as in any batch."""
+    use_kernels("int16,int8")
+    k, m = 1536, 16 * 5 + 9
+    w, x = weights(rng, m, k, name), rng.standard_normal((130, k)).astype(np.float32)
+    tiles = lanes.repack(w)
+    assert lanes.int8_codes(tiles)
+    whole = product(x, tiles, m)
+    want = np.zeros((130, m), np.float32)
+    lanes.linear_lanes_ref(x, tiles, want, 2)
+    assert np.abs(whole - want).max() <= 4e-6 * np.abs(want).max()
+    exact = x.astype(np.float64) @ quant.dequantize(w).astype(np.float64).T
+    assert 1e-4 < np.abs(whole - exact).max() / np.abs(exact).max() <= 2e-2  # int16 codes: ~3e-5
+    for i in (0, 1, 64, 129):  # alone (decode), one worker
+        np.testing.assert_array_equal(product(x[i : i + 1], tiles, m, workers=1)[0], whole[i])
+    for n in (3, 7, 64):  # other batches: other register blocks and left-over rows
+        np.testing.assert_array_equal(product(x[5 : 5 + n], tiles, m, workers=1), whole[5 : 5 + n])
+
+
 def f32_fma(a, b, c):
     """fma in float32: the product of two float32 is exact in float64, and the sum is rounded once to
     float32 (the float64 sum rounded again: a double rounding that differs from one rounding only at
@@ -281,4 +303,17 @@ def test_a_tokens_logits_on_tiles_do_not_depend_on_how_it_was_computed(alignment
     engine = block_engine(alignment_dir, tmp_path, variant, weight_dtype, kv_dtype="bf16",
                           sequence_length=len(PROMPT) + 8, batch_size=3, chunk_size=2048, threads=2)
     assert any(lanes.is_tiles(p) for p in engine_parts(engine))
+    assert_one_arithmetic(each_way(engine))
+
+
+def test_a_tokens_logits_on_int8_tiles_do_not_depend_on_how_it_was_computed(alignment_dir, tmp_path, use_kernels):
+    """The "int8" path: Q4_K tiles on int8 codes in prefill, in the fused decode step and beside other
+    rows alike."""
+    from test_one_arithmetic import PROMPT, assert_one_arithmetic, each_way
+
+    use_kernels("int16,int8")
+    engine = block_engine(alignment_dir, tmp_path, "wide", "q4_k", kv_dtype="bf16", sequence_length=len(PROMPT) + 8,
+                          batch_size=3, chunk_size=2048, threads=2)
+    assert any(lanes.is_tiles(p) and lanes.int8_codes(p) for p in engine_parts(engine))
+    assert "int8 vpmaddubsw" in engine.describe_kernels()
     assert_one_arithmetic(each_way(engine))

@@ -192,6 +192,9 @@ class Engine:
             madd = "vpdpwssd" if quant_int.WORDS_VNNI else "vpmaddwd (AVX2)"
             blocks = (f"GGUF blocks: int16 {madd}, activations quantized to int16 per 256 (or 32) values "
                       f"(Q8_0, Q5_0, Q4_0, Q4_1, Q4_K and Q6_K repacked to tiles of 16 rows, outputs in lanes)")
+            if "int8" in cpu.ENABLED:
+                blocks += (f"; {', '.join(lanes.INT8_BLOCKS)} tiles: int8 vpmaddubsw, activations quantized to int8 "
+                           f"per 32 values")
         else:
             blocks = "GGUF blocks: f32 FMA"
         amx_prefill = "bf16-prefill" in cpu.ENABLED and bf16.AMX

@@ -16,6 +16,7 @@ I intermediate, V vocab, E experts, k experts per token):
   acc             [W, quant_f32.acc_floats(D)]   each kernel thread's block-row accumulator (decode)
   xq8, xq16       [D*K] int8, int16   decode activations quantized for the integer paths ("vnni", "int16")
   xd, xs          [D*K/32], [D*K/16]  their scales (per 32) and code sums (per 16)
+  xd8, xs8        [D*K/32], [D*K/16]  the same of xq8 on the "int8" path (beside xq16's: lanes.INT8_BLOCKS)
   xh, xl          [D16*K] uint16      decode activations' bf16 halves packed for AMX tiles (D16: D
                                       rounded up to 16 tokens; empty without AMX)
                                              (K the widest matmul input)
@@ -78,6 +79,8 @@ class Workspace:
         self.xq16 = aligned.zeros(D * widest, np.int16)
         self.xd = aligned.zeros(D * (widest // 32), f32)
         self.xs = aligned.zeros(D * (widest // 16), f32)
+        self.xd8 = aligned.zeros(D * (widest // 32), f32)
+        self.xs8 = aligned.zeros(D * (widest // 16), f32)
         packed = -(-D // bf16.TILE) * bf16.TILE * widest if bf16.AMX else 0  # decode rows in groups of 16 tokens
         self.xh, self.xl = aligned.zeros(packed, np.uint16), aligned.zeros(0 if bf16.rounded() else packed, np.uint16)
         if spec.num_experts:
@@ -163,11 +166,12 @@ class Plan:
     def _paths(self) -> tuple:
         """(integer path on, workers, (xq, xd, xs), (xh, xl) or ()): the kernel-path arguments of
         kernels.layer, read at each step; xq is int8 on the "vnni" path (it wins over "int16"),
-        int16 otherwise; the halves where bf16 weights decode on AMX tiles ("bf16")."""
+        int16 otherwise, and on "int8" (xq8, xd8, xs8) follow for the tiles that take int8; the halves where bf16 weights decode on AMX tiles ("bf16")."""
         ws = self.ws
         xq = ws.xq8 if "vnni" in cpu.ENABLED else ws.xq16
+        q8buf = (xq, ws.xd, ws.xs) + ((ws.xq8, ws.xd8, ws.xs8) if "int8" in cpu.ENABLED else ())
         halves = (ws.xh, ws.xl) if bf16.decode_tiles() else ()
-        return bool(cpu.INTEGER & cpu.ENABLED), min(numba.get_num_threads(), len(ws.acc)), (xq, ws.xd, ws.xs), halves
+        return bool(cpu.INTEGER & cpu.ENABLED), min(numba.get_num_threads(), len(ws.acc)), q8buf, halves
 
     def _fused_run(self) -> tuple:
         """The `run` of decode_layer on the kernel paths of this step (as _paths)."""

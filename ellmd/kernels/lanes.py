@@ -715,57 +715,103 @@ def _k_emit(name, rows, count, context, builder, q, arrays, i0, t0):
 _UNPACK_WORDS = [[i for lane in (0, 8) for at in range(4 * h, 4 * h + 4) for i in (lane + at, LANES + lane + at)] for h in (0, 1)]
 
 
-def _k4_int8_emit(name, rows, count, context, builder, q, arrays, i0, t0):
-    """IR of a Q4_K register block on int8 activations (AVX2, the "int8" path): per pair of depths
-    one vpmaddubsw a row (a tile's 16 rows x 2 depths of codes against the row's broadcast pair of
-    int8 codes: 16 int16 sums of two products), each half of a group's 16 pairs summed in int16 (8
-    pairs of at most 2 x 15 x 127: < 2^15), then the halves' sums interleaved by row and times the
-    sub-block scales in one vpmaddwd per 8 rows (int32, exact); per group of 32 values, one
-    conversion and one FMA an output for the codes, one for the mins (the activations' scale is per
-    32 values). An output's bits depend neither on n nor on its register block."""
-    f = _Frame(context, builder, q, arrays, i0, t0, rows, count, 256, TILE_BLOCKS[name][1])
+def _int8_emit(name, rows, count, context, builder, q, arrays, i0, t0):
+    """IR of a register block of INT8_BLOCKS tiles on int8 activations (AVX2, the "int8" path): per
+    pair of depths one vpmaddubsw a row (a tile's 16 rows x 2 depths of unsigned codes against the
+    row's broadcast pair of int8 codes: 16 int16 sums of two products), a chunk of pairs summed in
+    int16 (8 pairs of 4-bit codes, 4 of 5-bit, 2 of 6-bit: at most 2^15 - 1), then two chunks of one
+    scale interleaved by row and times their (sub-block) scale, or 1, in one vpmaddwd per 8 rows
+    (int32, exact); per 32 values (the activations' scale), one conversion and one FMA an output for
+    the codes, one for Q4_K's mins, Q4_1's min or the others' offset (8, 16 or 32: taken off in
+    floats, times the activations' code sums). An output's bits depend neither on n nor on its
+    register block."""
+    k_quant, k4 = name in ("Q4_K", "Q6_K"), name == "Q4_K"
+    values = TILE_BLOCKS[name][0]
+    f = _Frame(context, builder, q, arrays, i0, t0, rows, count, values, TILE_BLOCKS[name][1])
     c = f.c
     b8, w16, i32x8 = q.vec(q.i8, 2 * LANES), q.vec(ir.IntType(16), LANES), q.vec(q.i32, 8)
     maddubs = cgutils.get_or_insert_function(builder.module, ir.FunctionType(w16, [b8, b8]), "llvm.x86.avx2.pmadd.ub.sw")
     madd = cgutils.get_or_insert_function(builder.module, ir.FunctionType(i32x8, [w16, w16]), "llvm.x86.avx2.pmadd.wd")
+    # (scale u, chunk a's pairs, chunk b's pairs), a pair (run, u): values 16 u + 2 run + h of 32
+    per = {"Q6_K": 2, "Q5_0": 4}.get(name, 8)  # pairs a chunk
+    chunks = [(u if name == "Q6_K" else 0, [(run, u) for run in range(j, j + per)], [(run, u) for run in range(j + per, j + 2 * per)])
+              for u in (0, 1) for j in range(0, 8, 2 * per)] if per < 8 else [(0, [(run, 0) for run in range(8)], [(run, 1) for run in range(8)])]
+    offset = {"Q4_0": 8, "Q5_0": 16, "Q6_K": 32}.get(name)  # taken off in floats (Q4_K, Q4_1: a min)
+
+    def code_bytes(o, g, run, u):
+        """The 32 code bytes of pair (run, u) of group g (16 rows x 2 depths, unsigned)."""
+        low = {"Q4_K": K4_CODES, "Q6_K": K6_LOW, "Q5_0": Q5_LOW, "Q4_0": 2 * LANES, "Q4_1": 4 * LANES}[name]
+        at = builder.add(o, builder.add(builder.mul(g, c(8 * 2 * LANES)), c(low + run * 2 * LANES)))
+        code = q.field(q.bytes(at, 2 * LANES), 4 * u, 15, 0)
+        if name == "Q6_K":
+            at = builder.add(o, builder.add(builder.mul(g, c(4 * 2 * LANES)), c(K6_HIGH + run // 2 * 2 * LANES)))
+            return builder.or_(code, q.field(q.bytes(at, 2 * LANES), 4 * (run % 2) + 2 * u, 3, 4))
+        if name == "Q5_0":
+            return builder.or_(code, q.field(q.bytes(builder.add(o, c(Q5_HIGH + 2 * LANES * (run // 4))), 2 * LANES),
+                                             2 * (run % 4) + u, 1, 4))
+        return code
 
     def scale_words(at):  # the 16 rows' scale bytes as words, row r's twice, in the halves' row order
+        if at is None:
+            return [ir.Constant(w16, [1] * LANES)] * 2
         raw = q.bytes(at, LANES)
-        return [builder.bitcast(w, w16) for w in
-                f.words(builder.shuffle_vector(raw, raw, ir.Constant(q.vec(q.i32, 2 * LANES), [l // 2 for l in range(2 * LANES)])))]
+        doubled = builder.shuffle_vector(raw, raw, ir.Constant(q.vec(q.i32, 2 * LANES), [l // 2 for l in range(2 * LANES)]))
+        return [builder.bitcast(w, w16) for w in f.words(doubled, signed=name == "Q6_K")]
+
+    def chunk_sums(at, g, group_at, pairs):
+        """Each (row, tile)'s int16 sums of the pairs' products."""
+        sums = [[None] * count for _ in range(rows)]
+        for run, u in pairs:
+            codes = [code_bytes(o, g, run, u) for o in at]  # shared by the rows
+            for r in range(rows):
+                pair = f.x_pair8(r, builder.add(group_at, c(2 * (run + 8 * u))))
+                for s in range(count):
+                    prod = builder.call(maddubs, [codes[s], pair])
+                    sums[r][s] = prod if sums[r][s] is None else builder.add(sums[r][s], prod)
+        return sums
 
     with f.blocks() as (blk, at):
-        d = [f.f16s(builder.add(o, c(K4_D))) for o in at]
-        dmin = [builder.fneg(f.f16s(builder.add(o, c(K4_DMIN)))) for o in at]
-        with cgutils.for_range(builder, c(8)) as groups:
+        d = [f.f16s(o) for o in at]  # every block starts with its rows' d
+        if k4:
+            dmin = [builder.fneg(f.f16s(builder.add(o, c(K4_DMIN)))) for o in at]
+        elif name == "Q4_1":
+            mins = [f.f16s(builder.add(o, c(2 * LANES))) for o in at]
+        with cgutils.for_range(builder, c(values // 32)) as groups:
             g = groups.index
-            group_at = builder.add(builder.mul(blk, c(256)), builder.mul(g, c(32)))
-            halves = [[[None, None] for _ in range(count)] for _ in range(rows)]
-            for run in range(8):
-                raw = [q.bytes(builder.add(o, builder.add(builder.mul(g, c(8 * 2 * LANES)), c(K4_CODES + run * 2 * LANES))), 2 * LANES)
-                       for o in at]
-                for u in (0, 1):
-                    codes = [q.field(v, 4 * u, 15, 0) for v in raw]  # shared by the rows
-                    for r in range(rows):
-                        pair = f.x_pair8(r, builder.add(group_at, c(2 * (run + 8 * u))))
-                        for s in range(count):
-                            prod = builder.call(maddubs, [codes[s], pair])
-                            half = halves[r][s][u]
-                            halves[r][s][u] = prod if half is None else builder.add(half, prod)
-            group = builder.udiv(group_at, c(32))
-            for s, o in enumerate(at):
-                scales = scale_words(builder.add(o, builder.add(builder.mul(g, c(LANES)), c(K4_SCALES))))
-                mins = builder.uitofp(builder.zext(q.bytes(builder.add(o, builder.add(builder.mul(g, c(LANES)), c(K4_MINS))), LANES),
-                                                   f.i32v), f.f32v)
+            group_at = builder.add(builder.mul(blk, c(values)), builder.mul(g, c(32)))
+            scale_at = [builder.add(o, builder.add(builder.mul(g, c(LANES if k4 else 2 * LANES)), c(K4_SCALES if k4 else K6_SCALES)))
+                        if k_quant else None for o in at]
+            isums = [[[f.zeros(f.part_sums)] * 2 for _ in range(count)] for _ in range(rows)]
+            for u, pairs_a, pairs_b in chunks:
+                scales = [scale_words(a if a is None else builder.add(a, c(LANES * u))) for a in scale_at]
+                sums_a, sums_b = chunk_sums(at, g, group_at, pairs_a), chunk_sums(at, g, group_at, pairs_b)
                 for r in range(rows):
-                    a, bh = halves[r][s]
-                    parts = [builder.call(madd, [builder.shuffle_vector(a, bh, ir.Constant(q.vec(q.i32, LANES), mask)), sc])
-                             for mask, sc in zip(_UNPACK_WORDS, scales)]
-                    isum = f.joined(parts)
-                    dx = f.dx(r, group, 1)
-                    xs = f.xs_at(r, group, 2)
-                    acc = f.fma(builder.sitofp(isum, f.f32v), builder.fmul(d[s], q.splat(dx, LANES)), builder.load(f.accs[r][s]))
-                    acc = f.fma(mins, builder.fmul(dmin[s], q.splat(builder.fmul(builder.fadd(*xs), dx), LANES)), acc)
+                    for s in range(count):
+                        isums[r][s] = [builder.add(total, builder.call(madd, [
+                            builder.shuffle_vector(sums_a[r][s], sums_b[r][s], ir.Constant(q.vec(q.i32, LANES), mask)), sc]))
+                            for total, mask, sc in zip(isums[r][s], _UNPACK_WORDS, scales[s])]
+            group = builder.udiv(group_at, c(32))
+            if k4:  # the mins, as floats
+                mins = [builder.uitofp(builder.zext(q.bytes(builder.add(a, c(K4_MINS - K4_SCALES)), LANES), f.i32v), f.f32v)
+                        for a in scale_at]
+            elif name == "Q6_K":  # the two scales, as floats: the offset comes off their codes' sums
+                scales16 = [[builder.sitofp(builder.sext(q.bytes(builder.add(a, c(LANES * u)), LANES), f.i32v), f.f32v) for u in (0, 1)]
+                            for a in scale_at]
+            for r in range(rows):
+                dx = f.dx(r, group, 1)
+                xs = f.xs_at(r, group, 2)
+                for s in range(count):
+                    acc = f.fma(builder.sitofp(f.joined(isums[r][s]), f.f32v), builder.fmul(d[s], q.splat(dx, LANES)),
+                                builder.load(f.accs[r][s]))
+                    if k4:  # mins x the codes' sum (exact: < 2^21) x -dmin
+                        acc = f.fma(mins[s], builder.fmul(dmin[s], q.splat(builder.fmul(builder.fadd(*xs), dx), LANES)), acc)
+                    elif name == "Q4_1":  # the min x the codes' sum
+                        acc = f.fma(mins[s], q.splat(builder.fmul(builder.fadd(*xs), dx), LANES), acc)
+                    elif name == "Q6_K":  # the scales x the codes' sums per 16 (exact: < 2^24) x -32 d
+                        bias = f.fma(scales16[s][1], q.splat(xs[1], LANES), builder.fmul(scales16[s][0], q.splat(xs[0], LANES)))
+                        acc = f.fma(bias, builder.fmul(d[s], q.splat(builder.fmul(dx, ir.Constant(q.f32, -offset)), LANES)), acc)
+                    else:  # d x the codes' sum x -offset
+                        acc = f.fma(d[s], q.splat(builder.fmul(builder.fadd(*xs), builder.fmul(dx, ir.Constant(q.f32, -offset))), LANES), acc)
                     builder.store(acc, f.accs[r][s])
     f.store()
 
@@ -808,9 +854,9 @@ def _make_lanes_block(name, emits, rb, sb):
     return intrinsic(lanes_block)
 
 
-INT8_BLOCKS = {"Q4_K": _k4_int8_emit}  # the tile formats with a kernel on int8 codes ("int8" path, AVX2)
+INT8_BLOCKS = ("Q5_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K")  # the tile formats with a kernel on int8 codes ("int8" path, AVX2)
 BLOCKS = {name: _make_lanes_block(name, {types.int16: ("int16", _one_scale_emit if name in ONE_SCALE else _k_emit),
-                                         **({types.int8: ("int8", INT8_BLOCKS[name])} if name in INT8_BLOCKS else {})}, RB, SB)
+                                         **({types.int8: ("int8", _int8_emit)} if name in INT8_BLOCKS else {})}, RB, SB)
           for name in TILE_BLOCKS}  # block type -> its intrinsic lanes_block
 
 
@@ -845,15 +891,25 @@ def _tile_values_overload(tiles):
     return lambda tiles: values
 
 
-@numba.njit(cache=True, nogil=True, fastmath=FASTMATH_IN_ORDER, parallel=True)
+def int8_codes(tiles) -> bool:
+    """True when tiles meet int8 activation codes: the "int8" path is on and their format has its
+    kernel (INT8_BLOCKS); else int16."""
+    return "int8" in cpu.ENABLED and block_name(tiles) in INT8_BLOCKS
+
+
 def linear_lanes(x, tiles, out, workers):
     """out[n, m] = x @ w.T for weights w repacked to tiles (repack): x [n, k] float32 quantized to
-    int16 (its rows split between the workers), then each worker an equal share of the tiles over
-    all rows."""
+    int16 codes (int8 where int8_codes; its rows split between the workers), then each worker an
+    equal share of the tiles over all rows."""
+    _linear_codes(x, np.empty(x.shape, np.int8 if int8_codes(tiles) else np.int16), tiles, out, workers)
+
+
+@numba.njit(cache=True, nogil=True, fastmath=FASTMATH_IN_ORDER, parallel=True)
+def _linear_codes(x, xq, tiles, out, workers):
+    """linear_lanes with the activation codes xq [n, k] to fill (int8 or int16)."""
     n, k = x.shape
     if k != tile_values(tiles) * tiles.shape[1] or out.shape[1] > LANES * tiles.shape[0] or out.shape[0] != n:
         raise ValueError("linear_lanes: x [n, k], tiles [ceil(m/16), blocks] and out [n, m] disagree")
-    xq = np.empty((n, k), np.int16)
     xd = np.empty((n, k // 32), np.float32)
     xs = np.empty((n, k // 16), np.float32)
     for wk in prange(workers):
@@ -866,5 +922,5 @@ def linear_lanes(x, tiles, out, workers):
 
 def linear_lanes_ref(x, tiles, out, workers):
     """numpy reference of linear_lanes."""
-    xq, xd, _ = quant.quantize_activations_ref(x, np.int16)
+    xq, xd, _ = quant.quantize_activations_ref(x, np.int8 if int8_codes(tiles) else np.int16)
     lanes_rows_ref(xq, xd, tiles, out, 0, tiles.shape[0])

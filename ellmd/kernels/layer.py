@@ -64,7 +64,7 @@ class Stepwise(NamedTuple):
 
 def fused_run(integer, workers, q8buf, halves, acc, threads, attention_scratch, moe_work) -> tuple:
     """`run` of decode_layer: integer (an integer path on), workers and acc [W, ...] of _linear,
-    q8buf (xq, xd, xs), halves (xh, xl: flat uint16 for bf16.pack_tokens, where bf16 weights decode
+    q8buf (xq, xd, xs; on the "int8" path then int8 xq8, xd8, xs8 for lanes.INT8_BLOCKS), halves (xh, xl: flat uint16 for bf16.pack_tokens, where bf16 weights decode
     on AMX tiles, else (); xl empty where activations are rounded once), threads of decode
     attention, attention_scratch (partial_m, partial_l, partial_acc, tile) and moe_work (top_k,
     normalize, moe.fused_work's work) or ()."""
@@ -332,6 +332,28 @@ def _quantizes_overload(parts, integer):
     return lambda parts, integer: tiles or (integer and blocks)
 
 
+def _with_int8(x, parts, q8, q8buf):
+    """q8, and where q8buf holds int8 buffers too (the "int8" path) and a part is in tiles of
+    lanes.INT8_BLOCKS, x's int8 codes, scales and sums after it (matmul.path_rows)."""
+    raise NotImplementedError("numba only")
+
+
+@overload(_with_int8, jit_options={"fastmath": True, "nogil": True})
+def _with_int8_overload(x, parts, q8, q8buf):
+    if len(q8buf) != 6 or not any(lanes.tiles_name(t) in lanes.INT8_BLOCKS for t in parts):
+        return lambda x, parts, q8, q8buf: q8
+
+    def impl(x, parts, q8, q8buf):
+        n, k = x.shape
+        xq = q8buf[3][: n * k].reshape((n, k))
+        xd = q8buf[4][: n * (k // 32)].reshape((n, k // 32))
+        xs = q8buf[5][: n * (k // 16)].reshape((n, k // 16))
+        quant.quantize_activations(x, xq, xd, xs)
+        return (q8[0], q8[1], q8[2], xq, xd, xs)
+
+    return impl
+
+
 @numba.njit(cache=True, nogil=True, fastmath=True, parallel=True)
 def _linear(x, parts, out, acc, q8buf, halves, integer, workers):
     """out = x @ w.T, w the rows of parts; as matmul.linear: serial below the same work, else
@@ -343,7 +365,7 @@ def _linear(x, parts, out, acc, q8buf, halves, integer, workers):
     xs = q8buf[2][: n * (k // 16)].reshape((n, k // 16))
     if _quantizes(parts, integer):
         quant.quantize_activations(x, xq, xd, xs)
-    q8 = (xq, xd, xs)
+    q8 = _with_int8(x, parts, (xq, xd, xs), q8buf)
     packed = _packed(x, parts, halves)
     if n * m * k < 8 * PARALLEL_MIN:
         _parts_rows(x, parts, out, 0, m, acc[0], q8, packed, integer)

@@ -208,7 +208,8 @@ def _linear_rows_overload(x, w, out, j0, j1, acc=None):
 
 def path_rows(x, q, halves, w, out, j0, j1, acc, integer):
     """out[:, j0:j1] = x @ w[j0:j1].T: from q = (xq, xd, xs), x quantized, when integer and w is in a
-    block type of the integer paths; from halves = (xh, xl), x packed by bf16.pack_tokens, on AMX
+    block type of the integer paths (q = (xq, xd, xs, xq8, xd8, xs8) on the "int8" path: tiles of
+    lanes.INT8_BLOCKS take the int8 codes); from halves = (xh, xl), x packed by bf16.pack_tokens, on AMX
     tiles when w is bf16 (halves is () where decode is not on tiles); else from x on the float
     kernels (acc: dot_rows' accumulator)."""
     raise NotImplementedError("numba only")
@@ -219,6 +220,12 @@ def _path_rows_overload(x, q, halves, w, out, j0, j1, acc, integer):
     if lanes.tiles_type(w):  # tiles (lanes.py): from the int16 codes, whatever `integer` says (lanes.wanted)
         if q[0].dtype != types.int16:
             raise numba.errors.TypingError("lanes tiles take int16 activation codes: the int16 path, not vnni")
+        if len(q) == 6 and lanes.tiles_name(w) in lanes.INT8_BLOCKS:  # the int8 codes
+
+            def impl_tiles8(x, q, halves, w, out, j0, j1, acc, integer):
+                lanes.lanes_rows(q[3], q[4], q[5], w, out, j0 // lanes.LANES, (j1 + lanes.LANES - 1) // lanes.LANES)
+
+            return impl_tiles8
 
         def impl_tiles(x, q, halves, w, out, j0, j1, acc, integer):
             lanes.lanes_rows(q[0], q[1], q[2], w, out, j0 // lanes.LANES, (j1 + lanes.LANES - 1) // lanes.LANES)
