@@ -55,10 +55,18 @@ bytes at 1 row with the weights in cache), against rows_vnni on the same blocks:
   products a core at 2.45 GHz, the same as its f32 FMA), quiet: Q4_K 25, Q8_0 26-29, Q5_0 23-24,
   Q6_K 21 (two-thirds of that limit, the rest cutting codes and vpmullw on the same port); decode
   Q4_K 4.5-5.3, Q6_K 4.5-4.7, Q4_0 5.5 GB/s (weights in cache 6.2).
-The register block: 4 x 3, 3 x 4, 5 x 2 and 6 x 2 within the noise (Q8_0, Q4_K); 4 x 3 kept. The
+The register block: 4 x 3, 3 x 4, 5 x 2 and 6 x 2 within the noise (Q8_0, Q4_K); 4 x 3 kept (AVX2:
+5 x 1, at RB). The
 K-quants loop over their 8 sub-blocks in prefill (an eighth of the code to compile), unrolled in
 decode. The model families repack matrices at load where `wanted` says (model/llama.py), and
 matmul's linear, linear_prefill and path_rows run the tiles.
+
+On the opt-in "int8" path (cpu.py; AVX2) the tiles of 4- to 6-bit codes (INT8_BLOCKS) take int8
+activation codes instead, one scale per 32 values, in prefill and decode alike (_int8_emit: one
+vpmaddubsw a pair of depths where int16 takes two vpmaddwd). Zen 1, one thread, as above: prefill
+Q4_K 39-40 against 25 GFLOP/s, Q4_1 40 against 27, Q4_0 40 against 27, Q5_0 34 against 24, Q6_K 27-28
+against 23; decode (weights in cache) Q4_K 9.1 against 6.6 GB/s, Q4_1 10.0 against 7.1, Q4_0 9.5
+against 5.4, Q5_0 8.0 against 5.2, Q6_K 7.5 against 6.6.
 """
 import contextlib
 import functools
@@ -715,6 +723,16 @@ def _k_emit(name, rows, count, context, builder, q, arrays, i0, t0):
 _UNPACK_WORDS = [[i for lane in (0, 8) for at in range(4 * h, 4 * h + 4) for i in (lane + at, LANES + lane + at)] for h in (0, 1)]
 
 
+def _int8_chunks(name):
+    """(scale u, chunk a's pairs, chunk b's pairs) of a group of 32 values, a pair (run, u) being
+    values 16 u + 2 run + h: pairs a chunk sums in int16 (under 2^15), two chunks of one scale."""
+    if name in ("Q4_0", "Q4_1", "Q4_K"):  # 8 pairs of 4-bit codes: 8 x 2 x 15 x 127
+        return [(0, [(run, 0) for run in range(8)], [(run, 1) for run in range(8)])]
+    per = 4 if name == "Q5_0" else 2  # 4 x 2 x 31 x 127, 2 x 2 x 63 x 127 (Q6_K: a scale per 16 values)
+    return [(u if name == "Q6_K" else 0, [(run, u) for run in range(j, j + per)], [(run, u) for run in range(j + per, j + 2 * per)])
+            for u in (0, 1) for j in range(0, 8, 2 * per)]
+
+
 def _int8_emit(name, rows, count, context, builder, q, arrays, i0, t0):
     """IR of a register block of INT8_BLOCKS tiles on int8 activations (AVX2, the "int8" path): per
     pair of depths one vpmaddubsw a row (a tile's 16 rows x 2 depths of unsigned codes against the
@@ -732,10 +750,6 @@ def _int8_emit(name, rows, count, context, builder, q, arrays, i0, t0):
     b8, w16, i32x8 = q.vec(q.i8, 2 * LANES), q.vec(ir.IntType(16), LANES), q.vec(q.i32, 8)
     maddubs = cgutils.get_or_insert_function(builder.module, ir.FunctionType(w16, [b8, b8]), "llvm.x86.avx2.pmadd.ub.sw")
     madd = cgutils.get_or_insert_function(builder.module, ir.FunctionType(i32x8, [w16, w16]), "llvm.x86.avx2.pmadd.wd")
-    # (scale u, chunk a's pairs, chunk b's pairs), a pair (run, u): values 16 u + 2 run + h of 32
-    per = {"Q6_K": 2, "Q5_0": 4}.get(name, 8)  # pairs a chunk
-    chunks = [(u if name == "Q6_K" else 0, [(run, u) for run in range(j, j + per)], [(run, u) for run in range(j + per, j + 2 * per)])
-              for u in (0, 1) for j in range(0, 8, 2 * per)] if per < 8 else [(0, [(run, 0) for run in range(8)], [(run, 1) for run in range(8)])]
     offset = {"Q4_0": 8, "Q5_0": 16, "Q6_K": 32}.get(name)  # taken off in floats (Q4_K, Q4_1: a min)
 
     def code_bytes(o, g, run, u):
@@ -782,7 +796,7 @@ def _int8_emit(name, rows, count, context, builder, q, arrays, i0, t0):
             scale_at = [builder.add(o, builder.add(builder.mul(g, c(LANES if k4 else 2 * LANES)), c(K4_SCALES if k4 else K6_SCALES)))
                         if k_quant else None for o in at]
             isums = [[[f.zeros(f.part_sums)] * 2 for _ in range(count)] for _ in range(rows)]
-            for u, pairs_a, pairs_b in chunks:
+            for u, pairs_a, pairs_b in _int8_chunks(name):
                 scales = [scale_words(a if a is None else builder.add(a, c(LANES * u))) for a in scale_at]
                 sums_a, sums_b = chunk_sums(at, g, group_at, pairs_a), chunk_sums(at, g, group_at, pairs_b)
                 for r in range(rows):
@@ -795,8 +809,8 @@ def _int8_emit(name, rows, count, context, builder, q, arrays, i0, t0):
                 mins = [builder.uitofp(builder.zext(q.bytes(builder.add(a, c(K4_MINS - K4_SCALES)), LANES), f.i32v), f.f32v)
                         for a in scale_at]
             elif name == "Q6_K":  # the two scales, as floats: the offset comes off their codes' sums
-                scales16 = [[builder.sitofp(builder.sext(q.bytes(builder.add(a, c(LANES * u)), LANES), f.i32v), f.f32v) for u in (0, 1)]
-                            for a in scale_at]
+                scales16 = [[builder.sitofp(builder.sext(q.bytes(builder.add(a, c(LANES * u)), LANES), f.i32v), f.f32v)
+                             for u in (0, 1)] for a in scale_at]
             for r in range(rows):
                 dx = f.dx(r, group, 1)
                 xs = f.xs_at(r, group, 2)
@@ -811,7 +825,8 @@ def _int8_emit(name, rows, count, context, builder, q, arrays, i0, t0):
                         bias = f.fma(scales16[s][1], q.splat(xs[1], LANES), builder.fmul(scales16[s][0], q.splat(xs[0], LANES)))
                         acc = f.fma(bias, builder.fmul(d[s], q.splat(builder.fmul(dx, ir.Constant(q.f32, -offset)), LANES)), acc)
                     else:  # d x the codes' sum x -offset
-                        acc = f.fma(d[s], q.splat(builder.fmul(builder.fadd(*xs), builder.fmul(dx, ir.Constant(q.f32, -offset))), LANES), acc)
+                        step = builder.fmul(builder.fadd(*xs), builder.fmul(dx, ir.Constant(q.f32, -offset)))
+                        acc = f.fma(d[s], q.splat(step, LANES), acc)
                     builder.store(acc, f.accs[r][s])
     f.store()
 

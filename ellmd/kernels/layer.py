@@ -64,9 +64,9 @@ class Stepwise(NamedTuple):
 
 def fused_run(integer, workers, q8buf, halves, acc, threads, attention_scratch, moe_work) -> tuple:
     """`run` of decode_layer: integer (an integer path on), workers and acc [W, ...] of _linear,
-    q8buf (xq, xd, xs; on the "int8" path then int8 xq8, xd8, xs8 for lanes.INT8_BLOCKS), halves (xh, xl: flat uint16 for bf16.pack_tokens, where bf16 weights decode
-    on AMX tiles, else (); xl empty where activations are rounded once), threads of decode
-    attention, attention_scratch (partial_m, partial_l, partial_acc, tile) and moe_work (top_k,
+    q8buf (xq, xd, xs; on the "int8" path then int8 xq8, xd8, xs8 for lanes.INT8_BLOCKS), halves
+    (xh, xl: flat uint16 for bf16.pack_tokens, where bf16 weights decode on AMX tiles, else (); xl
+    empty where activations are rounded once), threads of decode attention, attention_scratch (partial_m, partial_l, partial_acc, tile) and moe_work (top_k,
     normalize, moe.fused_work's work) or ()."""
     return integer, workers, q8buf, halves, acc, threads, attention_scratch, moe_work
 
