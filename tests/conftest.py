@@ -53,7 +53,8 @@ def use_kernels(monkeypatch):
     def use(kernels: str) -> None:
         missing = sorted({p.strip() for p in kernels.split(",")} & set(cpu.PATHS) - cpu.host_paths())
         if missing:
-            pytest.skip(f"this CPU lacks the instructions of the {', '.join(missing)} kernel path")
+            why = "vnni takes int8's place on AVX512-VNNI" if missing == ["int8"] else "the CPU lacks the instructions"
+            pytest.skip(f"no {', '.join(missing)} kernel path here: {why}")
         monkeypatch.setattr(cpu, "ENABLED", cpu.choose(None if kernels == "default" else kernels))
 
     return use
