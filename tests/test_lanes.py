@@ -90,9 +90,9 @@ def test_a_row_alike_in_every_batch(rng, name):
 
 
 @pytest.mark.parametrize("name", sorted(lanes.INT8_BLOCKS))
-def test_k_quant_tiles_on_int8_codes(rng, use_kernels, name):
-    """On the "int8" path (AVX2) Q4_K and Q6_K tiles take int8 activation codes: numpy on those codes
-    to float32 rounding, int8's error against the exact product (not int16's), and a row's bits the
+def test_tiles_on_int8_codes(rng, use_kernels, name):
+    """On the "int8" path (AVX2) the tiles of 4- to 6-bit codes take int8 activation codes: numpy on
+    those codes to float32 rounding, int8's error against the exact product (not int16's), and a row's bits the
     same alone (decode) as in any batch."""
     use_kernels("int16,int8")
     k, m = 1536, 16 * 5 + 9

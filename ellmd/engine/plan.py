@@ -166,7 +166,8 @@ class Plan:
     def _paths(self) -> tuple:
         """(integer path on, workers, (xq, xd, xs), (xh, xl) or ()): the kernel-path arguments of
         kernels.layer, read at each step; xq is int8 on the "vnni" path (it wins over "int16"),
-        int16 otherwise, and on "int8" (xq8, xd8, xs8) follow for the tiles that take int8; the halves where bf16 weights decode on AMX tiles ("bf16")."""
+        int16 otherwise, and on "int8" (xq8, xd8, xs8) follow for the tiles that take int8; the
+        halves where bf16 weights decode on AMX tiles ("bf16")."""
         ws = self.ws
         xq = ws.xq8 if "vnni" in cpu.ENABLED else ws.xq16
         q8buf = (xq, ws.xd, ws.xs) + ((ws.xq8, ws.xd8, ws.xs8) if "int8" in cpu.ENABLED else ())
