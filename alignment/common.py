@@ -168,15 +168,16 @@ def random_tokens(count: int, seed: int, vocab: int | None = None) -> list[int]:
 # ---- the reference (transformers, torch fp32) -------------------------------------------------
 
 
-KERNEL_CHOICES = ["default", "portable", "int16", "vnni"]
+KERNEL_CHOICES = ["default", "portable", "int16", "vnni", "int16,int8"]
 KERNEL_HELP = "kernel paths (cpu.py): default is what the daemon runs unless ELLM_KERNELS says otherwise"
 
 
 def int8_activations() -> bool:
-    """True when block weights meet int8-quantized activations (the approximate "vnni" path)."""
+    """True when block weights meet int8-quantized activations (the approximate "vnni" path, or on
+    AVX2 "int8" for the tiles of 4- to 6-bit codes)."""
     from ellmd.kernels import cpu
 
-    return "vnni" in cpu.ENABLED
+    return bool({"vnni", "int8"} & cpu.ENABLED)
 
 
 @contextlib.contextmanager

@@ -26,9 +26,10 @@ def test_smollm2_gguf_blocks(kernels):
     assert run("quantized", ["--prompts", "2", "--kernels", kernels]) == 0
 
 
-def test_smollm2_gguf_blocks_int8_activations(use_kernels):
-    use_kernels("vnni")
-    assert run("quantized", ["--prompts", "2", "--kernels", "vnni", "--builtin-only"]) == 0
+@pytest.mark.parametrize("kernels", ["vnni", "int16,int8"])  # AVX512-VNNI's int8 path, AVX2's
+def test_smollm2_gguf_blocks_int8_activations(use_kernels, kernels):
+    use_kernels(kernels)
+    assert run("quantized", ["--prompts", "2", "--kernels", kernels, "--builtin-only"]) == 0
 
 
 def test_perplexity_with_bf16_kv_equals_transformers():
