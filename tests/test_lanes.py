@@ -20,6 +20,12 @@ def rng():
     return np.random.default_rng(25)
 
 
+@pytest.fixture
+def int16_path(use_kernels):
+    """The tiles on int16 codes (AVX2's default takes int8 for INT8_BLOCKS: tests of its own)."""
+    use_kernels("int16")
+
+
 FORMATS = ["Q8_0", "Q5_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K"]
 
 
@@ -62,7 +68,7 @@ def test_q8_0_tiles_keep_the_blocks(rng):
 @pytest.mark.parametrize("k", [576, 1536, 2048])
 @pytest.mark.parametrize("n", [1, 3, 7, 64, 130])
 @pytest.mark.parametrize("name", FORMATS)
-def test_matches_numpy(rng, name, n, k):
+def test_matches_numpy(rng, int16_path, name, n, k):
     if k % quant.BLOCK_SIZES[name]:
         k = 768
     m = 16 * 5 + 9  # a last tile of 9 rows
@@ -77,7 +83,7 @@ def test_matches_numpy(rng, name, n, k):
 
 
 @pytest.mark.parametrize("name", FORMATS)
-def test_a_row_alike_in_every_batch(rng, name):
+def test_a_row_alike_in_every_batch(rng, int16_path, name):
     k, m = 1536, 16 * 7 + 5
     w, x = weights(rng, m, k, name), rng.standard_normal((130, k)).astype(np.float32)
     tiles = lanes.repack(w)
@@ -158,7 +164,7 @@ def block_terms(name, tiles, xq, xd, xs, m):
 
 
 @pytest.mark.parametrize("name", FORMATS)
-def test_the_arithmetic_of_an_output(rng, name):
+def test_the_arithmetic_of_an_output(rng, int16_path, name):
     n, k, m = 7, 1536, 40
     w, x = weights(rng, m, k, name), rng.standard_normal((n, k)).astype(np.float32)
     tiles = lanes.repack(w)
@@ -197,7 +203,7 @@ for name in sys.argv[3:]:
 """
 
 
-def test_avx2_code_gives_the_same_bits(rng, tmp_path):
+def test_avx2_code_gives_the_same_bits(rng, tmp_path, int16_path):
     """The AVX2 kernels (vpmaddwd, a smaller register block) compute each output as the AVX-512 ones:
     integer sums are exact, the float steps the same. Compiled in a process of its own, with a
     kernel cache of its own (the code differs from this CPU's under the same sources): beside the
@@ -216,6 +222,7 @@ def test_avx2_code_gives_the_same_bits(rng, tmp_path):
         env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "cache")}
     else:
         env = {**os.environ, "XDG_CACHE_HOME": str(kernels.cache_base() / "avx2-words")}
+    env["ELLM_KERNELS"] = "int16"  # int16 codes in both processes (AVX2's default tiles take int8)
     subprocess.run([sys.executable, "-c", AVX2_RUN, str(tmp_path), str(m), *FORMATS], env=env, check=True, timeout=900)
     for name, t in tiles.items():
         np.testing.assert_array_equal(np.load(tmp_path / f"{name}-out.npy"), product(x, t, m), err_msg=name)
@@ -252,11 +259,6 @@ def block_engine(alignment_dir, tmp_path, variant, weight_dtype, **options):
         return Engine(alignment_dir / variant, weight_dtype=weight_dtype, **options)
     (tmp_path / "config.json").write_text(json.dumps(WIDE))
     return Engine(RandomCheckpoint(tmp_path / "config.json"), weight_dtype=weight_dtype, **options)
-
-
-@pytest.fixture
-def int16_path(use_kernels):
-    use_kernels("int16")
 
 
 @pytest.mark.parametrize("variant, weight_dtype, held", [("qwen3", "q8_0", "Q8_0"), ("qwen3", "q4_k", "Q5_0"),

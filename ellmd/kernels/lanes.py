@@ -461,9 +461,9 @@ class _Frame:
         k = cgutils.unpack_tuple(builder, xq_a.shape)[1]
         self.k, self.nb = k, builder.udiv(k, self.c(values))
         self.rows_i = [builder.add(i0, self.c(r)) for r in range(rows)]
-        self.code_bytes = xq_a.data.type.pointee.width // 8  # int16 or int8 activation codes
+        code_bytes = xq_a.data.type.pointee.width // 8  # int16 or int8 activation codes
         xb = builder.bitcast(xq_a.data, q.i8.as_pointer())
-        self.x_rows = [builder.gep(xb, [builder.mul(i, builder.mul(k, self.c(self.code_bytes)))]) for i in self.rows_i]
+        self.x_rows = [builder.gep(xb, [builder.mul(i, builder.mul(k, self.c(code_bytes)))]) for i in self.rows_i]
         self.accs = [[cgutils.alloca_once_value(builder, self.zeros(self.f32v)) for _ in range(count)] for _ in range(rows)]
 
     def c(self, v):
@@ -539,9 +539,18 @@ class _Frame:
         with cgutils.for_range(b, self.nb) as loop:
             blk = loop.index
             at = [b.add(b.mul(b.add(self.t0, self.c(s)), tile_bytes), b.mul(blk, self.c(self.size))) for s in range(self.count)]
-            for o in at if self.rows == 1 else ():  # decode streams the tiles; prefill's strip stays in L2
-                self.q.prefetch(o, self.size)
             yield blk, at
+
+    def prefetch(self, at, part, parts):
+        """Decode streams the tiles (prefill's strip stays in L2): ask for part `part` (an IR value) of
+        the `parts` parts of each tile's block at `at`, PREFETCH bytes ahead, where that part is worked
+        on. Spread so over a K-quant's sub-blocks, not asked for at once (its 37 or 53 lines), Q4_K
+        decode from memory went from 5.7 to 9.1 GB/s a core (Zen 1, int8; 10.2 to 17.7 on two)."""
+        if self.rows > 1:
+            return
+        per = self.size // parts
+        for o in at:  # + 63: every line of the part, however it is aligned
+            self.q.prefetch(self.b.add(o, self.b.mul(part, self.c(per))), per + 63)
 
     def store(self):
         """out[rows, the tiles' columns < m] = the accumulators."""
@@ -576,6 +585,7 @@ def _one_scale_emit(name, rows, count, context, builder, q, arrays, i0, t0):
         return [builder.sub(w, ir.Constant(w.type, [offset] * w.type.count)) for w in f.words(code)]
 
     with f.blocks() as (blk, at):
+        f.prefetch(at, c(0), 1)
         sums = [[[f.zeros(f.part_sums)] * f.parts for _ in range(count)] for _ in range(rows)]
         for p in (run + 8 * u for run in range(8) for u in (0, 1)):  # a nibble run's two pairs in turn (exact sums: any order)
             words = [[builder.bitcast(w, f.part_sums) for w in codes(o, p)] for o in at]  # shared by the rows
@@ -680,6 +690,7 @@ def _k_emit(name, rows, count, context, builder, q, arrays, i0, t0):
         with cgutils.for_range(builder, c(8 // unrolled)) as groups:
             for g_in in range(unrolled):
                 g = builder.add(builder.mul(groups.index, c(unrolled)), c(g_in))
+                f.prefetch(at, g, 8)
                 # Q4_K: a scale per 32 values; Q6_K: per 16, one for each half u of the group
                 scale_at = [[builder.add(o, builder.add(builder.mul(g, c(LANES if k4 else 2 * LANES)), c(scales_at + LANES * u)))
                              for u in ((0,) if k4 else (0, 1))] for o in at]
@@ -792,6 +803,7 @@ def _int8_emit(name, rows, count, context, builder, q, arrays, i0, t0):
             mins = [f.f16s(builder.add(o, c(2 * LANES))) for o in at]
         with cgutils.for_range(builder, c(values // 32)) as groups:
             g = groups.index
+            f.prefetch(at, g, values // 32)
             group_at = builder.add(builder.mul(blk, c(values)), builder.mul(g, c(32)))
             scale_at = [builder.add(o, builder.add(builder.mul(g, c(LANES if k4 else 2 * LANES)), c(K4_SCALES if k4 else K6_SCALES)))
                         if k_quant else None for o in at]

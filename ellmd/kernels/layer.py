@@ -319,17 +319,19 @@ def _packed_overload(x, parts, halves):
     return impl
 
 
-def _quantizes(parts, integer):
-    """True when the activations are quantized for parts: a part in tiles (lanes.py), or in a
-    block type of the integer paths when they are on (the block types: a compile-time constant)."""
+def _quantizes(parts, integer, q8buf):
+    """True when the activations are quantized to q8buf's first codes for parts: a part in tiles
+    (lanes.py) that does not take the int8 codes (_with_int8), or in a block type of the integer
+    paths when they are on (the block types: a compile-time constant)."""
     raise NotImplementedError("numba only")
 
 
 @overload(_quantizes, jit_options={"fastmath": False})
-def _quantizes_overload(parts, integer):
+def _quantizes_overload(parts, integer, q8buf):
     blocks = any(quant.record_name(t.dtype) in quant.VNNI_BLOCKS for t in parts)
-    tiles = any(lanes.tiles_type(t) for t in parts)
-    return lambda parts, integer: tiles or (integer and blocks)
+    int8 = len(q8buf) == 6
+    tiles = any(lanes.tiles_type(t) and not (int8 and lanes.tiles_name(t) in lanes.INT8_BLOCKS) for t in parts)
+    return lambda parts, integer, q8buf: tiles or (integer and blocks)
 
 
 def _with_int8(x, parts, q8, q8buf):
@@ -363,7 +365,7 @@ def _linear(x, parts, out, acc, q8buf, halves, integer, workers):
     xq = q8buf[0][: n * k].reshape((n, k))
     xd = q8buf[1][: n * (k // 32)].reshape((n, k // 32))
     xs = q8buf[2][: n * (k // 16)].reshape((n, k // 16))
-    if _quantizes(parts, integer):
+    if _quantizes(parts, integer, q8buf):
         quant.quantize_activations(x, xq, xd, xs)
     q8 = _with_int8(x, parts, (xq, xd, xs), q8buf)
     packed = _packed(x, parts, halves)
