@@ -61,7 +61,7 @@ K-quants loop over their 8 sub-blocks in prefill (an eighth of the code to compi
 decode. The model families repack matrices at load where `wanted` says (model/llama.py), and
 matmul's linear, linear_prefill and path_rows run the tiles.
 
-On the opt-in "int8" path (cpu.py; AVX2) the tiles of 4- to 6-bit codes (INT8_BLOCKS) take int8
+On the "int8" path (cpu.py; AVX2, its default) the tiles of 4- to 6-bit codes (INT8_BLOCKS) take int8
 activation codes instead, one scale per 32 values, in prefill and decode alike (_int8_emit: one
 vpmaddubsw a pair of depths where int16 takes two vpmaddwd). Zen 1, one thread, as above: prefill
 Q4_K 39-40 against 25 GFLOP/s, Q4_1 40 against 27, Q4_0 40 against 27, Q5_0 34 against 24, Q6_K 27-28
