@@ -9,14 +9,13 @@ llama-quantize's Q4_K_M mixes them (so q, k and v cannot be fused into one matri
 The prompts: the first SmolLM2 prompts (--prompts) and a passage long enough (LONG_PROMPT, ~170
 tokens) that its chunks of 64 go through the prefill GEMM (on AMX where the CPU has it) rather
 than the decode kernels. For each prompt: prompt and decode logits within the bf16 tolerance of the alignment suite, and
-the greedy continuation token for token, with --kernels int16 (activations quantized to int16,
-one scale per 256 values where 256 divides the width, else per 32; the default with AVX512-VNNI)
-or --kernels portable (f32 FMA).
+the greedy continuation token for token, with the default kernels (the int16 path where the CPU
+has AVX512-VNNI or AVX2: activations quantized to int16, one scale per 256 values where 256
+divides the width, else per 32) or --kernels portable (f32 FMA).
 
---kernels vnni (AVX512-VNNI) and int16,int8 (AVX2, its default: the tiles of 4- to 6-bit codes)
-check int8 activations instead (quantized per 32 values, as llama.cpp's q8 x q8): an approximation
-by design (~1% of each product), so its bound is VNNI_TOL, and greedy tokens may part from the
-reference only where its top-2 logit margin is below VNNI_MARGIN.
+--kernels vnni checks the int8 path instead (activations quantized to int8 per 32 values, as
+llama.cpp's q8 x q8): an approximation by design (~1% of each product), so its bound is VNNI_TOL,
+and greedy tokens may part from the reference only where its top-2 logit margin is below VNNI_MARGIN.
 
 Shapes: logits [n, V].
 """

@@ -21,13 +21,12 @@ def test_quantized_at_load(alignment_dir, kernels, use_kernels):
     assert run("quantized_at_load", ["--dir", str(alignment_dir), "--kernels", kernels]) == 0
 
 
-@pytest.mark.parametrize("kernels", ["int16", "portable"])  # int16 activations: the default with AVX512-VNNI
-def test_smollm2_gguf_blocks(use_kernels, kernels):
-    use_kernels(kernels)
+@pytest.mark.parametrize("kernels", ["default", "portable"])  # default: int16 activations where the CPU has AVX2 or VNNI
+def test_smollm2_gguf_blocks(kernels):
     assert run("quantized", ["--prompts", "2", "--kernels", kernels]) == 0
 
 
-@pytest.mark.parametrize("kernels", ["vnni", "int16,int8"])  # AVX512-VNNI's int8 path, AVX2's (its default)
+@pytest.mark.parametrize("kernels", ["vnni", "int16,int8"])  # AVX512-VNNI's int8 path, AVX2's
 def test_smollm2_gguf_blocks_int8_activations(use_kernels, kernels):
     use_kernels(kernels)
     assert run("quantized", ["--prompts", "2", "--kernels", kernels, "--builtin-only"]) == 0

@@ -223,8 +223,7 @@ def test_kernel_paths_detection_and_override():
         cpu.choose("vnni,avx2")
     code = "from ellmd.kernels import cpu; print(sorted(cpu.ENABLED))"
     vnni, int16 = ["vnni"] if has_vnni else [], ["int16"] if has_int16 else []
-    int8 = ["int8"] if has_int16 and not has_vnni else []  # AVX2's int8 tiles: its default ("vnni" stays opt-in)
-    default = sorted(int16 + int8 + (["bf16"] if has_amx else []))  # AMX in prefill alone ("bf16-prefill") is opt-in
+    default = sorted(int16 + (["bf16"] if has_amx else []))  # AMX in prefill alone ("bf16-prefill") is opt-in
     for env, want in (({}, default), ({"ELLM_KERNELS": "vnni"}, vnni), ({"ELLM_KERNELS": "portable"}, []),
                       ({"ELLM_KERNELS": "x"}, [])):
         got = subprocess.run([sys.executable, "-c", code], env={"PATH": "", **env}, capture_output=True, text=True, check=True)

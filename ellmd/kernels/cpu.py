@@ -8,9 +8,8 @@ Paths (each needs its CPU features; without them the portable f32 FMA kernels ru
            32 values as llama.cpp does (~1% of a product: it changes some greedy answers)
   "int8"   with "int16" on AVX2 CPUs (those without "vnni"): vpmaddubsw for the tiles of 4- to 6-bit
            codes (lanes.INT8_BLOCKS: Q4_0, Q4_1, Q5_0, Q4_K, Q6_K; Q8_0 stays on int16), activations
-           quantized to int8 per 32 values as "vnni" (prefill and decode alike: a token's numbers
-           whatever its chunk): llama.cpp's arithmetic rate on AVX2 (1.2-1.75x int16's on Zen 1),
-           and its precision (the perplexity unchanged, ~5e-3 of a matmul's largest output)
+           quantized to int8 per 32 values as "vnni" (prefill and decode alike). Opt-in, as "vnni":
+           llama.cpp's arithmetic rate on AVX2 (1.2-1.75x int16's on Zen 1), and its precision
   "bf16"   AMX tdpbf16ps for the matmuls of bf16 weights and for attention over bf16 KV, prefill
            and decode alike (bf16.py, attention.py; decode's few tokens on the same tiles in the
            same order: a token's numbers whatever its chunk), activations and queries as two bf16
@@ -42,10 +41,10 @@ PATHS = {"int16": (("avx512vnni", "avx512bw"), ("avx2",)), "vnni": (("avx512vnni
          "bf16-round": (*_AMX, ("avx512bf16", "avx512f"))}
 INTEGER = frozenset({"int16", "vnni"})  # the paths of block weights; "vnni" wins when both are on
 # Only paths whose prefill sums are decode's are on by default (a token's logits must not depend on
-# how it was computed; "bf16-prefill" and "dpbf16" trade that for faster prefill), and of those per
-# CPU class the faster: on AVX2 the int8 tiles ("int8"; "int16" stays for Q8_0 and the untiled
-# blocks); with AVX512-VNNI the int16 tiles outrun "vnni"'s rows, which stays opt-in.
-DEFAULT = "int16,int8,bf16"
+# how it was computed): int8 activations ("vnni", "int8") also move logits too far (on the built-in
+# SmolLM2-135M, "int8" answers the capital of France with "L'Étoile, la Marseillaise,"); "bf16-prefill"
+# and "dpbf16" trade that for faster prefill.
+DEFAULT = "int16,bf16"
 
 
 def host_paths() -> frozenset[str]:

@@ -61,7 +61,7 @@ K-quants loop over their 8 sub-blocks in prefill (an eighth of the code to compi
 decode. The model families repack matrices at load where `wanted` says (model/llama.py), and
 matmul's linear, linear_prefill and path_rows run the tiles.
 
-On the "int8" path (cpu.py; AVX2, its default) the tiles of 4- to 6-bit codes (INT8_BLOCKS) take int8
+On the opt-in "int8" path (cpu.py; AVX2) the tiles of 4- to 6-bit codes (INT8_BLOCKS) take int8
 activation codes instead, one scale per 32 values, in prefill and decode alike (_int8_emit: one
 vpmaddubsw a pair of depths where int16 takes two vpmaddwd). Zen 1, one thread, as above: prefill
 Q4_K 39-40 against 25 GFLOP/s, Q4_1 40 against 27, Q4_0 40 against 27, Q5_0 34 against 24, Q6_K 27-28
@@ -545,7 +545,8 @@ class _Frame:
         """Decode streams the tiles (prefill's strip stays in L2): ask for part `part` (an IR value) of
         the `parts` parts of each tile's block at `at`, PREFETCH bytes ahead, where that part is worked
         on. Spread so over a K-quant's sub-blocks, not asked for at once (its 37 or 53 lines), Q4_K
-        decode from memory went from 5.7 to 9.1 GB/s a core (Zen 1, int8; 10.2 to 17.7 on two)."""
+        decode from memory went from 5.0-5.4 to 6.8 GB/s a core on int16 codes, 5.7 to 9.1 on int8
+        (Zen 1; on two cores 9.2-11 to 13.3, 10.2 to 17.7)."""
         if self.rows > 1:
             return
         per = self.size // parts
