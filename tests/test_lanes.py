@@ -22,7 +22,7 @@ def rng():
 
 @pytest.fixture
 def int16_path(use_kernels):
-    """The tiles on int16 codes (AVX2's default takes int8 for INT8_BLOCKS: tests of its own)."""
+    """The tiles on int16 codes whatever ELLM_KERNELS says (the int8 path has tests of its own)."""
     use_kernels("int16")
 
 
@@ -222,7 +222,7 @@ def test_avx2_code_gives_the_same_bits(rng, tmp_path, int16_path):
         env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "cache")}
     else:
         env = {**os.environ, "XDG_CACHE_HOME": str(kernels.cache_base() / "avx2-words")}
-    env["ELLM_KERNELS"] = "int16"  # int16 codes in both processes (AVX2's default tiles take int8)
+    env["ELLM_KERNELS"] = "int16"  # int16 codes in both processes, as int16_path here
     subprocess.run([sys.executable, "-c", AVX2_RUN, str(tmp_path), str(m), *FORMATS], env=env, check=True, timeout=900)
     for name, t in tiles.items():
         np.testing.assert_array_equal(np.load(tmp_path / f"{name}-out.npy"), product(x, t, m), err_msg=name)
