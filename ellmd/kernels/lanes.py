@@ -919,6 +919,13 @@ def _tile_values_overload(tiles):
     return lambda tiles: values
 
 
+def takes_int8(t, codes) -> bool:
+    """True when tiles of numba type t take int8 activation codes from `codes`, the numba type of a
+    tuple of code buffers: six of them (int16's three, then the "int8" path's) and t of INT8_BLOCKS
+    (typing time)."""
+    return len(codes) == 6 and tiles_name(t) in INT8_BLOCKS
+
+
 def int8_codes(tiles) -> bool:
     """True when tiles meet int8 activation codes: the "int8" path is on and their format has its
     kernel (INT8_BLOCKS); else int16."""

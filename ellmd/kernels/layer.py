@@ -329,8 +329,7 @@ def _quantizes(parts, integer, q8buf):
 @overload(_quantizes, jit_options={"fastmath": False})
 def _quantizes_overload(parts, integer, q8buf):
     blocks = any(quant.record_name(t.dtype) in quant.VNNI_BLOCKS for t in parts)
-    int8 = len(q8buf) == 6
-    tiles = any(lanes.tiles_type(t) and not (int8 and lanes.tiles_name(t) in lanes.INT8_BLOCKS) for t in parts)
+    tiles = any(lanes.tiles_type(t) and not lanes.takes_int8(t, q8buf) for t in parts)
     return lambda parts, integer, q8buf: tiles or (integer and blocks)
 
 
@@ -342,7 +341,7 @@ def _with_int8(x, parts, q8, q8buf):
 
 @overload(_with_int8, jit_options={"fastmath": True, "nogil": True})
 def _with_int8_overload(x, parts, q8, q8buf):
-    if len(q8buf) != 6 or not any(lanes.tiles_name(t) in lanes.INT8_BLOCKS for t in parts):
+    if not any(lanes.takes_int8(t, q8buf) for t in parts):
         return lambda x, parts, q8, q8buf: q8
 
     def impl(x, parts, q8, q8buf):

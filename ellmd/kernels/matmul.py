@@ -220,7 +220,7 @@ def _path_rows_overload(x, q, halves, w, out, j0, j1, acc, integer):
     if lanes.tiles_type(w):  # tiles (lanes.py): from the int16 codes, whatever `integer` says (lanes.wanted)
         if q[0].dtype != types.int16:
             raise numba.errors.TypingError("lanes tiles take int16 activation codes: the int16 path, not vnni")
-        if len(q) == 6 and lanes.tiles_name(w) in lanes.INT8_BLOCKS:  # the int8 codes
+        if lanes.takes_int8(w, q):  # the int8 codes
 
             def impl_tiles8(x, q, halves, w, out, j0, j1, acc, integer):
                 lanes.lanes_rows(q[3], q[4], q[5], w, out, j0 // lanes.LANES, (j1 + lanes.LANES - 1) // lanes.LANES)
