@@ -66,9 +66,10 @@ class Fleet:
         self.store = tmp / "store"
         # Ray's sockets live under its temp dir, and a socket's path must stay under 108 bytes
         self.ray_tmp = tempfile.mkdtemp(prefix="ellm-ray-", dir="/tmp")
-        # Ray's memory monitor off: it kills actors once the node passes 95% of its memory, and a test
-        # file on the other worker reaching that (seen on a 24 GiB machine) left Serve's controller
-        # killed and restarted until the fixture timed out; what this file tests is the fleet, not Ray's policy
+        # Ray's memory monitor off: it kills actors once the node passes 95% of its memory; the node got
+        # there while the other worker ran its tests (a 24 GiB machine, cold kernel cache), and Serve's
+        # controller was killed and restarted until the fixture timed out. This file tests the fleet,
+        # not Ray's memory policy
         env = {**os.environ, "XDG_CONFIG_HOME": str(tmp / "config"), "RAY_TMPDIR": self.ray_tmp,
                "RAY_memory_monitor_refresh_ms": "0"}
         with open(self.log, "wb") as log:
