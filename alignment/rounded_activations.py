@@ -1,9 +1,10 @@
 """Rounded activations: the "bf16-round" path (bf16 products of activations rounded once to bf16)
 vs transformers fp32, within the error of transformers' own bf16 forward on the same weights.
 
-bf16 checkpoints, native bf16 weights, f32 KV: a 64-token prefill (logits at every position), then
-8 decode steps, as multi_token does. The two-halves paths meet multi_token's 1e-3 of the largest
-logit; one bf16 value per activation cannot (bf16 keeps 8 bits: ~2e-3 of each product). The bound
+bf16 checkpoints, native bf16 weights, f32 KV: a prefill of matmul.PREFILL_MIN_ROWS tokens (64; logits
+at every position) in one chunk, then 8 decode steps, as multi_token does: the vdpbf16ps path rounds
+in prefill alone, which shorter prompts never reach (they take decode's kernels). The two-halves
+paths meet multi_token's 1e-3 of the largest logit; one bf16 value per activation cannot (bf16 keeps 8 bits: ~2e-3 of each product). The bound
 is the reference's: transformers run in bf16 (its dtype for a bf16 checkpoint) on the same tokens,
 compared with its fp32 forward, gives the error a bf16 computation is allowed here; ellm must be no
 further from fp32 than that.
@@ -24,9 +25,7 @@ except ImportError:
 
 import numpy as np
 
-# a prompt of matmul.PREFILL_MIN_ROWS tokens, one chunk: the vdpbf16ps path rounds in prefill alone,
-# which shorter prompts never reach (they take decode's kernels)
-PROMPT, STEPS = 64, 8
+STEPS = 8
 VARIANTS = ["llama-llama3-tied-bf16", "qwen3-yarn-bf16"]
 
 
@@ -57,20 +56,22 @@ def main(argv=None) -> int:
                    "else int16,dpbf16,bf16-round]")
     args = p.parse_args(argv)
     common.torch_setup()
+    from ellmd.kernels.matmul import PREFILL_MIN_ROWS as prompt
+
     request = args.kernels or default_kernels()
     report = common.Report(f"rounded activations ({request}) vs transformers fp32, within transformers bf16's error")
     with common.kernel_paths(request):
         for index, name in enumerate(common.selected_variants(args)):
             path = common.checkpoint(args, name)
-            engine = common.make_engine(path, weight_dtype=common.engine_dtype(name), sequence_length=PROMPT + STEPS,
-                                        chunk_size=PROMPT)
-            tokens = common.random_tokens(PROMPT + STEPS, seed=10 + index, vocab=engine.spec.vocab_size)
-            ref = common.reference_logits(common.reference_model(path), tokens)  # [72, V]
+            engine = common.make_engine(path, weight_dtype=common.engine_dtype(name), sequence_length=prompt + STEPS,
+                                        chunk_size=prompt)
+            tokens = common.random_tokens(prompt + STEPS, seed=10 + index, vocab=engine.spec.vocab_size)
+            ref = common.reference_logits(common.reference_model(path), tokens)  # [prompt + STEPS, V]
             bound = relative_error(bf16_reference_logits(path, tokens), ref)
-            logits = engine.prefill(0, tokens[:PROMPT], logits="all")  # [64, V]
-            steps = np.stack([engine.decode([0], [t])[0].copy() for t in tokens[PROMPT:]])  # [8, V]
+            logits = engine.prefill(0, tokens[:prompt], logits="all")  # [prompt, V]
+            steps = np.stack([engine.decode([0], [t])[0].copy() for t in tokens[prompt:]])  # [8, V]
             ours = relative_error(np.concatenate([logits, steps]), ref)
-            report.check(f"{name}: prefill {PROMPT} + {STEPS} decode steps", ours <= bound,
+            report.check(f"{name}: prefill {prompt} + {STEPS} decode steps", ours <= bound,
                          f"max rel {ours:.2e}, transformers bf16 {bound:.2e}")
             report.check(f"{name}: not the two-halves arithmetic", ours > 1e-3,
                          f"max rel {ours:.2e} (two halves: ~1e-5)")

@@ -66,12 +66,7 @@ class Fleet:
         self.store = tmp / "store"
         # Ray's sockets live under its temp dir, and a socket's path must stay under 108 bytes
         self.ray_tmp = tempfile.mkdtemp(prefix="ellm-ray-", dir="/tmp")
-        # Ray's memory monitor off: it kills actors once the node passes 95% of its memory; the node got
-        # there while the other worker ran its tests (a 24 GiB machine, cold kernel cache), and Serve's
-        # controller was killed and restarted until the fixture timed out. This file tests the fleet,
-        # not Ray's memory policy
-        env = {**os.environ, "XDG_CONFIG_HOME": str(tmp / "config"), "RAY_TMPDIR": self.ray_tmp,
-               "RAY_memory_monitor_refresh_ms": "0"}
+        env = {**os.environ, "XDG_CONFIG_HOME": str(tmp / "config"), "RAY_TMPDIR": self.ray_tmp}
         with open(self.log, "wb") as log:
             self.process = subprocess.Popen(
                 [sys.executable, "-m", "ellmd.cli", "fleet", "start", "--replicas", "2", "--threads", "1",

@@ -34,6 +34,11 @@ READY_LINE = "ellm fleet: serving"  # printed once every replica is up
 # collection), taken from the replicas' kernels; 0.17 with these. The fleet's metrics are the daemons'.
 QUIET_RAY = {"RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5", "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS": "1000",
              "RAY_enable_metrics_collection": "0"}
+# Ray's memory monitor off: it kills actors once the node passes 95% of its memory, and the replicas
+# commit their KV tensors up front by design. With it on, a node at 95% (a 24 GiB machine running the
+# tests beside the fleet) had Serve's controller killed, restarted and killed again for 15 minutes, the
+# fleet never serving. The kernel's OOM killer still applies.
+NO_RAY_MEMORY_KILLS = {"RAY_memory_monitor_refresh_ms": "0"}
 LEASED_CODE = "session_leased"  # the HTTP error code of a session another replica holds
 
 
@@ -171,7 +176,7 @@ def run(settings: FleetSettings, http: tuple[str, int], address: str | None = No
     if address:
         ray.init(address=address, log_to_driver=False)
     else:
-        for name, value in QUIET_RAY.items():  # the local Ray's processes inherit them
+        for name, value in {**QUIET_RAY, **NO_RAY_MEMORY_KILLS}.items():  # the local Ray's processes inherit them
             os.environ.setdefault(name, value)
         start_local_ray(max(os.cpu_count() or 1, settings.replicas * settings.threads))
     try:
