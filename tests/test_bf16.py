@@ -278,12 +278,13 @@ def test_usable_shapes_and_the_paths_that_take_them(monkeypatch):
     monkeypatch.setattr(bf16, "AMX", True)
     assert bf16.tiles({"bf16"}) and bf16.decode_tiles({"bf16"})  # AMX in prefill and decode
     assert bf16.tiles({"bf16-prefill"}) and not bf16.decode_tiles({"bf16-prefill"})  # AMX in prefill only
-    assert bf16.enabled({"dpbf16"}) and not bf16.tiles({"dpbf16"})  # vdpbf16ps in prefill only
-    assert not bf16.enabled(frozenset())  # the paths off
+    assert bf16.vdpbf16ps({"dpbf16"}) and not bf16.tiles({"dpbf16"})  # vdpbf16ps in prefill and decode
+    assert not bf16.vdpbf16ps({"bf16", "dpbf16"}) and bf16.vdpbf16ps({"bf16-prefill", "dpbf16"})  # "bf16" wins
+    assert not (bf16.tiles(frozenset()) or bf16.vdpbf16ps(frozenset()))  # the paths off
     assert bf16.rounded({"bf16", "bf16-round"}) and not bf16.rounded({"bf16"})  # activations rounded once, or split
     monkeypatch.setattr(bf16, "AMX", False)  # a CPU without AMX: the f32 kernels, or vdpbf16ps
-    assert not (bf16.tiles({"bf16"}) or bf16.decode_tiles({"bf16"}) or bf16.enabled({"bf16", "bf16-prefill"}))
-    assert bf16.enabled({"bf16", "dpbf16"})
+    assert not (bf16.tiles({"bf16"}) or bf16.decode_tiles({"bf16"}) or bf16.tiles({"bf16", "bf16-prefill"}))
+    assert bf16.vdpbf16ps({"bf16", "dpbf16"})
 
 
 def _counting_gemm(monkeypatch):

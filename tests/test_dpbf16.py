@@ -1,22 +1,23 @@
-"""The vdpbf16ps GEMM block (dpbf16.py) against numpy, and against the AMX block where the CPU has both;
-bf16.gemm on it ("dpbf16" path) end to end, and where matmul, attention and the engine take it.
+"""bf16 weights on vdpbf16ps (dpbf16.py: the "dpbf16" path) against numpy: the register blocks, the
+prefill GEMM and decode, one arithmetic between them, and where matmul, the engine and attention
+take the path.
 
-The reference takes the same bf16 halves as the block and sums their products in float64 (as
-bf16.gemm_ref does), so block and reference differ only by f32 summation order: test_bf16's TOL.
-Operands the block must not read (pairs outside p0..p0 + pairs, weight columns outside theirs,
-other tokens, the rows of c past the block) hold NaN, so a stray read shows in the result.
+The reference takes the same bf16 halves as the kernels and sums their products in float64 (as
+bf16.gemm_ref does), so kernel and reference differ only by f32 summation order: each lane sums its
+2k products in one sequence of f32 adds, so the error grows with k (~1e-6 to 4e-6 of the largest
+output at k = 576 to 8,224). Operands a block must not read (pairs outside q0 .. q0 + count, other
+tiles, tokens past the block's) hold NaN, so a stray read shows in the result.
 """
 
 from functools import cache
-from types import SimpleNamespace
 from importlib import import_module
+from types import SimpleNamespace
 
 import numba
 import numpy as np
 import pytest
 from llvmlite import binding
 
-from test_bf16 import _counting_gemm, _work
 from test_quant import blocks
 
 from ellmd.engine import Engine
@@ -25,8 +26,6 @@ from ellmd.kernels.formats import BF16, F16
 
 matmul = import_module("ellmd.kernels.matmul")  # ellmd.kernels re-exports a function named matmul
 
-TOL = dict(rtol=1e-5, atol=1e-4)  # as test_bf16: f32 summation order
-TOKENS = 96  # packed tokens: three blocks of 32
 NAN_BITS = 0x7FC0  # a bf16 quiet NaN
 
 
@@ -38,72 +37,44 @@ def rng():
 @pytest.fixture
 def dp(monkeypatch):
     if "dpbf16" not in cpu.host_paths():  # the instruction would trap (cpu.compiled_for)
-        pytest.skip("this CPU has no AVX512-BF16 (vdpbf16ps): the dpbf16 block cannot run here")
-    monkeypatch.setattr(cpu, "ENABLED", frozenset({"dpbf16"}))
+        pytest.skip("this CPU has no AVX512-BF16 (vdpbf16ps): the dpbf16 kernels cannot run here")
+    monkeypatch.setattr(bf16, "AMX", False)  # where AMX is on, "bf16" would win: this path alone
+    monkeypatch.setattr(cpu, "ENABLED", frozenset({"int16", "dpbf16"}))
+
+
+@pytest.fixture(params=[False, True], ids=["halves", "rounded"])
+def rounding(request, dp, monkeypatch):
+    """Activations as two bf16 halves, then rounded once ("bf16-round")."""
+    if request.param:
+        monkeypatch.setattr(cpu, "ENABLED", cpu.ENABLED | {"bf16-round"})
+    return request.param
+
+
+def _weights(rng, m, k):
+    return formats.to_storage(rng.standard_normal((m, k)).astype(np.float32), BF16)
+
+
+def _halves(x, rounded):
+    """xh, xl as the kernels take them: rows of bf16 bits (xl of no rows when rounded)."""
+    hi, lo = (formats.to_storage(h, BF16) for h in bf16.split(x))
+    return hi, lo[:0] if rounded else lo
+
+
+def _reference(x, w, rounded):
+    """float64 products of the halves: x [n, k] float32, w [m, k] bf16 bits."""
+    hi, lo = (h.astype(np.float64) for h in bf16.split(x))
+    return ((hi if rounded else hi + lo) @ formats.to_f32(w, BF16).T.astype(np.float64)).astype(np.float32)
 
 
 @cache
-def _runner(block):
+def _runner(row_tiles, tokens):
+    block = dpbf16.make_block(row_tiles, tokens)
+
     @numba.njit(nogil=True, fastmath=True)
-    def run(w, wl, split, j0, xh, xl, t0, c, p0, pairs):
-        block(w, wl, split, j0, xh, xl, t0, c, p0, pairs)
+    def run(w, j, xh, xl, nb, out, r0, q0, count):
+        block(w, j, xh, xl, nb, out, r0, q0, count)
 
     return run
-
-
-@cache
-def _dp_block(row_tiles, accumulate):
-    return _runner(dpbf16.make_block(row_tiles, accumulate))
-
-
-def _pack(x):
-    """xh, xl: [tokens // 16, pairs * 32] uint16 of x [tokens, 2 * pairs], as bf16.pack_activations
-    lays them out (test_bf16 checks it against the same numpy), for any number of pairs: per group of
-    16 tokens, pair p's 16 pairs (the even depth first) in a row."""
-    t, k = x.shape
-    bits = (formats.to_storage(half, BF16).reshape(t // 16, 16, k // 2, 2) for half in bf16.split(x))
-    return [b.transpose(0, 2, 1, 3).reshape(t // 16, k * 16) for b in bits]
-
-
-class Case:
-    """The operands of one block call and its float64 reference: weights [48, 2 (p0 + pairs) + 6]
-    (the rows from j0, padded), tokens [TOKENS, 2 (p0 + pairs + 4)], c [32, TOKENS]."""
-
-    def __init__(self, rng, row_tiles, split, p0, pairs, t0, j0=8):
-        self.rows, self.split, self.p0, self.pairs, self.t0, self.j0 = 16 * row_tiles, split, p0, pairs, t0, j0
-        d0, d1 = 2 * p0, 2 * (p0 + pairs)
-        wf = rng.standard_normal((48, d1 + 6)).astype(np.float32)
-        if split:  # weights from GGUF blocks: their two halves (bf16.split_rows)
-            self.wh, self.wl = (formats.to_storage(h, BF16) for h in bf16.split(wf))
-        else:
-            self.wh = formats.to_storage(wf, BF16)
-            self.wl = np.full_like(self.wh, NAN_BITS)  # not read
-        for w in (self.wh, self.wl):  # columns before and after the call's depths
-            w[:, :d0] = w[:, d1:] = NAN_BITS
-        self.x = rng.standard_normal((TOKENS, d1 + 8)).astype(np.float32)
-        self.x[:, :d0] = self.x[:, d1:] = np.nan  # pairs before p0 and after p0 + pairs
-        self.x[:t0] = self.x[t0 + 32 :] = np.nan  # the tokens of other blocks
-        self.xh, self.xl = _pack(self.x)
-        self.c0 = rng.standard_normal((32, TOKENS)).astype(np.float32)
-
-    def reference(self, accumulate):
-        rows, toks, depths = slice(self.j0, self.j0 + self.rows), slice(self.t0, self.t0 + 32), \
-            slice(2 * self.p0, 2 * (self.p0 + self.pairs))
-        hi, lo = (h.astype(np.float64) for h in bf16.split(self.x[toks, depths]))
-        product = (hi + lo) @ formats.to_f32(self.wh[rows, depths], BF16).T.astype(np.float64)  # [32, rows]
-        if self.split:
-            product += hi @ formats.to_f32(self.wl[rows, depths], BF16).T.astype(np.float64)
-        want = self.c0.copy()
-        if accumulate:
-            want[: self.rows, toks] = (self.c0[: self.rows, toks] + product.T).astype(np.float32)
-        else:
-            want[: self.rows, toks] = product.T.astype(np.float32)
-        return want
-
-    def run(self, block):
-        c = self.c0.copy()
-        block(self.wh, self.wl, self.split, self.j0, self.xh, self.xl, self.t0, c, self.p0, self.pairs)
-        return c
 
 
 def test_path_is_detected_from_the_cpu():
@@ -112,162 +83,161 @@ def test_path_is_detected_from_the_cpu():
 
 
 def test_the_halves_compile_for_either_path(monkeypatch):
-    """pack_activations and split_rows (vcvtneps2bf16) serve AMX and vdpbf16ps: emitted where the CPU
-    has either path, a trap where it has neither."""
+    """The activations' halves (vcvtneps2bf16) serve AMX and vdpbf16ps: emitted where the CPU has
+    either path, a trap where it has neither."""
     codegen = object()
     for host, emitted in (({"bf16"}, True), ({"dpbf16"}, True), ({"int16", "vnni"}, False)):
         monkeypatch.setattr(cpu, "host_paths", lambda host=host: frozenset(host))
         assert (cpu.compiled_for(bf16.PATHS, codegen) is codegen) == emitted
 
 
-@pytest.mark.parametrize("p0,pairs,t0", [(0, 16, 0), (16, 48, 32), (0, 1024, 64), (256, 256, 32), (5, 3, 64)])
-@pytest.mark.parametrize("split", [False, True])
-@pytest.mark.parametrize("accumulate", [False, True])
-@pytest.mark.parametrize("row_tiles", [2, 1])
-def test_block_matches_reference(rng, dp, row_tiles, accumulate, split, p0, pairs, t0):
-    """32 and 16 rows, stored or added, the halves of block weights or not, depths of one tile to a
-    pass of bf16.gemm at k = 2048 and a few pairs at an odd offset, every token block of c; the rest
-    of c untouched."""
-    case = Case(rng, row_tiles, split, p0, pairs, t0)
-    got = case.run(_dp_block(row_tiles, accumulate))
-    np.testing.assert_allclose(got, case.reference(accumulate), **TOL)
+def test_pack_tokens_rows_of_halves(rng, rounding):
+    """Rows of bf16 bits, hi then lo (or hi alone); the rows past n repeat the last token."""
+    n, k = 7, 96
+    x = rng.standard_normal((n, k)).astype(np.float32)
+    rows = dpbf16.token_rows(n)
+    assert rows == 12 and dpbf16.token_rows(1) == 1 and dpbf16.token_rows(6) == 6
+    xh = np.zeros((rows, k), np.uint16)
+    xl = np.zeros((0 if rounding else rows, k), np.uint16)
+    dpbf16.pack_tokens(x, xh, xl)
+    want_h, want_l = _halves(np.concatenate([x, np.repeat(x[-1:], rows - n, axis=0)]), rounding)
+    assert np.array_equal(xh, want_h) and np.array_equal(xl, want_l)
 
 
-def test_no_pairs_stores_zero_or_leaves_c(rng, dp):
-    case = Case(rng, 2, False, 0, 0, 32)
-    assert np.array_equal(case.run(_dp_block(2, True)), case.c0)
-    assert np.array_equal(case.run(_dp_block(2, False)), case.reference(False))  # zeros in the block
+@pytest.mark.parametrize("row_tiles,tokens", [(4, 6), (1, 6), (8, 1), (1, 1)])
+@pytest.mark.parametrize("q0,count", [(0, 48), (16, 32), (5, 3)])
+@pytest.mark.parametrize("nb", [1, 6, 11])
+def test_block_matches_reference(rng, rounding, row_tiles, tokens, q0, count, nb):
+    """Each block: its tiles from j, pairs q0 .. q0 + count, the tokens in blocks (the rows past nb
+    computed, not stored), stored into out's columns of its tiles (the rest of out untouched) or,
+    from a later pass (q0 > 0), added to out's sums."""
+    k, j, tiles, r0 = -(-(2 * (q0 + count) + 8) // 32) * 32, 1, 10, 2  # depths past the call's
+    nbp = -(-nb // tokens) * tokens
+    wf = _weights(rng, 16 * tiles, k)
+    wf[:, : 2 * q0] = wf[:, 2 * (q0 + count) :] = NAN_BITS  # depths outside the call's
+    wf[: 16 * j] = wf[16 * (j + row_tiles) :] = NAN_BITS  # tiles outside the block
+    x = rng.standard_normal((nbp, k)).astype(np.float32)
+    x[:, : 2 * q0] = x[:, 2 * (q0 + count) :] = np.nan
+    xh, xl = _halves(x, rounding)
+    start = rng.standard_normal((r0 + nbp + 2, 16 * tiles + 8)).astype(np.float32)
+    out = start.copy()
+    _runner(row_tiles, tokens)(bf16.pack(wf), j, xh, xl, nb, out, r0, q0, count)
+    cols, depths = slice(16 * j, 16 * (j + row_tiles)), slice(2 * q0, 2 * (q0 + count))
+    product = _reference(x[:nb, depths], wf[cols, depths], rounding)
+    want = start.copy()
+    want[r0 : r0 + nb, cols] = product + (start[r0 : r0 + nb, cols] if q0 else 0)
+    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
+    untouched = np.ones(out.shape, bool)
+    untouched[r0 : r0 + nb, cols] = False
+    assert np.array_equal(out[untouched], start[untouched])
 
 
-@pytest.mark.parametrize("split", [False, True])
-def test_token_numbers_do_not_depend_on_the_other_tokens(rng, dp, split):
-    """One arithmetic: a token's column has the same bits whatever the other 31 tokens of its block,
-    its lane and the block it sits in."""
-    case = Case(rng, 2, split, 0, 256, 0)
-    block = _dp_block(2, False)
-    first = case.run(block)
-    token = case.x[7].copy()
-    for t0, lane in ((0, 20), (64, 3), (32, 31)):
-        case.x[:] = rng.standard_normal(case.x.shape).astype(np.float32)  # other tokens everywhere
-        case.x[t0 + lane] = token
-        case.xh, case.xl = _pack(case.x)
-        case.t0 = t0
-        again = case.run(block)
-        assert np.array_equal(again[:, t0 + lane], first[:, 7])
+@pytest.mark.parametrize("rows_per_block", [(4, 6), (1, 6), (8, 1), (1, 1)])
+def test_a_token_has_the_same_bits_in_every_block(rng, rounding, rows_per_block):
+    """One arithmetic: a token's outputs are the same bits in every block, at every place in it,
+    whatever the tokens beside it, in one pass or two (out keeping the f32 sums between them)."""
+    k, tiles = 256, 8
+    w = bf16.pack(_weights(rng, 16 * tiles, k))
+    token = rng.standard_normal(k).astype(np.float32)
+    alone = np.empty((1, 16 * tiles), np.float32)
+    xh, xl = _halves(token[None], rounding)
+    _runner(8, 1)(w, 0, xh, xl, 1, alone, 0, 0, k // 2)
+    row_tiles, tokens = rows_per_block
+    for place in range(tokens):
+        x = rng.standard_normal((tokens, k)).astype(np.float32)
+        x[place] = token
+        xh, xl = _halves(x, rounding)
+        out = np.empty((tokens, 16 * tiles), np.float32)
+        for j in range(0, tiles, row_tiles):
+            _runner(row_tiles, tokens)(w, j, xh, xl, tokens, out, 0, 0, 40)  # two passes over the depths
+            _runner(row_tiles, tokens)(w, j, xh, xl, tokens, out, 0, 40, k // 2 - 40)
+        assert np.array_equal(out[place], alone[0]), place
 
 
-@pytest.mark.parametrize("p0,pairs", [(0, 16), (32, 256)])
-@pytest.mark.parametrize("split", [False, True])
-@pytest.mark.parametrize("accumulate", [False, True])
-@pytest.mark.parametrize("row_tiles", [2, 1])
-def test_block_matches_the_amx_block(rng, dp, row_tiles, accumulate, split, p0, pairs):
-    if not bf16.AMX:
-        pytest.skip("this CPU has no AMX-BF16 (or Linux did not grant the tile state): nothing to compare with")
-    amx = {(2, False): bf16._amx_2, (2, True): bf16._amx_2_acc, (1, False): bf16._amx_1,
-           (1, True): bf16._amx_1_acc}[row_tiles, accumulate]
-    case = Case(rng, row_tiles, split, p0, pairs, 32)
-    got, want = case.run(_dp_block(row_tiles, accumulate)), case.run(_runner(amx))
-    np.testing.assert_allclose(got, want, **TOL)
-
-
-# --- bf16.gemm on vdpbf16ps (the "dpbf16" path) ------------------------------------------------
-
-
-def _weights(rng, m, k):
-    return formats.to_storage(rng.standard_normal((m, k)).astype(np.float32), BF16)
-
-
-@pytest.mark.parametrize("n,m,k", [(70, 64, 576), (300, 48, 2048), (257, 160, 96), (70, 48, 8224)])
+@pytest.mark.parametrize("n,m,k", [(70, 64, 576), (300, 48, 2048), (600, 96, 2048), (257, 160, 96),
+                                   (70, 48, 8224), (2, 16, 32)])
 @pytest.mark.parametrize("workers", [1, 2])
-@pytest.mark.parametrize("rounded", [False, True], ids=["halves", "rounded"])
-def test_gemm_matches_reference(rng, dp, monkeypatch, n, m, k, workers, rounded):
-    """Partial token blocks, a last group of 16 rows (m = 48), groups dealt unevenly (m = 160), the
-    depth in several passes (k = 8224: 3 for a block of 64 tokens, 2 for the last 6). Each lane sums
-    its 2k products in one sequence of f32 adds: the summation error grows with k (measured 1.1e-6,
-    1.8e-6 and 3.6e-6 of the largest output at k = 576, 2048 and 8224; AMX's tiles 0.2e-6 to 0.8e-6).
-    Rounded ("bf16-round"): the products of bf16(x) alone, the reference's too."""
-    if rounded:
-        monkeypatch.setattr(cpu, "ENABLED", cpu.ENABLED | {"bf16-round"})
-    assert not bf16.tiles()
+def test_gemm_matches_reference(rng, rounding, n, m, k, workers):
+    """Prefill: chunks of TOKENS tokens (n = 300, 600) and a last partial block of tokens, a last
+    group of row tiles short of four (m = 48, 160), the depth in passes (k = 8224), out a column
+    slice (its neighbours untouched); rounded: the products of bf16(x) alone, ~8 bits of it."""
     x = rng.standard_normal((n, k)).astype(np.float32)
     w = _weights(rng, m, k)
-    got, want = np.empty((n, m), np.float32), np.empty((n, m), np.float32)
-    bf16.gemm(x, w, got, _work(m, k, workers))
-    bf16.gemm_ref(x, w, want, None)
+    wide = np.full((n, m + 24), np.nan, np.float32)
+    got = wide[:, 8 : 8 + m]
+    threads = numba.get_num_threads()
+    numba.set_num_threads(min(workers, numba.config.NUMBA_NUM_THREADS))
+    try:
+        dpbf16.gemm(x, bf16.pack(w), got, np.full(dpbf16.scratch_floats(k), np.nan, np.float32), rounding)
+    finally:
+        numba.set_num_threads(threads)
+    want = _reference(x, w, rounding)
     assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+    assert np.isnan(wide[:, :8]).all() and np.isnan(wide[:, 8 + m :]).all()
     exact = x.astype(np.float64) @ formats.to_f32(w, BF16).T.astype(np.float64)
-    assert (np.abs(got - exact).max() > 1e-4 * np.abs(exact).max()) == rounded  # bf16(x)'s 8 bits, or ~16
+    assert (np.abs(got - exact).max() > 1e-4 * np.abs(exact).max()) == rounding  # bf16(x)'s 8 bits, or ~16
 
 
-@pytest.mark.parametrize("name", ["Q8_0", "Q4_K"])
-def test_gemm_of_blocks_matches_reference(rng, dp, name):
-    """The split weights (wl . hi added) through the GEMM: matmul keeps blocks off this path, the
-    GEMM takes them all the same."""
-    n, m, k = 100, 48, 768
-    x = rng.standard_normal((n, k)).astype(np.float32)
-    w = blocks(rng, name, m, k)
-    got, want = np.empty((n, m), np.float32), np.empty((n, m), np.float32)
-    bf16.gemm(x, w, got, _work(m, k, 2))
-    bf16.gemm_ref(x, w, want, None)
-    np.testing.assert_allclose(got, want, **TOL)
+@pytest.mark.parametrize("m,k", [(96, 576), (48, 2048), (160, 96)])
+def test_decode_has_the_gemms_bits(rng, rounding, m, k):
+    """matmul.linear (decode) on packed weights: every row count (one token's block and blocks of
+    six) gives prefill's bits, and rows() any run of tiles."""
+    x = rng.standard_normal((70, k)).astype(np.float32)
+    w = bf16.pack(_weights(rng, m, k))
+    full = np.empty((70, m), np.float32)
+    matmul.matmul(x, w, BF16, full, np.empty(matmul.prefill_scratch_size(m, k), np.float32))
+    for n in (1, 2, 6, 7, 16, 63):
+        got = np.full((n, m), np.nan, np.float32)
+        matmul.linear(x[:n], w, BF16, got)
+        assert np.array_equal(got, full[:n]), n
+    for n, (j0, j1) in ((1, (16, m)), (3, (0, 32)), (7, (32, 48))):
+        xh = np.empty((dpbf16.token_rows(n), k), np.uint16)
+        xl = np.empty((0 if rounding else xh.shape[0], k), np.uint16)
+        dpbf16.pack_tokens(x[:n], xh, xl)
+        got = np.full((n, m), np.nan, np.float32)
+        dpbf16.rows(xh, xl, n, w, got, j0, j1)
+        assert np.array_equal(got[:, j0:j1], full[:n, j0:j1]), (n, j0, j1)
+        assert np.isnan(got[:, :j0]).all() and np.isnan(got[:, j1:]).all()  # nothing outside j0:j1
 
 
-@pytest.mark.parametrize("k", [576, 8224])
-def test_a_tokens_numbers_do_not_depend_on_its_chunk(rng, dp, k):
-    """One arithmetic in the GEMM: each lane sums its token's pairs in one order, across depth passes
-    too (c holds the f32 sums between them), so a token's row has the same bits alone as in a chunk."""
-    n, m = 150, 64
-    x = rng.standard_normal((n, k)).astype(np.float32)
-    w = _weights(rng, m, k)
-    work = _work(m, k, 2)
-    full = np.empty((n, m), np.float32)
-    bf16.gemm(x, w, full, work)
-    for i0, i1 in ((0, 1), (77, 78), (149, 150), (40, 110)):
-        part = np.empty((i1 - i0, m), np.float32)
-        bf16.gemm(x[i0:i1], w, part, work)
-        assert np.array_equal(part, full[i0:i1])
+def test_weights_are_packed_at_load_and_matmul_takes_them(rng, dp, monkeypatch):
+    """bf16 matrices of usable shapes are packed at load on this path (not f16, not other shapes), and
+    matmul sends them to the GEMM in prefill; with the path off they stay as stored, on the f32
+    kernels, and GGUF blocks keep their integer kernels either way."""
+    from ellmd.model.llama import logical_shape, repacked
 
-
-def test_linear_prefill_takes_it_for_bf16_weights_only(rng, dp, monkeypatch):
     n, m, k = 130, 96, 256
+    w = _weights(rng, m, k)
+    assert bf16.packs(w, BF16) and not bf16.packs(w, F16) and not bf16.packs(w[:, :80].copy(), BF16)
+    packed = repacked(w, BF16)
+    assert bf16.is_packed(packed) and logical_shape(packed) == (m, k)
+    calls = []
+    real = dpbf16.gemm
+    monkeypatch.setattr(dpbf16, "gemm", lambda *a: calls.append(a[1].shape) or real(*a))
     x = rng.standard_normal((n, k)).astype(np.float32)
-    w, q = _weights(rng, m, k), blocks(rng, "Q4_K", m, k)
-    calls = _counting_gemm(monkeypatch)
-    monkeypatch.setattr(bf16, "AMX", False)  # a CPU without AMX: the scratch still holds the GEMM's
     scratch = np.empty(matmul.prefill_scratch_size(m, k), np.float32)
-    assert scratch.size >= bf16.scratch_floats(m, k)
     got, want = np.empty((n, m), np.float32), np.empty((n, m), np.float32)
-    matmul.linear_prefill(x, w, BF16, got, scratch)
-    matmul.linear_ref(x, w, BF16, want)
+    matmul.matmul(x, packed, BF16, got, scratch)
+    matmul.linear_ref(x, w, BF16, want, frozenset())  # the f32 kernels' reference
+    assert calls == [(m // 16, k // 32)]
     assert np.abs(got - want).max() <= 2e-5 * np.abs(want).max()  # hi + lo: ~16 bits of each activation
-    assert calls == [((m, k), False)]
+    q = blocks(rng, "Q4_K", m, k)
     matmul.linear_ref(x, q, BF16, want)
-    for enabled in ({"dpbf16"}, {"dpbf16", "int16"}):  # blocks: the f32 panels, the integer GEMM
-        monkeypatch.setattr(cpu, "ENABLED", frozenset(enabled))
-        matmul.linear_prefill(x, q, BF16, got, scratch)
-        assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()  # int16 activations: ~1e-5 of a product
-    matmul.linear_ref(x, w, BF16, want)
-    for enabled in ((), {"int16"}):  # the path off: decode's f32 sums
-        monkeypatch.setattr(cpu, "ENABLED", frozenset(enabled))
-        matmul.linear_prefill(x, w, BF16, got, scratch)
-        np.testing.assert_allclose(got, want, **TOL)
-    assert calls == [((m, k), False)]
+    matmul.matmul(x, q, BF16, got, scratch)
+    assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max() and len(calls) == 1  # the integer GEMM
+    monkeypatch.setattr(cpu, "ENABLED", frozenset({"int16"}))  # the path off
+    kept = repacked(w, BF16)
+    assert kept.dtype == np.uint16 and np.array_equal(kept, w)
 
 
-def test_amx_wins_where_both_are_on(rng, dp, monkeypatch):
-    if not bf16.AMX:
-        pytest.skip("this CPU has no AMX-BF16 (or Linux did not grant the tile state)")
-    monkeypatch.setattr(cpu, "ENABLED", frozenset({"bf16", "dpbf16"}))
-    n, m, k = 130, 64, 256
-    x, w = rng.standard_normal((n, k)).astype(np.float32), _weights(rng, m, k)
-    calls = _counting_gemm(monkeypatch)
-    matmul.linear_prefill(x, w, BF16, np.empty((n, m), np.float32),
-                          np.empty(matmul.prefill_scratch_size(m, k), np.float32))
-    assert calls == [((m, k), True)]
+def test_amx_wins_where_both_are_on(monkeypatch):
+    monkeypatch.setattr(bf16, "AMX", True)
+    assert bf16.decode_tiles({"bf16", "dpbf16"}) and not bf16.vdpbf16ps({"bf16", "dpbf16"})
+    assert bf16.vdpbf16ps({"dpbf16"}) and bf16.vdpbf16ps({"bf16-prefill", "dpbf16"})
 
 
-def test_attention_stays_off_amx(rng, dp, monkeypatch):
-    """AMX attention is the "bf16" path's (with decode on the same tiles): with "dpbf16" on, bf16 KV
+def test_attention_stays_off_amx(rng, dp):
+    """AMX attention is the "bf16" path's (with decode on the same tiles): with "dpbf16", bf16 KV
     takes the f32 kernels."""
     assert not attention.on_amx(BF16, 64)
     n, start, hd = 40, 70, 64
@@ -283,13 +253,16 @@ def test_engine_names_the_path(monkeypatch):
     engine = Engine.__new__(Engine)  # describe_kernels reads the paths, the KV format and head_dim only
     engine.kv = SimpleNamespace(fmt=BF16)
     engine.spec = SimpleNamespace(head_dim=64)
+    monkeypatch.setattr(bf16, "AMX", False)
     monkeypatch.setattr(cpu, "ENABLED", frozenset({"int16", "dpbf16"}))
-    assert "bf16 weights: f32 FMA in decode, vdpbf16ps (activations as two bf16 halves) in prefill;" in \
-        engine.describe_kernels()
+    assert "bf16 weights: vdpbf16ps in decode and prefill (activations as two bf16 halves, a token's numbers alike);" \
+        in engine.describe_kernels()
+    monkeypatch.setattr(cpu, "ENABLED", frozenset({"int16", "dpbf16", "bf16-round"}))
+    assert "bf16 weights: vdpbf16ps in decode and prefill (activations rounded to bf16" in engine.describe_kernels()
     monkeypatch.setattr(cpu, "ENABLED", frozenset({"int16"}))
     assert "bf16 weights: f32 FMA in decode and prefill;" in engine.describe_kernels()
     monkeypatch.setattr(bf16, "AMX", True)  # the start-up line of a CPU with AMX
-    monkeypatch.setattr(cpu, "ENABLED", frozenset({"int16", "bf16"}))
+    monkeypatch.setattr(cpu, "ENABLED", frozenset({"int16", "bf16", "dpbf16"}))
     described = engine.describe_kernels()
     assert "bf16 weights: AMX tdpbf16ps in decode and prefill (activations as two bf16 halves" in described
     assert "attention: AMX tdpbf16ps in prefill and decode" in described

@@ -83,16 +83,18 @@ def test_a_tokens_logits_do_not_depend_on_how_it_was_computed(alignment_dir, var
     assert_one_arithmetic(each_way(make_engine(alignment_dir / variant, weight_dtype)))
 
 
-@pytest.mark.parametrize("kernels", ["portable", "vnni", "bf16", "bf16,bf16-round", "bf16-prefill", "dpbf16"])
+@pytest.mark.parametrize("kernels", ["portable", "vnni", "bf16", "bf16,bf16-round", "bf16-prefill", "dpbf16",
+                                     "dpbf16,bf16-round"])
 def test_on_every_kernel_path(alignment_dir, use_kernels, kernels):
     """The default paths are the test above; the float kernels are the same on the integer paths; on
     "bf16" (AMX) decode takes the tiles prefill takes, in the matmuls and in attention over bf16 KV,
-    with activations in two halves or rounded once ("bf16-round").
-    The prefill-only paths ("bf16-prefill": AMX for GGUF blocks outside lanes' tiles; "dpbf16":
-    vdpbf16ps) are opt-in because decode does not share their sums."""
+    and on "dpbf16" (vdpbf16ps) the packed weights prefill takes, with activations in two halves or
+    rounded once ("bf16-round").
+    The prefill-only path ("bf16-prefill": AMX for GGUF blocks outside lanes' tiles) is opt-in
+    because decode does not share its sums."""
     use_kernels(kernels)
-    if bf16.enabled() and not bf16.decode_tiles():
-        pytest.xfail("prefill-only bf16 paths (AMX, vdpbf16ps: two bf16 halves) do not share decode's sums")
+    if bf16.tiles() and not bf16.decode_tiles():
+        pytest.xfail("the prefill-only AMX path (two bf16 halves) does not share decode's sums")
     assert_one_arithmetic(each_way(make_engine(alignment_dir / "qwen3", "bf16")))
 
 

@@ -208,10 +208,10 @@ class Engine:
         activations = "activations rounded to bf16" if bf16.rounded() else "activations as two bf16 halves"
         if bf16.decode_tiles():
             floats = f"AMX tdpbf16ps in decode and prefill ({activations}, a token's numbers alike)"
+        elif bf16.vdpbf16ps():
+            floats = f"vdpbf16ps in decode and prefill ({activations}, a token's numbers alike)"
         elif bf16.tiles():
             floats = f"f32 FMA in decode, AMX tdpbf16ps ({activations}) in prefill"
-        elif bf16.enabled():
-            floats = f"f32 FMA in decode, vdpbf16ps ({activations}) in prefill"
         else:
             floats = "f32 FMA in decode and prefill"
         if attention.on_amx(self.kv.fmt, self.spec.head_dim):

@@ -17,8 +17,8 @@ I intermediate, V vocab, E experts, k experts per token):
   xq8, xq16       [D*K] int8, int16   decode activations quantized for the integer paths ("vnni", "int16")
   xd, xs          [D*K/32], [D*K/16]  their scales (per 32) and code sums (per 16)
   xd8, xs8        [D*K/32], [D*K/16]  the same of xq8 on the "int8" path (beside xq16's: lanes.INT8_BLOCKS)
-  xh, xl          [D16*K] uint16      decode activations' bf16 halves packed for AMX tiles (D16: D
-                                      rounded up to 16 tokens; empty without AMX)
+  xh, xl          [DP*K] uint16       decode activations' bf16 halves packed for AMX tiles or vdpbf16ps
+                                      (DP: D rounded up to 16 tokens, or to dpbf16's blocks; empty without)
                                              (K the widest matmul input)
   router_logits   [C, E]; expert_weights, expert_ids [C, k]; moe_out [C, h]
   moe_scratch     kernels.moe.MoeScratch: the C*k (token, expert) pairs' gathered rows and quantized
@@ -35,7 +35,7 @@ import numba
 import numpy as np
 
 from ellmd import kernels
-from ellmd.kernels import aligned, bf16, cpu, layer, quant_f32
+from ellmd.kernels import aligned, bf16, cpu, dpbf16, layer, quant_f32
 from ellmd.kernels.formats import kernel_view
 from ellmd.kernels.matmul import PREFILL_MIN_ROWS
 from ellmd.kernels.moe import FUSED_MAX_TOKENS, fused_work
@@ -81,7 +81,9 @@ class Workspace:
         self.xs = aligned.zeros(D * (widest // 16), f32)
         self.xd8 = aligned.zeros(D * (widest // 32), f32)
         self.xs8 = aligned.zeros(D * (widest // 16), f32)
-        packed = -(-D // bf16.TILE) * bf16.TILE * widest if bf16.AMX else 0  # decode rows in groups of 16 tokens
+        # decode's activations packed: in groups of 16 tokens for AMX, in vdpbf16ps' blocks of tokens
+        packed = max(-(-D // bf16.TILE) * bf16.TILE if bf16.AMX else 0,
+                     dpbf16.token_rows(D) if "dpbf16" in cpu.host_paths() else 0) * widest
         self.xh, self.xl = aligned.zeros(packed, np.uint16), aligned.zeros(0 if bf16.rounded() else packed, np.uint16)
         if spec.num_experts:
             E, k = spec.num_experts, spec.num_experts_per_tok
@@ -167,11 +169,11 @@ class Plan:
         """(integer path on, workers, (xq, xd, xs), (xh, xl) or ()): the kernel-path arguments of
         kernels.layer, read at each step; xq is int8 on the "vnni" path (it wins over "int16"),
         int16 otherwise, and on "int8" (xq8, xd8, xs8) follow for the tiles that take int8; the
-        halves where bf16 weights decode on AMX tiles ("bf16")."""
+        halves where bf16 weights decode on AMX tiles ("bf16", on_tiles) or on vdpbf16ps."""
         ws = self.ws
         xq = ws.xq8 if "vnni" in cpu.ENABLED else ws.xq16
         q8buf = (xq, ws.xd, ws.xs) + ((ws.xq8, ws.xd8, ws.xs8) if "int8" in cpu.ENABLED else ())
-        halves = (ws.xh, ws.xl) if bf16.decode_tiles() else ()
+        halves = (ws.xh, ws.xl, bf16.decode_tiles()) if bf16.decode_tiles() or bf16.vdpbf16ps() else ()
         return bool(cpu.INTEGER & cpu.ENABLED), min(numba.get_num_threads(), len(ws.acc)), q8buf, halves
 
     def _fused_run(self) -> tuple:

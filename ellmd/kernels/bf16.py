@@ -1,4 +1,4 @@
-"""The bf16 GEMM of prefill on AMX (tdpbf16ps) or vdpbf16ps: weights as stored, f32 accumulation.
+"""The bf16 GEMM of prefill on AMX (tdpbf16ps): weights as stored, f32 accumulation.
 
 Shape legend:
   n       input rows (tokens)
@@ -38,11 +38,9 @@ tile_product builds the same kind of block for operands at any offsets, pair_key
 transpose_words lay operands out for it (attention.py's AMX attention: keys . queries and
 probabilities . values).
 
-Without AMX (or with the "bf16" path off), the "dpbf16" path (cpu.py), when on, runs the GEMM on
-dpbf16.py's block (vdpbf16ps, AVX512-BF16: tokens in lanes, a weight pair broadcast), on the same
-packed operands. On the Xeon these figures come from vdpbf16ps retires ~0.5 a cycle: the GEMM on it
-ran at 0.4x the f32 FMA kernels (47 against 115 GFLOP/s a core, [2048 x 2048], 512 tokens), so it
-is for CPUs where vdpbf16ps issues faster (Zen 4/5: not measured yet).
+Without AMX, the "dpbf16" path (cpu.py) takes bf16 weights packed at load in the same layout as
+the "bf16" path's (pack) on vdpbf16ps, in prefill and decode alike (dpbf16.py: outputs in lanes).
+The activations of both paths are split and packed here (vcvtneps2bf16, an AVX512-BF16 instruction).
 """
 
 import ctypes
@@ -54,7 +52,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
-from ellmd.kernels import aligned, cpu, dpbf16, quant
+from ellmd.kernels import aligned, cpu, quant
 from ellmd.kernels.formats import BF16, to_f32, to_storage
 
 _LANES = 16  # 32-bit lanes of a zmm register
@@ -620,7 +618,6 @@ def _request_amx():
 
 
 AMX = _request_amx()  # tests set it False to run the f32 kernels in its place
-DPBF16 = "dpbf16" in cpu.host_paths()  # gemm can run on vdpbf16ps here (dpbf16.py)
 TOKENS = 256  # tokens per packed block of activations (a multiple of AMX_TOKENS)
 PASS_BYTES = 1 << 20  # the packed pairs of both halves a pass over a worker's rows reads (in L2)
 # The halves of a group of block weights go to rows of k + ROW_PAD values: at k a multiple of 2048
@@ -650,9 +647,10 @@ def rounded(paths=None):
     return "bf16-round" in (cpu.ENABLED if paths is None else paths)
 
 
-def enabled(paths=None):
-    """Whether gemm runs on this CPU with these paths on: on AMX tiles, else on vdpbf16ps ("dpbf16")."""
-    return tiles(paths) or "dpbf16" in (cpu.ENABLED if paths is None else paths)
+def vdpbf16ps(paths=None):
+    """Whether bf16 weights run on vdpbf16ps (dpbf16.py) in decode and prefill: "dpbf16" on, and not
+    AMX's "bf16" (which wins where both are)."""
+    return "dpbf16" in (cpu.ENABLED if paths is None else paths) and not decode_tiles(paths)
 
 
 def usable(m, k):
@@ -716,33 +714,23 @@ def _group_operands_overload(w, j0, p0, pairs, wf, wh, wl):
 
 
 @numba.njit(cache=True, nogil=True, fastmath=True)
-def _rows_product(w, wl, split, j0, rows, xh, xl, p0, pairs, nbp, cb, accumulate, tiles):
+def _rows_product(w, wl, split, j0, rows, xh, xl, p0, pairs, nbp, cb, accumulate):
     """cb[:rows, :nbp] (+)= w[j0:j0+rows] (+ wl, when split) . the packed tokens, over pairs p0.. of both;
-    rows = 32 or 16; by AMX blocks when tiles, else by vdpbf16ps blocks (dpbf16.py)."""
+    rows = 32 or 16, by AMX blocks."""
     for t in range(0, nbp, AMX_TOKENS):
-        if tiles:
-            if rows == AMX_ROWS:
-                if accumulate:
-                    _amx_2_acc(w, wl, split, j0, xh, xl, t, cb, p0, pairs)
-                else:
-                    _amx_2(w, wl, split, j0, xh, xl, t, cb, p0, pairs)
-            elif accumulate:
-                _amx_1_acc(w, wl, split, j0, xh, xl, t, cb, p0, pairs)
-            else:
-                _amx_1(w, wl, split, j0, xh, xl, t, cb, p0, pairs)
-        elif rows == AMX_ROWS:
+        if rows == AMX_ROWS:
             if accumulate:
-                dpbf16.block_2_acc(w, wl, split, j0, xh, xl, t, cb, p0, pairs)
+                _amx_2_acc(w, wl, split, j0, xh, xl, t, cb, p0, pairs)
             else:
-                dpbf16.block_2(w, wl, split, j0, xh, xl, t, cb, p0, pairs)
+                _amx_2(w, wl, split, j0, xh, xl, t, cb, p0, pairs)
         elif accumulate:
-            dpbf16.block_1_acc(w, wl, split, j0, xh, xl, t, cb, p0, pairs)
+            _amx_1_acc(w, wl, split, j0, xh, xl, t, cb, p0, pairs)
         else:
-            dpbf16.block_1(w, wl, split, j0, xh, xl, t, cb, p0, pairs)
+            _amx_1(w, wl, split, j0, xh, xl, t, cb, p0, pairs)
 
 
 @numba.njit(cache=True, nogil=True, fastmath=True)
-def _block_product(w, out, i0, nb, xh, xl, cb, wf, wh, wl, wk, workers, tiles):
+def _block_product(w, out, i0, nb, xh, xl, cb, wf, wh, wl, wk, workers):
     """out[i0:i0+nb, this worker's groups of rows] from the packed tokens; cb: [groups, AMX_ROWS,
     TOKENS], the sums of each group. In passes over a range of depths, each over all the worker's
     groups: a pass's packed tokens stay in L2 (PASS_BYTES), a group's rows of it in L1, and the
@@ -760,7 +748,7 @@ def _block_product(w, out, i0, nb, xh, xl, cb, wf, wh, wl, wk, workers, tiles):
             rows = min(AMX_ROWS, m - j0)
             sums = cb[g // workers]
             a, a0, split = group_operands(w, j0, p0, d, wf, wh, wl)
-            _rows_product(a, wl, split, a0, rows, xh, xl, p0, d, nbp, sums, p0 > 0, tiles)
+            _rows_product(a, wl, split, a0, rows, xh, xl, p0, d, nbp, sums, p0 > 0)
             if p0 + d == pairs:
                 transpose_words(sums, out, i0, j0, rows, nb)
 
@@ -772,7 +760,7 @@ def _worker_floats(m, k, workers):
 
 
 @numba.njit(cache=True, nogil=True, fastmath=True, parallel=True)
-def _gemm(x, w, out, shared, work, tiles, rounded):
+def _gemm(x, w, out, shared, work, rounded):
     """gemm over work's workers: each block of tokens packed into `shared` (both halves, or hi
     alone when rounded) by all of them, a share of its groups of 16 tokens each, then multiplied
     by each worker's rows."""
@@ -800,7 +788,7 @@ def _gemm(x, w, out, shared, work, tiles, rounded):
             at += AMX_ROWS * k
             wh = area[at : at + padded].view(np.uint16).reshape((AMX_ROWS, k + ROW_PAD))
             wl = area[at + padded : at + 2 * padded].view(np.uint16).reshape((AMX_ROWS, k + ROW_PAD))
-            _block_product(w, out, i0, nb, xh, xl, cb, wf, wh, wl, wk, workers, tiles)
+            _block_product(w, out, i0, nb, xh, xl, cb, wf, wh, wl, wk, workers)
 
 
 def _shared_floats(k):
@@ -830,8 +818,7 @@ def gemm(x, w, out, scratch, paths=None):
         workers -= 1
     per = _worker_floats(m, k, workers)
     shared = _shared_floats(k)
-    _gemm(x, w, out, scratch[:shared], scratch[shared : shared + workers * per].reshape(workers, per), tiles(paths),
-          rounded(paths))
+    _gemm(x, w, out, scratch[:shared], scratch[shared : shared + workers * per].reshape(workers, per), rounded(paths))
 
 
 def split(x):
@@ -964,7 +951,7 @@ def rows_amx(xh, xl, n, w, out, j0, j1, c):
 # of 256 tokens is packed once, then each worker takes every other pair of weight tiles over all
 # its tokens, in passes over the depths whose tokens stay in L2 (a pass resumes the sums the one
 # before stored: f32 either way, the same chain). 1.05-1.45x the GEMM above on the Xeon, 1,000-1,990
-# GFLOP/s on 2 cores (docs/engine.md).
+# GFLOP/s on 2 cores (docs/engine.md). Without AMX, dpbf16.py takes the same packed weights.
 
 PACKED = np.dtype([("bf16_tiles", np.uint16, (2 * TILE * TILE,))])  # one B tile: 16 pairs x 16 weight rows
 PACKED_PASS_BYTES = 1 << 20  # the packed tokens a pass reads: 1,024 depths of 256 tokens' two halves
@@ -972,8 +959,8 @@ PACKED_PASS_BYTES = 1 << 20  # the packed tokens a pass reads: 1,024 depths of 2
 
 def packs(w, fmt, paths=None):
     """Whether weight w is packed at load: a bf16 [m, k] matrix with usable(m, k), where decode and
-    prefill run on AMX tiles (decode_tiles)."""
-    return (decode_tiles(paths) and fmt == BF16 and isinstance(w, np.ndarray) and w.dtype == np.uint16 and w.ndim == 2
+    prefill run on AMX tiles (decode_tiles) or on vdpbf16ps (vdpbf16ps)."""
+    return ((decode_tiles(paths) or vdpbf16ps(paths)) and fmt == BF16 and isinstance(w, np.ndarray) and w.dtype == np.uint16 and w.ndim == 2
             and usable(*w.shape))
 
 
@@ -1002,44 +989,56 @@ def packed_type(t) -> bool:
             and "bf16_tiles" in t.dtype.fields)
 
 
-@intrinsic
-def pack_rows(typingctx, x, i0, nb, nbp, xa, xal):
-    """xa[g, 512 s + 32 t ..] = hi(x[i0 + 16 g + t, 32 s ..]), 32 bf16 values (64 bytes), the A tile
-    (g, s) 1 KiB in one piece; xal the same of lo when it has rows. Tokens from nb on repeat token
-    nb - 1 (up to nbp, a multiple of 16). x: [n, k] float32, k % 32 == 0; xa, xal: [>= nbp // 16,
-    k * 16] uint16 (xal: or no rows), all C-contiguous."""
-    if not (_is_matrix(x, types.float32) and _is_matrix(xa, types.uint16) and _is_matrix(xal, types.uint16)):
-        return None
-    sig = types.void(x, types.intp, types.intp, types.intp, xa, xal)
+def _make_pack_rows(tiled):
+    """An intrinsic pack(x, i0, nb, nbp, xa, xal): hi(x[i0 + t]) for tokens t < nbp (from nb on, token
+    nb - 1 repeated), 32 values (64 bytes) at a time; xal the same of lo when it has rows. tiled:
+    as AMX's A tiles, xa[t // 16, 512 s + 32 (t % 16) ..] = hi(x[.., 32 s ..]) (the tile (g, s) 1 KiB
+    in one piece; xa: [>= nbp // 16, k * 16]); else as rows, xa[t, :k] (xa: [>= nbp, k]).
+    x: [n, k] float32, k % 32 == 0; xa, xal uint16 (xal: or no rows), all C-contiguous."""
 
-    def codegen(context, builder, signature, args):
-        x_p, (_, k), _ = _data(context, builder, signature.args[0], args[0])
-        a_p, (_, lda), _ = _data(context, builder, signature.args[4], args[4])
-        l_p, l_shape, _ = _data(context, builder, signature.args[5], args[5])
-        i0, nb, nbp = args[1], args[2], args[3]
-        intp = context.get_value_type(types.intp)
-        with_lo = has_lo(builder, l_shape)
+    @intrinsic
+    def pack(typingctx, x, i0, nb, nbp, xa, xal):
+        if not (_is_matrix(x, types.float32) and _is_matrix(xa, types.uint16) and _is_matrix(xal, types.uint16)):
+            return None
+        sig = types.void(x, types.intp, types.intp, types.intp, xa, xal)
 
-        def const(v):
-            return ir.Constant(intp, v)
+        def codegen(context, builder, signature, args):
+            x_p, (_, k), _ = _data(context, builder, signature.args[0], args[0])
+            a_p, (_, lda), _ = _data(context, builder, signature.args[4], args[4])
+            l_p, l_shape, _ = _data(context, builder, signature.args[5], args[5])
+            i0, nb, nbp = args[1], args[2], args[3]
+            intp = context.get_value_type(types.intp)
+            with_lo = has_lo(builder, l_shape)
 
-        last = builder.sub(nb, const(1))
-        with cgutils.for_range(builder, nbp) as token:
-            t = builder.select(builder.icmp_signed(">", token.index, last), last, token.index)
-            src = builder.gep(x_p, [builder.mul(builder.add(i0, t), k)])
-            at = builder.add(builder.mul(builder.udiv(token.index, const(TILE)), lda),
-                             builder.mul(builder.urem(token.index, const(TILE)), const(CHUNK)))
-            with cgutils.for_range(builder, builder.udiv(k, const(CHUNK))) as chunks:
-                vals = builder.load(builder.bitcast(builder.gep(src, [builder.mul(chunks.index, const(CHUNK))]),
-                                                    _F32X32.as_pointer()), align=4)
-                hi, lo = _halves(builder, vals)
-                dst = builder.add(at, builder.mul(chunks.index, const(2 * TILE * TILE)))
-                builder.store(hi, builder.bitcast(builder.gep(a_p, [dst]), _BF16X32.as_pointer()), align=2)
-                with builder.if_then(with_lo):
-                    builder.store(lo, builder.bitcast(builder.gep(l_p, [dst]), _BF16X32.as_pointer()), align=2)
-        return context.get_dummy_value()
+            def const(v):
+                return ir.Constant(intp, v)
 
-    return sig, cpu.compiled_for(PATHS, codegen)
+            last = builder.sub(nb, const(1))
+            with cgutils.for_range(builder, nbp) as token:
+                t = builder.select(builder.icmp_signed(">", token.index, last), last, token.index)
+                src = builder.gep(x_p, [builder.mul(builder.add(i0, t), k)])
+                if tiled:
+                    at = builder.add(builder.mul(builder.udiv(token.index, const(TILE)), lda),
+                                     builder.mul(builder.urem(token.index, const(TILE)), const(CHUNK)))
+                else:
+                    at = builder.mul(token.index, lda)
+                with cgutils.for_range(builder, builder.udiv(k, const(CHUNK))) as chunks:
+                    vals = builder.load(builder.bitcast(builder.gep(src, [builder.mul(chunks.index, const(CHUNK))]),
+                                                        _F32X32.as_pointer()), align=4)
+                    hi, lo = _halves(builder, vals)
+                    dst = builder.add(at, builder.mul(chunks.index, const(2 * TILE * TILE if tiled else CHUNK)))
+                    builder.store(hi, builder.bitcast(builder.gep(a_p, [dst]), _BF16X32.as_pointer()), align=2)
+                    with builder.if_then(with_lo):
+                        builder.store(lo, builder.bitcast(builder.gep(l_p, [dst]), _BF16X32.as_pointer()), align=2)
+            return context.get_dummy_value()
+
+        return sig, cpu.compiled_for(PATHS, codegen)
+
+    return pack
+
+
+pack_rows = _make_pack_rows(True)  # tokens as AMX's A operand
+pack_token_halves = _make_pack_rows(False)  # tokens as rows: dpbf16.py's broadcasts
 
 
 def _make_packed_block(token_tiles, row_tiles, accumulate):

@@ -17,9 +17,10 @@ Paths (each needs its CPU features; without them the portable f32 FMA kernels ru
   "bf16-prefill"  AMX in prefill only, where decode does not follow: GGUF blocks that lanes.py does
            not tile (decoded, split into halves). Opt-in: a token's logits would depend on how it
            was computed
-  "dpbf16" vdpbf16ps (AVX512-BF16) for the prefill matmuls of bf16 weights where AMX is not on
-           (Zen 4/5, Xeons from Cooper Lake; "bf16" wins where both are): bf16.py's GEMM on
-           dpbf16.py's block, the same two halves. Opt-in, as "bf16-prefill"
+  "dpbf16" vdpbf16ps (AVX512-BF16) for the matmuls of bf16 weights where AMX's "bf16" is not on
+           (Zen 4/5, Xeons from Cooper Lake; "bf16" wins where both are), prefill and decode alike
+           (dpbf16.py: weights packed at load as "bf16" packs them, outputs in lanes; a token's
+           numbers whatever its chunk), the same two halves
   "bf16-round"  with the paths above: activations rounded once to bf16 (as transformers' bf16 and
            llama.cpp's F16 matmuls round them) in place of two halves, half the products
            (~2e-3 of a product, logits moved as far as by the bf16 KV cache)
@@ -43,8 +44,8 @@ INTEGER = frozenset({"int16", "vnni"})  # the paths of block weights; "vnni" win
 # Only paths whose prefill sums are decode's are on by default (a token's logits must not depend on
 # how it was computed): int8 activations ("vnni", "int8") also move logits too far (on the built-in
 # SmolLM2-135M, "int8" answers the capital of France with "L'Étoile, la Marseillaise,"); "bf16-prefill"
-# and "dpbf16" trade that for faster prefill.
-DEFAULT = "int16,bf16"
+# trades that for faster prefill.
+DEFAULT = "int16,bf16,dpbf16"
 
 
 def host_paths() -> frozenset[str]:

@@ -1,149 +1,228 @@
-"""The bf16 GEMM block of prefill on vdpbf16ps (AVX512-BF16), for CPUs without AMX (Zen 4/5,
-Xeons from Cooper Lake): the AMX block of bf16.py, the same operands and the same c.
+"""bf16 weights on vdpbf16ps (AVX512-BF16), in prefill and decode alike, for CPUs without AMX (Zen 4/5,
+Xeons from Cooper Lake): outputs in lanes, over the weights bf16.pack lays out at load.
 
 Shape legend:
-  k       the row stride of the weights in bf16 values (even; rows may be padded past 2 * pairs)
-  pairs   pairs of depths of one call, counted from p0 (any number: a step is one pair)
-  rows    weight rows of a block, 16 * row_tiles (16 or 32), at j0 in w and at 0 in c
-  tokens  the packed tokens (xh, xl: [tokens // 16, pairs * 32] uint16; c: [32, tokens] float32);
-          a block takes the 32 from t0
+  n       tokens; nbp: n padded to the register block's tokens (rows of the packed halves)
+  k       input features; pairs = k // 2
+  tiles   weight tiles of 16 rows (w: bf16.PACKED [tiles, k // 32]); m = 16 tiles outputs
 
-The operands are bf16.py's, unchanged: activations x split into hi = bf16(x) and lo = bf16(x - hi),
-packed per group of 16 tokens and pair of depths (bf16.pack_activations: the group's 32-bit pairs
-(hi(x[t, 2p]), hi(x[t, 2p + 1])) 64 contiguous bytes, a group's pairs one after another), and the
-weights as stored ([rows, k] bf16 bits, the two values of a pair adjacent). So one zmm load of a
-group's pair p is the operand of vdpbf16ps with tokens in lanes, and a weight row's pair at p, one
-32-bit word, is the other operand broadcast to the 16 lanes: the AMX path's pack serves this one
-(its vcvtneps2bf16 is an AVX512-BF16 instruction), and the weights need no packing at load.
+The weights are AMX's B tiles (bf16.pack): row p of tile (j, s) is the pair of depths 16 s + p of
+weight rows 16 j .. 16 j + 15, 64 bytes, so one zmm load is a pair of 16 weight rows, one row a
+lane, and a row tile's whole depth is one contiguous stream. The activations are rows of bf16
+values (bf16.pack_token_halves: hi = bf16(x), and lo = bf16(x - hi) unless rounded once), and a
+token's pair of depths, one 32-bit word, is the other operand broadcast to the 16 lanes. So
+acc[token, 16 rows] += w pair . x pair per vdpbf16ps, per pair the hi product then the lo one.
 
-A step (one pair) of a register block of 8 weight rows x 2 groups of 16 tokens: 4 loads of the
-tokens (2 groups x hi, lo), and per row one broadcast of its pair and 4 vdpbf16ps into its 2
-accumulators (c += w . hi, then c += w . lo: x . w = hi . w + lo . w); with split (weights from
-GGUF blocks as their halves wh, wl) 2 more, c += wl . hi. 16 accumulators, 4 token registers and
-the broadcasts fit the 32 zmm registers; the accumulators stay in registers over all the call's
-pairs and reach c once (stored, or added to it when accumulate). As compiled, a step is 4 zmm
-loads, 8 vbroadcastss (one a row, shared by its vdpbf16ps) and 32 vdpbf16ps; with split 4, 16
-and 48, plus 8 reloads of row addresses from the stack (16 weight rows' addresses outnumber the
-general registers; scalar loads beside 48 vdpbf16ps). The 32 rows of c are 4 such blocks, each
-one pass over the call's pairs of the 32 tokens (a pass of bf16's GEMM, in L2).
+Register blocks: 4 row tiles x 6 tokens (24 accumulators, 4 weight registers, the broadcasts) for
+prefill and for decode steps of several tokens; 8 row tiles x 1 token for a decode step of one
+(8 weight streams from memory, a chain each). Every lane is one (token, weight row) and runs the
+same chain of vdpbf16ps whatever the block, the tokens beside it, its lane or the depth passes (c
+keeps the f32 sums between passes): a token's numbers are the same to the bit in a prefill chunk
+of any size and alone in a decode step. Products of bf16 values are exact in f32; vdpbf16ps
+flushes subnormal inputs and results to zero, as AMX does.
 
-Every lane is one token and runs the same instructions in the same order, so a token's numbers
-do not depend on the other tokens of its block, nor on its lane: one arithmetic whatever the
-chunking. Products of bf16 values are exact in f32, summed in f32: per pair, the hi product then
-the lo (then wl's) into each lane's accumulator (the AMX block sums 16 pairs of hi, then of lo: the
-two agree to f32 summation order, not to the bit). Like AMX, vdpbf16ps flushes subnormal inputs
-and results to zero.
+Activations as two halves keep ~16 bits of each (the alignment tolerances), two vdpbf16ps per
+pair: on Zen 5 (two vdpbf16ps or two f32 FMA a cycle) their peak is f32 FMA's. Rounded once
+("bf16-round": transformers' and llama.cpp's precision) the products halve.
 """
 
+import numba
+import numpy as np
 from llvmlite import ir
-from numba import types
+from numba import prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from ellmd.kernels import bf16, cpu  # bf16 imports this module too: its names are read when blocks compile
+from ellmd.kernels import bf16, cpu
+from ellmd.kernels.activations import PARALLEL_MIN
 
 _LANES = 16  # 32-bit lanes of a zmm register
 _F32X16 = ir.VectorType(ir.FloatType(), _LANES)
-_I32X16 = ir.VectorType(ir.IntType(32), _LANES)
-ROWS = 8  # weight rows of a register block: 8 x GROUPS accumulators + 2 x GROUPS token registers
-GROUPS = 2  # groups of 16 tokens (lanes): the 32 tokens of the AMX block
+ROW_TILES = 4  # row tiles of the prefill block: 4 x BLOCK_TOKENS accumulators
+BLOCK_TOKENS = 6  # tokens of the prefill block
+DECODE_ROW_TILES = 8  # row tiles of the one-token block: weight streams side by side
+TOKENS = 42 * BLOCK_TOKENS  # tokens of a chunk of prefill packed at once (252)
+PASS_BYTES = 1 << 19  # packed tokens a pass over the depths reads (kept in L2 while its rows run)
 
 
 def _broadcast(builder, word):
-    """<32 x bfloat> of a 32-bit pair repeated in the 16 lanes: one vbroadcastss from memory (or
-    an embedded {1to16} where it has one use)."""
-    lanes = builder.insert_element(ir.Constant(_I32X16, None), word, ir.Constant(ir.IntType(32), 0))
-    splat = builder.shuffle_vector(lanes, ir.Constant(_I32X16, None), ir.Constant(_I32X16, [0] * _LANES))
+    """<32 x bfloat> of a 32-bit pair repeated in the 16 lanes (vpbroadcastd from memory)."""
+    i32x16 = ir.VectorType(ir.IntType(32), _LANES)
+    lanes = builder.insert_element(ir.Constant(i32x16, None), word, ir.Constant(ir.IntType(32), 0))
+    splat = builder.shuffle_vector(lanes, ir.Constant(i32x16, None), ir.Constant(i32x16, [0] * _LANES))
     return builder.bitcast(splat, bf16._BF16X32)
 
 
-def _vector_at(builder, base, index, vector):
-    return builder.bitcast(builder.gep(base, [index]), vector.as_pointer())
-
-
-def _steps(builder, dp, accs, pairs, x_rows, x_at, w_rows, w_at):
-    """The loop over the call's pairs: accs[r][g] += each weight row's pair . the tokens of group
-    g, for the halves of the tokens (x_rows: hi, lo, or hi alone) and of the weights (w_rows: w, or
-    w and wl)."""
-    with cgutils.for_range(builder, pairs) as loop:
-        p = loop.index
-        step = builder.mul(p, ir.Constant(p.type, _LANES))  # a group's pairs: 16 words each
-        xs = [[builder.load(_vector_at(builder, half, builder.add(at, step), bf16._BF16X32), align=4) for at in x_at]
-              for half in x_rows]  # [half][group]
-        for at, row_accs in zip(w_at, accs):
-            ws = [_broadcast(builder, builder.load(builder.gep(half, [builder.add(at, p)]))) for half in w_rows]
-            for g, slot in enumerate(row_accs):
-                acc = builder.load(slot)
-                for w, x in (*((ws[0], half[g]) for half in xs), *((wl, xs[0][g]) for wl in ws[1:])):
-                    acc = builder.call(dp, [acc, w, x])  # w . hi, w . lo, then wl . hi (lo . lo dropped)
-                builder.store(acc, slot)
-
-
-def make_block(row_tiles, accumulate):
-    """An intrinsic for one block on vdpbf16ps, the signature and meaning of bf16._make_amx_block's:
-
-    block(w, wl, split, j0, xh, xl, t0, c, p0, pairs): c[:16 row_tiles, t0:t0 + 32] (+)= w[j0 + rows,
-    2 p0:2 (p0 + pairs)] . (xh + xl)[p0:p0 + pairs, tokens t0..t0 + 32] (xh alone where xl has no
-    rows), accumulated into c or not;
-    when split (a bool), w is the hi half of the weights and wl (same rows, same stride) their lo
-    half: c += wl . xh too (else wl is not read). w, wl, xh, xl: uint16, c: float32, all 2-D and
-    C-contiguous; pairs >= 0, any number.
-    """
-    rows = 16 * row_tiles
-    assert rows % ROWS == 0
+def make_block(row_tiles, tokens):
+    """An intrinsic block(w, j, xh, xl, nb, out, r0, q0, count): out[r0 + t, 16 (j + b) + r] (+)= the
+    pairs q0 .. q0 + count of weight row r of tile j + b . those of token t (xh + xl, xh alone where
+    xl has no rows), for t < nb, b < row_tiles; added to out's sums where q0 > 0 (a later pass over
+    the depths), else stored. The tokens run in blocks of `tokens` (xh, xl hold nb rounded up to
+    them; rows past nb are computed, not stored). w: bf16.PACKED; xh, xl: [>= nbp, k] uint16,
+    C-contiguous; out: float32 [.., >= 16 (j + row_tiles)], its values along a row adjacent."""
 
     @intrinsic
-    def dpbf16_block(typingctx, w, wl, split, j0, xh, xl, t0, c, p0, pairs):
+    def block(typingctx, w, j, xh, xl, nb, out, r0, q0, count):
         u16 = types.uint16
-        if not (all(bf16._is_matrix(a, u16) for a in (w, wl, xh, xl)) and bf16._is_matrix(c, types.float32)):
+        if not (bf16.packed_type(w) and bf16._is_matrix(xh, u16) and bf16._is_matrix(xl, u16)
+                and isinstance(out, types.Array) and out.dtype == types.float32 and out.ndim == 2):
             return None
-        sig = types.void(w, wl, types.boolean, types.intp, xh, xl, types.intp, c, types.intp, types.intp)
+        ip = types.intp
+        sig = types.void(w, ip, xh, xl, ip, out, ip, ip, ip)
 
         def codegen(context, builder, signature, args):
-            w_p, (_, k), _ = bf16._data(context, builder, signature.args[0], args[0])
-            wl_p, _, _ = bf16._data(context, builder, signature.args[1], args[1])
-            xh_p, (_, ld2), _ = bf16._data(context, builder, signature.args[4], args[4])
-            xl_p, xl_shape, _ = bf16._data(context, builder, signature.args[5], args[5])
-            c_p, (_, ldc), _ = bf16._data(context, builder, signature.args[7], args[7])
-            _, _, split, j0, _, _, t0, _, p0, pairs = args
+            w_p, (_, steps), _ = bf16._data(context, builder, signature.args[0], args[0])
+            h_p, (_, k), _ = bf16._data(context, builder, signature.args[2], args[2])
+            l_p, l_shape, _ = bf16._data(context, builder, signature.args[3], args[3])
+            o_p, _, (o_stride, _) = bf16._data(context, builder, signature.args[5], args[5])
+            _, j, _, _, nb, _, r0, q0, count = args
             intp = context.get_value_type(types.intp)
-            i32p = ir.IntType(32).as_pointer()
             dp = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_F32X16, [
                 _F32X16, bf16._BF16X32, bf16._BF16X32]), "llvm.x86.avx512bf16.dpbf16ps.512")  # acc, w pairs, x pairs
 
             def const(v):
                 return ir.Constant(intp, v)
 
-            # pairs as 32-bit words: a weight row is k // 2 words, a group of 16 packed tokens ld2 // 2
-            w_words = [builder.bitcast(ptr, i32p) for ptr in (w_p, wl_p)]
-            x_words = [builder.bitcast(ptr, i32p) for ptr in (xh_p, xl_p)]
-            ldw, run = builder.udiv(k, const(2)), builder.udiv(ld2, const(2))
-            accs = [[cgutils.alloca_once(builder, _F32X16) for _ in range(GROUPS)] for _ in range(ROWS)]  # registers
+            lines = builder.bitcast(w_p, bf16._BF16X32.as_pointer())  # a line: one pair of a tile's 16 rows
+            tile_lines = builder.mul(steps, const(_LANES))
+            x_words = [builder.bitcast(p, ir.IntType(32).as_pointer()) for p in (h_p, l_p)]
+            ldx = builder.udiv(k, const(2))  # words of a token's row
+            out_bytes = builder.bitcast(o_p, ir.IntType(8).as_pointer())
+            accs = [[cgutils.alloca_once(builder, _F32X16) for _ in range(tokens)] for _ in range(row_tiles)]
             zero = ir.Constant(_F32X16, [0.0] * _LANES)
-            with cgutils.for_range(builder, const(rows // ROWS)) as blocks:
-                r0 = builder.mul(blocks.index, const(ROWS))
-                c_at = [[_vector_at(builder, c_p, builder.add(builder.mul(builder.add(r0, const(r)), ldc),
-                                                              builder.add(t0, const(_LANES * g))), _F32X16)
-                         for g in range(GROUPS)] for r in range(ROWS)]
-                for at, row_accs in zip(c_at, accs):
-                    for c_g, slot in zip(at, row_accs):
-                        builder.store(builder.load(c_g, align=4) if accumulate else zero, slot)
-                w_at = [builder.add(builder.mul(builder.add(j0, builder.add(r0, const(r))), ldw), p0)
-                        for r in range(ROWS)]
-                x_at = [builder.add(builder.mul(builder.add(builder.udiv(t0, const(_LANES)), const(g)), run),
-                                    builder.mul(p0, const(_LANES))) for g in range(GROUPS)]
-                bf16.each_variant(builder, bf16.has_lo(builder, xl_shape), split, lambda halves, with_wl: _steps(
-                    builder, dp, accs, pairs, x_words[:halves], x_at, w_words[: 1 + with_wl], w_at))
-                for at, row_accs in zip(c_at, accs):
-                    for c_g, slot in zip(at, row_accs):
-                        builder.store(builder.load(slot), c_g, align=4)
+            onto = builder.icmp_signed(">", q0, const(0))
+            w_at = [builder.add(builder.mul(builder.add(j, const(b)), tile_lines), q0) for b in range(row_tiles)]
+            blocks = builder.udiv(builder.add(nb, const(tokens - 1)), const(tokens))
+            with cgutils.for_range(builder, blocks) as block_loop:
+                t0 = builder.mul(block_loop.index, const(tokens))
+                stored = [builder.icmp_signed("<", builder.add(t0, const(t)), nb) for t in range(tokens)]
+                at = [[builder.bitcast(builder.gep(out_bytes, [builder.add(
+                    builder.mul(builder.add(r0, builder.add(t0, const(t))), o_stride),
+                    builder.mul(builder.add(j, const(b)), const(4 * _LANES)))]), _F32X16.as_pointer())
+                    for t in range(tokens)] for b in range(row_tiles)]
+                for t in range(tokens):
+                    with builder.if_else(builder.and_(onto, stored[t])) as (resume, start):
+                        with resume:
+                            for b in range(row_tiles):
+                                builder.store(builder.load(at[b][t], align=4), accs[b][t])
+                        with start:
+                            for b in range(row_tiles):
+                                builder.store(zero, accs[b][t])
+                x_at = [builder.add(builder.mul(builder.add(t0, const(t)), ldx), q0) for t in range(tokens)]
+
+                def steps_loop(halves, _):
+                    with cgutils.for_range(builder, count) as loop:
+                        q = loop.index
+                        ws = [builder.load(builder.gep(lines, [builder.add(a, q)]), align=4) for a in w_at]
+                        for t in range(tokens):
+                            xs = [_broadcast(builder, builder.load(builder.gep(words, [builder.add(x_at[t], q)])))
+                                  for words in x_words[:halves]]
+                            for b in range(row_tiles):
+                                acc = builder.load(accs[b][t])
+                                for x in xs:  # the hi product, then the lo
+                                    acc = builder.call(dp, [acc, ws[b], x])
+                                builder.store(acc, accs[b][t])
+
+                bf16.each_variant(builder, bf16.has_lo(builder, l_shape), None, steps_loop)
+                for t in range(tokens):
+                    with builder.if_then(stored[t]):
+                        for b in range(row_tiles):
+                            builder.store(builder.load(accs[b][t]), at[b][t], align=4)
             return context.get_dummy_value()
 
         return sig, cpu.compiled_for("dpbf16", codegen)
 
-    return dpbf16_block
+    return block
 
 
-# the blocks of bf16._rows_product on this path, beside its AMX blocks
-block_2, block_2_acc = make_block(2, False), make_block(2, True)
-block_1, block_1_acc = make_block(1, False), make_block(1, True)
+_block_4x6, _block_1x6 = make_block(ROW_TILES, BLOCK_TOKENS), make_block(1, BLOCK_TOKENS)
+_block_8x1, _block_1x1 = make_block(DECODE_ROW_TILES, 1), make_block(1, 1)
+
+
+@numba.njit(cache=True, nogil=True, fastmath=False)
+def token_rows(n):
+    """Rows of the packed halves for n tokens: n rounded up to the register block's tokens."""
+    return n if n == 1 else -(-n // BLOCK_TOKENS) * BLOCK_TOKENS
+
+
+@numba.njit(cache=True, nogil=True, fastmath=True)
+def _product(w, xh, xl, nb, out, r0, j0, j1, q0, count):
+    """out[r0 .. r0 + nb, 16 j0 .. 16 j1] (+)= the nb tokens of xh, xl . weight tiles j0 .. j1, over
+    pairs q0 .. q0 + count (onto out's sums where q0 > 0)."""
+    j = j0
+    if nb == 1:
+        while j + DECODE_ROW_TILES <= j1:
+            _block_8x1(w, j, xh, xl, nb, out, r0, q0, count)
+            j += DECODE_ROW_TILES
+        for j in range(j, j1):
+            _block_1x1(w, j, xh, xl, nb, out, r0, q0, count)
+        return
+    while j + ROW_TILES <= j1:
+        _block_4x6(w, j, xh, xl, nb, out, r0, q0, count)
+        j += ROW_TILES
+    for j in range(j, j1):
+        _block_1x6(w, j, xh, xl, nb, out, r0, q0, count)
+
+
+def scratch_floats(k):
+    """float32 elements of gemm's scratch: both halves of a chunk of TOKENS tokens."""
+    return TOKENS * k
+
+
+@numba.njit(cache=True, nogil=True, fastmath=True, parallel=True)
+def _gemm(x, w, out, scratch, workers, rounded):
+    n, k = x.shape
+    halves = scratch[: TOKENS * k].view(np.uint16)
+    xh = halves[: TOKENS * k].reshape((TOKENS, k))
+    xl = halves[TOKENS * k :].reshape((TOKENS, k))[: 0 if rounded else TOKENS]
+    tiles, pairs = w.shape[0], k // 2
+    for i0 in range(0, n, TOKENS):
+        nb = min(TOKENS, n - i0)
+        nbp = token_rows(nb)
+        for wk in prange(workers):
+            t0, t1 = wk * nbp // workers, (wk + 1) * nbp // workers
+            if t1 > t0:  # tokens from nb on repeat token nb - 1, as one call over the chunk would
+                first = min(t0, nb - 1)
+                bf16.pack_token_halves(x, i0 + first, min(nb - first, t1 - t0), t1 - t0, xh[t0:t1], xl[t0:t1])
+        depth = max(_LANES, PASS_BYTES // (nbp * 2 * (2 if xl.shape[0] else 1)))  # pairs of a pass
+        for wk in prange(workers):  # each a run of row tiles, in passes whose tokens stay in L2
+            j0, j1 = wk * tiles // workers, (wk + 1) * tiles // workers
+            for q0 in range(0, pairs, depth):
+                _product(w, xh, xl, nb, out, i0, j0, j1, q0, min(depth, pairs - q0))
+
+
+def gemm(x, w, out, scratch, rounded):
+    """out = x @ w.T for bf16.PACKED w on vdpbf16ps (prefill), x as two bf16 halves or rounded once.
+
+    x: [n, k] float32 (C-contiguous); out: [n, m] float32, its values along a row adjacent (any row
+    stride); scratch: 1-D float32 of scratch_floats(k) elements."""
+    _gemm(x, w, out, scratch, numba.get_num_threads(), rounded)
+
+
+@numba.njit(cache=True, nogil=True, fastmath=True)
+def rows(xh, xl, n, w, out, j0, j1):
+    """out[:n, j0:j1] = x @ w.T for few tokens (decode), x packed by pack_tokens; j0 and j1 on tiles
+    (multiples of 16, or j1 = m). A token's sums are gemm's, to the bit."""
+    _product(w, xh, xl, n, out, 0, j0 // bf16.TILE, (j1 + bf16.TILE - 1) // bf16.TILE, 0, xh.shape[1] // 2)
+
+
+@numba.njit(cache=True, nogil=True, fastmath=False)
+def pack_tokens(x, xh, xl):
+    """x's n rows as rows takes them: xh, xl [token_rows(n), k] uint16 (xl: or no rows)."""
+    bf16.pack_token_halves(x, 0, x.shape[0], xh.shape[0], xh, xl)
+
+
+@numba.njit(cache=True, nogil=True, fastmath=True, parallel=True)
+def linear(x, w, out, workers, rounded):
+    """out = x @ w.T for few tokens (decode) and PACKED w: x packed once, then each worker an equal
+    run of row tiles."""
+    n, k = x.shape
+    xh = np.empty((token_rows(n), k), np.uint16)
+    xl = np.empty((0 if rounded else xh.shape[0], k), np.uint16)
+    pack_tokens(x, xh, xl)
+    tiles = w.shape[0]
+    if n * tiles * bf16.TILE * k < 8 * PARALLEL_MIN:
+        _product(w, xh, xl, n, out, 0, 0, tiles, 0, k // 2)
+        return
+    for wk in prange(workers):
+        _product(w, xh, xl, n, out, 0, wk * tiles // workers, (wk + 1) * tiles // workers, 0, k // 2)

@@ -42,7 +42,7 @@ import numpy as np
 from numba import prange, types
 from numba.extending import overload
 
-from ellmd.kernels import attention, bf16, lanes, moe, norm, quant
+from ellmd.kernels import attention, bf16, dpbf16, lanes, moe, norm, quant
 from ellmd.kernels.activations import PARALLEL_MIN, silu_mul
 from ellmd.kernels.matmul import ROW_BLOCK, matmul, part_rows, path_rows
 from ellmd.kernels.norm import _rmsnorm_rows, qk_norm
@@ -65,8 +65,8 @@ class Stepwise(NamedTuple):
 def fused_run(integer, workers, q8buf, halves, acc, threads, attention_scratch, moe_work) -> tuple:
     """`run` of decode_layer: integer (an integer path on), workers and acc [W, ...] of _linear,
     q8buf (xq, xd, xs; on the "int8" path then int8 xq8, xd8, xs8 for lanes.INT8_BLOCKS), halves
-    (xh, xl: flat uint16 for bf16.pack_tokens, where bf16 weights decode on AMX tiles, else (); xl
-    empty where activations are rounded once), threads of decode attention, attention_scratch (partial_m, partial_l, partial_acc, tile) and moe_work (top_k,
+    (xh, xl, on_tiles: flat uint16 for the packed activations, where bf16 weights decode on AMX tiles
+    (on_tiles) or on vdpbf16ps, else (); xl empty where activations are rounded once), threads of decode attention, attention_scratch (partial_m, partial_l, partial_acc, tile) and moe_work (top_k,
     normalize, moe.fused_work's work) or ()."""
     return integer, workers, q8buf, halves, acc, threads, attention_scratch, moe_work
 
@@ -233,7 +233,7 @@ def _attend_compiled(q, k_layer, v_layer, slots, positions, lengths, scale, out,
         for i in range(n):
             lengths[i] = positions[i] + 1
         _, _, _, halves, _, threads, (partial_m, partial_l, partial_acc, tile), _ = run
-        amx = bf16_kv and len(halves) > 0 and q.shape[2] % 16 == 0  # attention.on_amx: with decode's tiles
+        amx = bf16_kv and on_tiles(halves) and q.shape[2] % 16 == 0  # attention.on_amx: with decode's tiles
         attention.decode_rows(q, k_layer, v_layer, slots, lengths[:n], scale, partial_m, partial_l, partial_acc,
                               tile, threads, amx, out)
 
@@ -294,10 +294,23 @@ def _parts_rows_overload(x, parts, out, j0, j1, acc, q8, halves, integer):
     return impl
 
 
+def on_tiles(halves):
+    """Whether halves (run's) are AMX's: bf16 weights decode on tiles (else on vdpbf16ps, or neither)."""
+    raise NotImplementedError("numba only")
+
+
+@overload(on_tiles, jit_options={"fastmath": False})
+def _on_tiles_overload(halves):
+    if len(halves) == 0:
+        return lambda halves: False
+    return lambda halves: halves[2]
+
+
 def _packed(x, parts, halves):
-    """(xh, xl): x packed for AMX tiles into the flat halves, when they are given (decode on tiles)
-    and a part is bf16: as rows (bf16.pack_token_rows) for weights packed at load, else by pairs
-    (bf16.pack_tokens); else ()."""
+    """(xh, xl, on_tiles): x packed into the flat halves, when they are given and a part is bf16: on
+    AMX tiles as rows (bf16.pack_token_rows) for weights packed at load, else by pairs
+    (bf16.pack_tokens); on vdpbf16ps as rows of values for packed weights (dpbf16.pack_tokens);
+    else ()."""
     raise NotImplementedError("numba only")
 
 
@@ -309,12 +322,20 @@ def _packed_overload(x, parts, halves):
     pack = bf16.pack_token_rows if packed else bf16.pack_tokens
 
     def impl(x, parts, halves):
-        shape = ((x.shape[0] + bf16.TILE - 1) // bf16.TILE, x.shape[1] * bf16.TILE)
+        n, k = x.shape
+        tiles = halves[2]
+        if tiles:
+            shape = ((n + bf16.TILE - 1) // bf16.TILE, k * bf16.TILE)
+        else:  # vdpbf16ps: packed weights only (the others take the f32 kernels)
+            shape = (dpbf16.token_rows(n) if packed else 0, k)
         xh = halves[0][: shape[0] * shape[1]].reshape(shape)
         lo_shape = (shape[0] if halves[1].size else 0, shape[1])  # no lo half: activations rounded once
         xl = halves[1][: lo_shape[0] * shape[1]].reshape(lo_shape)
-        pack(x, xh, xl)
-        return xh, xl
+        if tiles:
+            pack(x, xh, xl)
+        elif packed:
+            dpbf16.pack_tokens(x, xh, xl)
+        return xh, xl, tiles
 
     return impl
 

@@ -19,8 +19,8 @@ decode step. On the "bf16" path (cpu.py), where the CPU has AMX, bf16 weights go
 GEMM of bf16.py instead (activations split into two bf16 halves), in decode as well (rows_amx:
 the same tiles summed in the same order, so the chunk still does not matter); on the
 "bf16-prefill" path, prefill alone, GGUF blocks too (decoded per group of rows, their values
-split as well); on the "dpbf16" path, where AMX is not on, bf16 weights in prefill alone go to
-the same GEMM on vdpbf16ps. The two prefill-only paths are opt-in (cpu.DEFAULT). A call may
+split as well; opt-in, cpu.DEFAULT); on the "dpbf16" path, where AMX is not on, bf16 weights
+packed at load go to vdpbf16ps (dpbf16.py) in prefill and decode alike, one chain of sums. A call may
 narrow the paths (`paths`: MoE's experts, whose decode is moe.py's f32 kernels, leave "bf16" out);
 without an integer path, blocks are packed in panels of PANEL rows decoded to float32
 (transposed) for the SIMD micro-kernel of tile.py. `matmul` picks one by n.
@@ -38,7 +38,7 @@ from numba import prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
-from ellmd.kernels import bf16, cpu, gemm, lanes, quant, quant_f32, quant_int
+from ellmd.kernels import bf16, cpu, dpbf16, gemm, lanes, quant, quant_f32, quant_int
 from ellmd.kernels.activations import PARALLEL_MIN
 from ellmd.kernels.formats import BF16, kernel_view, to_f32
 from ellmd.kernels.quant import decode_row
@@ -209,9 +209,9 @@ def _linear_rows_overload(x, w, out, j0, j1, acc=None):
 def path_rows(x, q, halves, w, out, j0, j1, acc, integer):
     """out[:, j0:j1] = x @ w[j0:j1].T: from q = (xq, xd, xs), x quantized, when integer and w is in a
     block type of the integer paths (q = (xq, xd, xs, xq8, xd8, xs8) on the "int8" path: tiles of
-    lanes.INT8_BLOCKS take the int8 codes); from halves = (xh, xl), x packed by bf16.pack_tokens, on AMX
-    tiles when w is bf16 (halves is () where decode is not on tiles); else from x on the float
-    kernels (acc: dot_rows' accumulator)."""
+    lanes.INT8_BLOCKS take the int8 codes); from halves = (xh, xl, on_tiles), x packed for bf16 weights
+    on AMX tiles (on_tiles) or for packed ones on vdpbf16ps (dpbf16.py) (halves is () where bf16
+    weights decode on neither); else from x on the float kernels (acc: dot_rows' accumulator)."""
     raise NotImplementedError("numba only")
 
 
@@ -231,17 +231,20 @@ def _path_rows_overload(x, q, halves, w, out, j0, j1, acc, integer):
             lanes.lanes_rows(q[0], q[1], q[2], w, out, j0 // lanes.LANES, (j1 + lanes.LANES - 1) // lanes.LANES)
 
         return impl_tiles
-    if bf16.packed_type(w):  # bf16 packed at load: halves packed by bf16.pack_token_rows
+    if bf16.packed_type(w):  # bf16 packed at load: halves packed by bf16.pack_token_rows or dpbf16.pack_tokens
 
         def impl_packed(x, q, halves, w, out, j0, j1, acc, integer):
-            c = acc[: bf16.TILE * bf16.TILE].reshape((bf16.TILE, bf16.TILE))  # the workspace: acc_floats(D) >= 256
-            bf16.rows_packed(halves[0], halves[1], x.shape[0], w, out, j0, j1, c)
+            if halves[2]:
+                c = acc[: bf16.TILE * bf16.TILE].reshape((bf16.TILE, bf16.TILE))  # the workspace: acc_floats(D) >= 256
+                bf16.rows_packed(halves[0], halves[1], x.shape[0], w, out, j0, j1, c)
+            else:
+                dpbf16.rows(halves[0], halves[1], x.shape[0], w, out, j0, j1)
 
         return impl_packed
-    if len(halves) == 2 and w.dtype == types.uint16 and w.layout == "C":  # bf16 (f16 views are int16)
+    if len(halves) == 3 and w.dtype == types.uint16 and w.layout == "C":  # bf16 (f16 views are int16)
 
         def impl_amx(x, q, halves, w, out, j0, j1, acc, integer):
-            if w.shape[0] % bf16.TILE == 0 and w.shape[1] % bf16.CHUNK == 0:  # bf16.usable, as linear decides
+            if halves[2] and w.shape[0] % bf16.TILE == 0 and w.shape[1] % bf16.CHUNK == 0:  # bf16.usable, as linear
                 c = acc[: bf16.TILE * bf16.TILE].reshape((bf16.TILE, bf16.TILE))  # the workspace: acc_floats(D) >= 256
                 bf16.rows_amx(halves[0], halves[1], x.shape[0], w, out, j0, j1, c)
             else:
@@ -340,6 +343,8 @@ def linear(x, w, fmt, out, paths=None):
     for part, cols in _parts(w, out):
         if lanes.is_tiles(part):
             lanes.linear_lanes(x, part, cols, numba.get_num_threads())
+        elif bf16.is_packed(part) and bf16.vdpbf16ps(paths):
+            dpbf16.linear(x, part, cols, numba.get_num_threads(), bf16.rounded(paths))
         elif bf16.is_packed(part):
             _linear_packed(x, part, cols, numba.get_num_threads(), bf16.rounded(paths))
         elif _integer(part):
@@ -414,8 +419,9 @@ def linear_ref(x, w, fmt, out, paths=None):
     """numpy reference of linear."""
     paths = cpu.ENABLED if paths is None else paths
     for part, cols in _parts(w, out):
-        part = bf16.unpack(part) if bf16.is_packed(part) else part
-        if _decodes_on_tiles(x, part, fmt, paths):
+        packed = bf16.is_packed(part)  # on AMX tiles or vdpbf16ps: the GEMM's halves
+        part = bf16.unpack(part) if packed else part
+        if packed or _decodes_on_tiles(x, part, fmt, paths):
             bf16.gemm_ref(x, part, cols, None, paths)
             continue
         w32 = lanes.dequantize_ref(part)[: cols.shape[1]] if lanes.is_tiles(part) else to_f32(part, fmt)
@@ -431,7 +437,8 @@ def prefill_scratch_size(m, k):
 
     One work area per numba thread (the count at the time of the call).
     """
-    return max(numba.get_num_threads() * _worker_floats(k), bf16.scratch_floats(m, k) if bf16.AMX or bf16.DPBF16 else 0)
+    return max(numba.get_num_threads() * _worker_floats(k), bf16.scratch_floats(m, k) if bf16.AMX else 0,
+               dpbf16.scratch_floats(k) if "dpbf16" in cpu.host_paths() else 0)
 
 
 @numba.njit(cache=True, nogil=True, fastmath=True)
@@ -510,6 +517,8 @@ def linear_prefill(x, w, fmt, out, scratch, paths=None):
     for part, cols in _parts(w, out):
         if lanes.is_tiles(part):  # decode's kernel: the same sums
             lanes.linear_lanes(x, part, cols, workers)
+        elif bf16.is_packed(part) and bf16.vdpbf16ps(paths):
+            dpbf16.gemm(x, part, cols, scratch, bf16.rounded(paths))
         elif bf16.is_packed(part):
             bf16.gemm_packed(x, part, cols, scratch, paths)
         elif _integer_prefill(x, part, fmt, paths):
@@ -530,12 +539,12 @@ def _integer_prefill(x, w, fmt, paths):
 
 def _bf16_gemm(x, w, fmt, paths):
     """True when w's prefill takes bf16.gemm on these paths: bf16 weights on AMX ("bf16" or
-    "bf16-prefill") or on vdpbf16ps ("dpbf16"); GGUF blocks on AMX with "bf16-prefill" only."""
+    "bf16-prefill"; those packed at load take gemm_packed); GGUF blocks with "bf16-prefill" only."""
     if w.ndim != 2 or not (w.flags.c_contiguous and x.flags.c_contiguous):
         return False
     if quant.is_blocks(w):
         return "bf16-prefill" in paths and bf16.tiles(paths) and bf16.usable(w.shape[0], quant.columns(w))
-    return fmt == BF16 and w.dtype == np.uint16 and bf16.enabled(paths) and bf16.usable(*w.shape)
+    return fmt == BF16 and w.dtype == np.uint16 and bf16.tiles(paths) and bf16.usable(*w.shape)
 
 
 def _decodes_on_tiles(x, w, fmt, paths):
@@ -547,8 +556,9 @@ def linear_prefill_ref(x, w, fmt, out, scratch, paths=None):
     """numpy reference of linear_prefill (of its bf16 GEMM where the paths send w there)."""
     paths = cpu.ENABLED if paths is None else paths
     for part, cols in _parts(w, out):
-        part = bf16.unpack(part) if bf16.is_packed(part) else part
-        if _bf16_gemm(x, part, fmt, paths) and not lanes.is_tiles(part):
+        packed = bf16.is_packed(part)
+        part = bf16.unpack(part) if packed else part
+        if packed or (_bf16_gemm(x, part, fmt, paths) and not lanes.is_tiles(part)):
             bf16.gemm_ref(x, part, cols, None, paths)
         else:
             linear_ref(x, part, fmt, cols)
