@@ -2,8 +2,7 @@
 vs transformers fp32, within the error of transformers' own bf16 forward on the same weights.
 
 bf16 checkpoints, native bf16 weights, f32 KV: a prefill of matmul.PREFILL_MIN_ROWS tokens (64; logits
-at every position) in one chunk, then 8 decode steps, as multi_token does: the vdpbf16ps path rounds
-in prefill alone, which shorter prompts never reach (they take decode's kernels). The two-halves
+at every position) in one chunk (the prefill GEMM), then 8 decode steps, as multi_token does. The two-halves
 paths meet multi_token's 1e-3 of the largest logit; one bf16 value per activation cannot (bf16 keeps 8 bits: ~2e-3 of each product). The bound
 is the reference's: transformers run in bf16 (its dtype for a bf16 checkpoint) on the same tokens,
 compared with its fp32 forward, gives the error a bf16 computation is allowed here; ellm must be no
@@ -44,7 +43,7 @@ def bf16_reference_logits(path, tokens) -> np.ndarray:
 
 
 def default_kernels() -> str:
-    """AMX's path with rounding where the CPU has AMX, else vdpbf16ps' (prefill only; decode in f32)."""
+    """AMX's path with rounding where the CPU has AMX, else vdpbf16ps'."""
     from ellmd.kernels import cpu
 
     return "int16,bf16,bf16-round" if "bf16" in cpu.host_paths() else "int16,dpbf16,bf16-round"

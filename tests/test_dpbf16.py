@@ -72,7 +72,7 @@ def _runner(row_tiles, tokens):
 
     @numba.njit(nogil=True, fastmath=True)
     def run(w, j, xh, xl, nb, out, r0, q0, count):
-        block(w, j, xh, xl, nb, out, r0, q0, count)
+        block(w, j, xh, xl, nb, out, r0, q0, count, q0 > 0)
 
     return run
 
@@ -236,16 +236,23 @@ def test_amx_wins_where_both_are_on(monkeypatch):
     assert bf16.vdpbf16ps({"dpbf16"}) and bf16.vdpbf16ps({"bf16-prefill", "dpbf16"})
 
 
-def test_attention_stays_off_amx(rng, dp):
-    """AMX attention is the "bf16" path's (with decode on the same tiles): with "dpbf16", bf16 KV
-    takes the f32 kernels."""
-    assert not attention.on_amx(BF16, 64)
+def test_attention_takes_vdpbf16ps_on_its_path(rng, dp, monkeypatch):
+    """bf16 KV takes vdpbf16ps where bf16 weights do (head_dim a multiple of 32): within bf16
+    probabilities' bound of exact (test_bf16 checks it over shapes, test_head_dim decode against
+    prefill); f16 KV, a head_dim of 80 and the path off take the f32 kernels."""
+    assert attention.products(BF16, 64) == attention.products(BF16, 128) == attention.ON_DPBF16
+    assert attention.products(F16, 64) == attention.products(BF16, 80) == attention.ON_F32
+    assert attention.products(BF16, 64, frozenset({"int16"})) == attention.ON_F32
     n, start, hd = 40, 70, 64
     q = rng.standard_normal((n, 4, hd)).astype(np.float32)
     k, v = (formats.to_storage(rng.standard_normal((2, start + n, hd)).astype(np.float32), BF16) for _ in range(2))
-    got, want = np.empty_like(q), np.empty_like(q)
-    attention.attention_prefill(q, k, v, BF16, start, hd**-0.5, got)
+    want = np.empty_like(q)
     attention.attention_prefill_ref(q, k, v, BF16, start, hd**-0.5, want)
+    got = np.empty_like(q)
+    attention.attention_prefill(q, k, v, BF16, start, hd**-0.5, got)
+    assert 1e-6 < np.abs(got - want).max() <= 2.0**-8 * np.abs(formats.to_f32(v, BF16)).max()  # bf16 probabilities
+    monkeypatch.setattr(cpu, "ENABLED", frozenset({"int16"}))
+    attention.attention_prefill(q, k, v, BF16, start, hd**-0.5, got)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
@@ -255,8 +262,10 @@ def test_engine_names_the_path(monkeypatch):
     engine.spec = SimpleNamespace(head_dim=64)
     monkeypatch.setattr(bf16, "AMX", False)
     monkeypatch.setattr(cpu, "ENABLED", frozenset({"int16", "dpbf16"}))
+    described = engine.describe_kernels()
     assert "bf16 weights: vdpbf16ps in decode and prefill (activations as two bf16 halves, a token's numbers alike);" \
-        in engine.describe_kernels()
+        in described
+    assert "attention: vdpbf16ps in prefill and decode (queries as two bf16 halves" in described
     monkeypatch.setattr(cpu, "ENABLED", frozenset({"int16", "dpbf16", "bf16-round"}))
     assert "bf16 weights: vdpbf16ps in decode and prefill (activations rounded to bf16" in engine.describe_kernels()
     monkeypatch.setattr(cpu, "ENABLED", frozenset({"int16"}))

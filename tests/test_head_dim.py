@@ -33,7 +33,7 @@ def rng():
 
 def assert_attention_close(got, want, q, v, fmt):
     """f32 kernels to f32 rounding; AMX tiles, where they ran, within 2**-8 x max|v|."""
-    if attention.on_amx(fmt, q.shape[2]):
+    if attention.products(fmt, q.shape[2]) != attention.ON_F32:
         assert np.abs(got - want).max() <= 2.0**-8 * np.abs(formats.to_f32(v, fmt)).max()
     else:
         np.testing.assert_allclose(got, want, **TOL)

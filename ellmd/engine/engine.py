@@ -214,8 +214,10 @@ class Engine:
             floats = f"f32 FMA in decode, AMX tdpbf16ps ({activations}) in prefill"
         else:
             floats = "f32 FMA in decode and prefill"
-        if attention.on_amx(self.kv.fmt, self.spec.head_dim):
-            attention_path = "AMX tdpbf16ps in prefill and decode (queries as two bf16 halves, a token's numbers alike)"
+        products = attention.products(self.kv.fmt, self.spec.head_dim)
+        if products != attention.ON_F32:
+            instruction = "AMX tdpbf16ps" if products == attention.ON_AMX else "vdpbf16ps"
+            attention_path = f"{instruction} in prefill and decode (queries as two bf16 halves, a token's numbers alike)"
         else:
             attention_path = "f32 FMA in prefill and decode"
         return (f"{blocks} in decode, in prefill {block_prefill}; bf16 weights: {floats}; f16/f32 weights: f32 FMA; "

@@ -51,7 +51,7 @@ import numpy as np
 from numba import prange, types
 from numba.extending import overload
 
-from ellmd.kernels import bf16, gemm, kv_blocks
+from ellmd.kernels import bf16, dpbf16, gemm, kv_blocks
 from ellmd.kernels.activations import FASTMATH_DIVIDES, exp_f32
 from ellmd.kernels.aligned import line_start
 from ellmd.kernels.formats import BF16, _bitcast_f32, _bitcast_u32, decode, encode, kernel_view, to_f32, to_storage
@@ -384,34 +384,34 @@ def _query_blocks(hd):
 
 
 @numba.njit(cache=True, nogil=True, fastmath=True)
-def _unit_partial(q, k_slot, v_slot, start, scale, h, q0, nq, seg, bufs, amx_bufs, amx):
+def _unit_partial(q, k_slot, v_slot, start, scale, h, q0, nq, seg, bufs, bf16_bufs, bf16_path):
     """The partial softmax of segment seg for queries q0..q0+nq of the g heads of kv head h (row
     r = qi * g + gi) into bufs' m, l, acc (bufs: _task_buffers, its qs filled by _fill_queries; on
-    AMX, amx_bufs: _amx_buffers, its queries packed by _pack_queries)."""
+    bf16 KV, bf16_bufs: _bf16_buffers, its queries packed by _pack_bf16_queries)."""
     qs, st, acc, m, l, m_new, alpha, total, kt, vt, panel, qc, qd = bufs
     g = q.shape[1] // k_slot.shape[0]
     t_lo = seg * SEGMENT
     t_hi = min(start + q0 + nq, t_lo + SEGMENT)  # the unit's last query sees keys up to start + q0 + nq - 1
-    if amx:
-        _amx_partial(k_slot[h], v_slot[h], t_lo, t_hi, start + q0, g, nq * g, amx_bufs, m, l, acc)
+    if bf16_path:
+        _bf16_partial(k_slot[h], v_slot[h], t_lo, t_hi, start + q0, g, nq * g, bf16_bufs, m, l, acc, bf16_path)
     else:
         _segment(qs, qc, qd, k_slot[h], v_slot[h], t_lo, t_hi, start + q0, g, nq * g, st, m, l, acc, m_new, alpha,
                  total, kt, vt, panel)
 
 
 @numba.njit(cache=True, nogil=True, fastmath=True)
-def _unit_queries(q, h, g, q0, nq, scale, k_head, bufs, amx):
-    """A unit's queries into its buffers (bufs from _task_buffers and the AMX ones from
-    _amx_buffers, filled for the path the unit takes) and the AMX buffers."""
+def _unit_queries(q, h, g, q0, nq, scale, k_head, bufs, bf16_path):
+    """A unit's queries into its buffers (bufs from _task_buffers and the bf16 ones from
+    _bf16_buffers, filled for the path the unit takes) and the bf16 buffers."""
     qs, qc, qd = bufs[0], bufs[11], bufs[12]
-    if amx:
-        area = line_start(np.zeros(amx_floats(nq * g, q.shape[2]) + 16, np.float32))  # tile rows on lines
-        amx_bufs = _amx_buffers(area, nq * g, q.shape[2])
-        _pack_queries(q, h, g, q0, nq, scale, amx_bufs[0], amx_bufs[1])
+    if bf16_path:
+        area = line_start(np.zeros(bf16_floats(nq * g, q.shape[2], bf16_path) + 16, np.float32))  # rows on lines
+        bf16_bufs = _bf16_buffers(area, nq * g, q.shape[2], bf16_path)
+        _pack_bf16_queries(q, h, g, q0, nq, scale, bf16_bufs, bf16_path)
     else:  # views of nothing: the f32 path neither reads them nor pays for an area
-        amx_bufs = _amx_buffers(np.zeros(0, np.float32), 0, 0)
+        bf16_bufs = _amx_buffers(np.zeros(0, np.float32), 0, 0)
         _fill_queries(q, h, g, q0, nq, scale, k_head, qs, qc, qd)
-    return amx_bufs
+    return bf16_bufs
 
 
 @numba.njit(cache=True, nogil=True, fastmath=True)
@@ -438,18 +438,18 @@ def _write_rows(state_m, state_l, o, h, g, q0, nq, out):
 
 
 @numba.njit(cache=True, nogil=True, fastmath=True)
-def _prefill_unit(q, k_slot, v_slot, start, scale, h, q0, nq, out, amx):
+def _prefill_unit(q, k_slot, v_slot, start, scale, h, q0, nq, out, bf16_path):
     """Queries q0..q0+nq of kv head h over all their keys, segment after segment, into out."""
     g, hd = q.shape[1] // k_slot.shape[0], q.shape[2]
     rows = nq * g
     bufs = _task_buffers(rows, hd)
-    amx_bufs = _unit_queries(q, h, g, q0, nq, scale, k_slot[h], bufs, amx)
+    bf16_bufs = _unit_queries(q, h, g, q0, nq, scale, k_slot[h], bufs, bf16_path)
     acc, m, l = bufs[2], bufs[3], bufs[4]
     state_m = np.full(rows, _NO_MAX, np.float32)
     state_l = np.zeros(rows, np.float32)
     o = np.zeros((rows, hd), np.float32)
     for seg in range(_segments(start + q0 + nq)):
-        _unit_partial(q, k_slot, v_slot, start, scale, h, q0, nq, seg, bufs, amx_bufs, amx)
+        _unit_partial(q, k_slot, v_slot, start, scale, h, q0, nq, seg, bufs, bf16_bufs, bf16_path)
         for r in range(rows):
             state_m[r], state_l[r] = _fold_row(state_m[r], state_l[r], o[r], m[r], l[r], acc[r, :hd])
     _write_rows(state_m, state_l, o, h, g, q0, nq, out)
@@ -483,7 +483,7 @@ def _task_queries(n, kvh, g, threads):
 
 
 @numba.njit(cache=True, nogil=True, fastmath=True, parallel=True)
-def _prefill(q, k_slot, v_slot, start, scale, out, threads, amx):
+def _prefill(q, k_slot, v_slot, start, scale, out, threads, bf16_path):
     n, heads, hd = q.shape
     kvh = k_slot.shape[0]
     g = heads // kvh
@@ -492,7 +492,7 @@ def _prefill(q, k_slot, v_slot, start, scale, out, threads, amx):
     if units >= SPLIT_UNITS * threads:
         for u in prange(units):
             h, q0, nq = _unit_bounds(u, n, qb, nqb)
-            _prefill_unit(q, k_slot, v_slot, start, scale, h, q0, nq, out, amx)
+            _prefill_unit(q, k_slot, v_slot, start, scale, h, q0, nq, out, bf16_path)
         return
     # a short chunk: its units' segments are shared among the threads, then merged in order
     nseg = _segments(start + n)
@@ -506,8 +506,8 @@ def _prefill(q, k_slot, v_slot, start, scale, out, threads, amx):
         if seg >= _segments(start + q0 + nq):
             continue  # past the unit's keys: the fold below skips it too
         bufs = _task_buffers(nq * g, hd)
-        amx_bufs = _unit_queries(q, h, g, q0, nq, scale, k_slot[h], bufs, amx)
-        _unit_partial(q, k_slot, v_slot, start, scale, h, q0, nq, seg, bufs, amx_bufs, amx)
+        bf16_bufs = _unit_queries(q, h, g, q0, nq, scale, k_slot[h], bufs, bf16_path)
+        _unit_partial(q, k_slot, v_slot, start, scale, h, q0, nq, seg, bufs, bf16_bufs, bf16_path)
         rows = nq * g
         pm[u, seg, :rows] = bufs[3][:rows]
         pl[u, seg, :rows] = bufs[4][:rows]
@@ -719,20 +719,23 @@ def _amx_segment(k_head, v_head, t_lo, t_hi, limit, g, bufs):
             r0 += cols
 
 
-def _amx_partial(k_head, v_head, t_lo, t_hi, limit, g, rows, bufs, m_out, l_out, acc_out):
-    """_amx_segment's partial of `rows` rows into the f32 path's arrays m_out, l_out [>= rows] and
-    acc_out [>= rows, >= hd], for _fold_row (bf16 KV; a no-op for the other KV types, which never
-    take this path)."""
+def _bf16_partial(k_head, v_head, t_lo, t_hi, limit, g, rows, bufs, m_out, l_out, acc_out, bf16_path):
+    """The partial of `rows` rows on bf16_path's products (_amx_segment, _dp_segment) into the f32
+    path's arrays m_out, l_out [>= rows] and acc_out [>= rows, >= hd], for _fold_row (bf16 KV; a
+    no-op for the other KV types, which never take this path)."""
     raise NotImplementedError("numba only")
 
 
-@overload(_amx_partial, jit_options={"nogil": True, "fastmath": True})
-def _amx_partial_overload(k_head, v_head, t_lo, t_hi, limit, g, rows, bufs, m_out, l_out, acc_out):
+@overload(_bf16_partial, jit_options={"nogil": True, "fastmath": True})
+def _bf16_partial_overload(k_head, v_head, t_lo, t_hi, limit, g, rows, bufs, m_out, l_out, acc_out, bf16_path):
     if k_head.dtype != types.uint16:
-        return lambda k_head, v_head, t_lo, t_hi, limit, g, rows, bufs, m_out, l_out, acc_out: None
+        return lambda k_head, v_head, t_lo, t_hi, limit, g, rows, bufs, m_out, l_out, acc_out, bf16_path: None
 
-    def impl(k_head, v_head, t_lo, t_hi, limit, g, rows, bufs, m_out, l_out, acc_out):
-        _amx_segment(k_head, v_head, t_lo, t_hi, limit, g, bufs)
+    def impl(k_head, v_head, t_lo, t_hi, limit, g, rows, bufs, m_out, l_out, acc_out, bf16_path):
+        if bf16_path == ON_AMX:
+            _amx_segment(k_head, v_head, t_lo, t_hi, limit, g, bufs)
+        else:
+            _dp_segment(k_head, v_head, t_lo, t_hi, limit, g, rows, bufs)
         m, l, acc = bufs[10], bufs[11], bufs[12]
         for r in range(rows):
             m_out[r] = m[r]
@@ -744,11 +747,158 @@ def _amx_partial_overload(k_head, v_head, t_lo, t_hi, limit, g, rows, bufs, m_ou
     return impl
 
 
-def on_amx(fmt, hd, paths=None):
-    """Whether attention over KV of format fmt and head_dim hd runs on AMX tiles with these paths on
-    (cpu.ENABLED when None): the "bf16" path (decode's matmuls on tiles too: bf16.decode_tiles),
-    bf16 KV, hd % 16 == 0."""
-    return bf16.decode_tiles(paths) and fmt == BF16 and hd % 16 == 0
+# ---- bf16 KV on vdpbf16ps (dpbf16.py): a segment's partial softmax, in prefill and decode -------
+#
+# Where bf16 weights run on vdpbf16ps ("dpbf16", no AMX), bf16 KV takes that instruction in AMX's
+# frame (segments at fixed positions, tiles of KA keys from a segment's start, queries as two bf16
+# halves, probabilities rounded to bf16, the same softmax), with outputs in lanes: scores [rows, KA]
+# = queries . keys on dpbf16.product, the tile's keys transposed into pairs of 16 keys
+# (bf16.transpose_words), a row's scores in its own lanes; the softmax along each row; then acc
+# [rows, hd] += probabilities . values, the values interleaved by pairs of keys (bf16.pair_keys),
+# the probabilities a row's bf16 pairs as they lie. Each (row, key) score and (row, dimension) sum is
+# one lane's chain of vdpbf16ps whatever the rows beside it, so a decode step's g rows get the bits
+# prefill gives the same query, and no row is padded (AMX pads a decode step's g rows to 16).
+
+ON_F32, ON_AMX, ON_DPBF16 = 0, 1, 2  # attention over bf16 KV: the f32 kernels, AMX tiles, vdpbf16ps
+
+
+@numba.njit(cache=True, nogil=True, fastmath=False)
+def _padded_rows(rows):
+    """Rows of the packed queries and probabilities: dpbf16's blocks of tokens from any first row."""
+    return dpbf16.token_rows(rows) + dpbf16.BLOCK_TOKENS
+
+
+@numba.njit(cache=True, nogil=True, fastmath=False)
+def dp_floats(rows, hd):
+    """float32 elements of _dp_buffers' area for `rows` query rows of head_dim hd."""
+    padded = _padded_rows(rows)
+    return padded * hd + 3 * AMX_KEYS * hd // 2 + rows * AMX_KEYS + padded * AMX_KEYS // 2 + 2 * rows * hd + 2 * rows
+
+
+@numba.njit(cache=True, nogil=True, fastmath=True)
+def _dp_buffers(area, rows, hd):
+    """A vdpbf16ps task's arrays, views of area (dp_floats(rows, hd) elements), in the places of
+    _amx_buffers' (the same types): two empty uint32 matrices; qh, ql [P, hd] uint16 (the scaled
+    queries' halves as rows, P = _padded_rows(rows)); kt [hd // 2, 2 KA] uint16 (the tile's keys by
+    pairs of dimensions, keys as columns); vp [KA // 2, 2 hd] uint16 (values by pairs of keys); st
+    [rows, KA] scores; ks [KA, hd // 2] uint32 (a partial tile's keys, padded); pr [P, KA] uint16 (a
+    row's bf16 probabilities); qs [rows, hd] (the scaled queries); m, l [rows]; acc [rows, hd]."""
+    padded = _padded_rows(rows)
+    o = 0
+    qh = area[o : o + padded * hd // 2].view(np.uint16).reshape((padded, hd))
+    o += padded * hd // 2
+    ql = area[o : o + padded * hd // 2].view(np.uint16).reshape((padded, hd))
+    o += padded * hd // 2
+    kt = area[o : o + AMX_KEYS * hd // 2].view(np.uint16).reshape((hd // 2, 2 * AMX_KEYS))
+    o += AMX_KEYS * hd // 2
+    vp = area[o : o + AMX_KEYS * hd // 2].view(np.uint16).reshape((AMX_KEYS // 2, 2 * hd))
+    o += AMX_KEYS * hd // 2
+    st = area[o : o + rows * AMX_KEYS].reshape((rows, AMX_KEYS))
+    o += rows * AMX_KEYS
+    ks = area[o : o + AMX_KEYS * hd // 2].view(np.uint32).reshape((AMX_KEYS, hd // 2))
+    o += AMX_KEYS * hd // 2
+    pr = area[o : o + padded * AMX_KEYS // 2].view(np.uint16).reshape((padded, AMX_KEYS))
+    o += padded * AMX_KEYS // 2
+    qs = area[o : o + rows * hd].reshape((rows, hd))
+    o += rows * hd
+    m, l = area[o : o + rows], area[o + rows : o + 2 * rows]
+    o += 2 * rows
+    acc = area[o : o + rows * hd].reshape((rows, hd))
+    none = area[:0].view(np.uint32).reshape((0, 0))
+    return none, none, qh, ql, kt, vp, st, ks, pr, qs, m, l, acc
+
+
+@numba.njit(cache=True, nogil=True, fastmath=True)
+def _bf16_buffers(area, rows, hd, bf16_path):
+    """A task's arrays for bf16_path's products: _amx_buffers or _dp_buffers."""
+    return _amx_buffers(area, rows, hd) if bf16_path == ON_AMX else _dp_buffers(area, rows, hd)
+
+
+@numba.njit(cache=True, nogil=True, fastmath=False)
+def bf16_floats(rows, hd, bf16_path):
+    """float32 elements of _bf16_buffers' area."""
+    return amx_floats(rows, hd) if bf16_path == ON_AMX else dp_floats(rows, hd)
+
+
+@numba.njit(cache=True, nogil=True, fastmath=True)
+def _pack_bf16_queries(q, h, g, q0, nq, scale, bufs, bf16_path):
+    """The task's scaled queries (row r = qi * g + gi) as bf16_path's products take them: AMX's
+    pairs by column (_pack_queries), or rows of halves (bf16.pack_token_halves)."""
+    if bf16_path == ON_AMX:
+        _pack_queries(q, h, g, q0, nq, scale, bufs[0], bufs[1])
+        return
+    qh, ql, qs = bufs[2], bufs[3], bufs[9]
+    for qi in range(nq):
+        for gi in range(g):
+            src, dst = q[q0 + qi, h * g + gi], qs[qi * g + gi]
+            for d in range(src.shape[0]):
+                dst[d] = src[d] * np.float32(scale)
+    bf16.pack_token_halves(qs, 0, nq * g, qh.shape[0], qh, ql)
+
+
+@numba.njit(cache=True, nogil=True, fastmath=True)
+def _dp_softmax(st, pr, m, l, acc, r0, rows, nk, base, g):
+    """The online softmax of rows r0..rows over a tile (st: [rows, KA] scores), as _softmax_block's
+    along a row: row r sees tile key j while j < nk and j <= base + r // g; its bf16 probabilities
+    into pr[r] (0 for hidden keys), l summing those very values."""
+    for r in range(r0, rows):
+        s, p = st[r], pr[r]
+        for j in range(min(nk, base + r // g + 1), AMX_KEYS):  # hidden: exp gives 0 (rows from r0 see key 0)
+            s[j] = _MASKED
+        top = bf16.row_max(s)
+        mc = m[r]
+        grow = top > mc + _SLACK  # the reference max moves only when a score passes it by _SLACK
+        if grow:
+            mc = top
+        alpha = exp_f32(m[r] - mc)
+        l[r] = l[r] * alpha + bf16.exp_row(s, mc, p)
+        if grow:
+            m[r] = mc
+            a = acc[r]
+            for d in range(a.shape[0]):
+                a[d] *= alpha
+
+
+@numba.njit(cache=True, nogil=True, fastmath=True)
+def _dp_segment(k_head, v_head, t_lo, t_hi, limit, g, rows, bufs):
+    """The partial softmax m, l [rows] and acc [rows, hd] in bufs (_dp_buffers, its queries packed)
+    over keys [t_lo, t_hi), from a fresh start, in tiles of KA keys from t_lo; row r sees key t when
+    r // g >= t - limit, so a tile's products skip the rows before its first key's (a hidden key's
+    probability is 0: skipping them changes no number)."""
+    _, _, qh, ql, kt, vp, st, ks, pr, _, m, l, acc = bufs
+    hd = k_head.shape[1]
+    m[:] = _NO_MAX
+    l[:] = np.float32(0.0)
+    acc[:] = np.float32(0.0)
+    pr[rows:] = 0  # rows past the task's, products computed and dropped: finite
+    keys, kt32 = k_head.view(np.uint32), kt.view(np.uint32)  # [S, hd // 2], [hd // 2, KA]: pairs of dimensions
+    for t0 in range(t_lo, t_hi, AMX_KEYS):
+        nk = min(AMX_KEYS, t_hi - t0)
+        if nk == AMX_KEYS:
+            bf16.transpose_words(keys[t0 : t0 + AMX_KEYS], kt32, 0, 0, AMX_KEYS, hd // 2)
+        else:  # past nk: zero keys, their scores hidden
+            ks[:nk] = keys[t0 : t0 + nk]
+            ks[nk:] = 0
+            bf16.transpose_words(ks, kt32, 0, 0, AMX_KEYS, hd // 2)
+        bf16.pair_keys(v_head, t0, nk, vp)
+        r0 = min(rows, max(0, t0 - limit) * g)
+        if r0 == rows:
+            continue
+        dpbf16.product(kt, qh[r0:], ql[r0:], rows - r0, st[r0:], 0, 0, AMX_KEYS // bf16.TILE, 0, hd // 2, False)
+        _dp_softmax(st, pr, m, l, acc, r0, rows, nk, limit - t0, g)
+        dpbf16.product(vp, pr[r0:], pr[:0], rows - r0, acc[r0:], 0, 0, hd // bf16.TILE, 0, AMX_KEYS // 2, True)
+
+
+def products(fmt, hd, paths=None):
+    """The products of attention over KV of format fmt and head_dim hd with these paths on
+    (cpu.ENABLED when None): ON_AMX on the "bf16" path (decode's matmuls on tiles too:
+    bf16.decode_tiles), bf16 KV, hd % 16 == 0; ON_DPBF16 where bf16 weights run on vdpbf16ps
+    (bf16.vdpbf16ps), bf16 KV, hd % 32 == 0; else ON_F32 (the f32 kernels)."""
+    if fmt != BF16:
+        return ON_F32
+    if bf16.decode_tiles(paths):
+        return ON_AMX if hd % 16 == 0 else ON_F32
+    return ON_DPBF16 if bf16.vdpbf16ps(paths) and hd % 32 == 0 else ON_F32
 
 
 def attention_prefill(q, k_slot, v_slot, fmt, start, scale, out):
@@ -756,8 +906,8 @@ def attention_prefill(q, k_slot, v_slot, fmt, start, scale, out):
 
     Query i sits at position start + i and sees keys [0, start + i]; keys [0, start + n) must be
     stored. q: [n, H, hd] float32; k_slot, v_slot: [kvh, S, hd] storage; out: [n, H, hd] float32.
-    bf16 KV on the "bf16" path where the CPU has AMX (on_amx): tile products (see above), the output
-    within 2**-8 x max|v| of exact (bf16 probabilities); otherwise the f32 kernels. Either way each
+    bf16 KV on AMX tiles or vdpbf16ps (products): bf16 products (see above), the output within
+    2**-8 x max|v| of exact (bf16 probabilities); otherwise the f32 kernels. Either way each
     query is computed as a decode step computes it: tasks are (kv head, block of TASK_ROWS // g queries),
     each converting a key tile once for all g heads of its block, ordered short, long, short, ...
     (causal work grows with the block) so that the contiguous task ranges the threads receive
@@ -765,7 +915,7 @@ def attention_prefill(q, k_slot, v_slot, fmt, start, scale, out):
     segments among them.
     """
     _prefill(q, kernel_view(k_slot, fmt), kernel_view(v_slot, fmt), start, scale, out, numba.get_num_threads(),
-             on_amx(fmt, q.shape[2]))
+             products(fmt, q.shape[2]))
 
 
 def attention_prefill_ref(q, k_slot, v_slot, fmt, start, scale, out):
@@ -789,7 +939,7 @@ def decode_scratch_shapes(max_batch, H, hd, threads, sequence_length):
     rows_p = _round_up(H, 12)  # bounds the padded group size (to MR, or to TALL_MR past 2 * MR)
     hdp = _round_up(hd, NR)
     tile = max(rows_p * (hd + TILE_KEYS + hdp + 5 + hd + max(1, hd // 32)) + 2 * TILE_KEYS * hdp
-               + (gemm.PANEL * hd if H > FEW_ROWS else 0), amx_floats(H, hd))
+               + (gemm.PANEL * hd if H > FEW_ROWS else 0), amx_floats(H, hd), dp_floats(H, hd))
     tile = _round_up(tile, 16)  # each thread's row starts a cache line (the scratch does: aligned.py)
     segments = (sequence_length + SEGMENT - 1) // SEGMENT
     return {
@@ -829,16 +979,16 @@ def _carve(tile, g, hd):
 
 
 @numba.njit(cache=True, nogil=True, fastmath=True)
-def _decode_task(q, k_head, v_head, b, h, length, seg, scale, m_out, l_out, acc_out, tile, amx):
+def _decode_task(q, k_head, v_head, b, h, length, seg, scale, m_out, l_out, acc_out, tile, bf16_path):
     """Segment seg of batch row b's keys [0, length) for the g query heads of kv head h: its partial
     softmax into m_out, l_out: [g] and acc_out: [g, hd], computed as prefill computes it."""
     g, hd = acc_out.shape
     t_lo = seg * SEGMENT
     t_hi = min(length, t_lo + SEGMENT)
-    if amx:
-        bufs = _amx_buffers(tile, g, hd)
-        _pack_queries(q, h, g, b, 1, scale, bufs[0], bufs[1])
-        _amx_partial(k_head, v_head, t_lo, t_hi, t_hi, g, g, bufs, m_out, l_out, acc_out)
+    if bf16_path:
+        bufs = _bf16_buffers(tile, g, hd, bf16_path)
+        _pack_bf16_queries(q, h, g, b, 1, scale, bufs, bf16_path)
+        _bf16_partial(k_head, v_head, t_lo, t_hi, t_hi, g, g, bufs, m_out, l_out, acc_out, bf16_path)
         return
     qs, st, acc, m, l, m_new, alpha, total, kt, vt, panel, qc, qd = _carve(tile, g, hd)
     qs[:] = np.float32(0.0)
@@ -853,7 +1003,7 @@ def _decode_task(q, k_head, v_head, b, h, length, seg, scale, m_out, l_out, acc_
 
 
 @numba.njit(cache=True, nogil=True, fastmath=True)
-def _decode_tasks(q, k_layer, v_layer, slots, lengths, scale, partial_m, partial_l, partial_acc, tile, s, every, amx):
+def _decode_tasks(q, k_layer, v_layer, slots, lengths, scale, partial_m, partial_l, partial_acc, tile, s, every, bf16_path):
     """Tasks s, s + every, ... of the step: (row, segment, kv head) triples in that order."""
     kvh = k_layer.shape[1]
     g = q.shape[1] // kvh
@@ -864,15 +1014,15 @@ def _decode_tasks(q, k_layer, v_layer, slots, lengths, scale, partial_m, partial
                 if task % every == s:
                     _decode_task(q, k_layer[slots[b], h], v_layer[slots[b], h], b, h, lengths[b], seg, scale,
                                  partial_m[seg, b, h * g : h * g + g], partial_l[seg, b, h * g : h * g + g],
-                                 partial_acc[seg, b, h * g : h * g + g], tile[s], amx)
+                                 partial_acc[seg, b, h * g : h * g + g], tile[s], bf16_path)
                 task += 1
 
 
 @numba.njit(cache=True, nogil=True, fastmath=True, parallel=True)
-def _decode_parallel(q, k_layer, v_layer, slots, lengths, scale, partial_m, partial_l, partial_acc, tile, threads, amx):
+def _decode_parallel(q, k_layer, v_layer, slots, lengths, scale, partial_m, partial_l, partial_acc, tile, threads, bf16_path):
     for s in prange(threads):
         _decode_tasks(q, k_layer, v_layer, slots, lengths, scale, partial_m, partial_l, partial_acc, tile, s, threads,
-                      amx)
+                      bf16_path)
 
 
 @numba.njit(cache=True, nogil=True, fastmath=True)
@@ -891,16 +1041,16 @@ def _merge_segments(partial_m, partial_l, partial_acc, lengths, out):
 
 
 @numba.njit(cache=True, nogil=True, fastmath=True)
-def decode_rows(q, k_layer, v_layer, slots, lengths, scale, partial_m, partial_l, partial_acc, tile, threads, amx, out):
+def decode_rows(q, k_layer, v_layer, slots, lengths, scale, partial_m, partial_l, partial_acc, tile, threads, bf16_path, out):
     """attention_decode on kernel views, shared by `threads` threads (at most the tile scratch's):
     on the calling thread when the step is short, else tasks dealt to the threads in turns; on
-    AMX tiles when amx (on_amx)."""
+    bf16 products when bf16_path (products: ON_AMX, ON_DPBF16)."""
     kvh = k_layer.shape[1]
     if threads <= 1 or int(lengths.sum()) * kvh < DECODE_PARALLEL_MIN:
-        _decode_tasks(q, k_layer, v_layer, slots, lengths, scale, partial_m, partial_l, partial_acc, tile, 0, 1, amx)
+        _decode_tasks(q, k_layer, v_layer, slots, lengths, scale, partial_m, partial_l, partial_acc, tile, 0, 1, bf16_path)
     else:
         _decode_parallel(q, k_layer, v_layer, slots, lengths, scale, partial_m, partial_l, partial_acc, tile, threads,
-                         amx)
+                         bf16_path)
     _merge_segments(partial_m, partial_l, partial_acc, lengths, out)
 
 
@@ -915,10 +1065,10 @@ def attention_decode(q, k_layer, v_layer, fmt, slots, lengths, scale, out, parti
     (row, segment, kv head) tasks go to the threads in turns, then each row's segments are
     merged in order. Short work runs on the calling thread. Allocates nothing.
     """
-    amx = on_amx(fmt, q.shape[2])
+    bf16_path = products(fmt, q.shape[2])
     k_layer, v_layer = kernel_view(k_layer, fmt), kernel_view(v_layer, fmt)
     threads = min(tile.shape[0], numba.get_num_threads())
-    decode_rows(q, k_layer, v_layer, slots, lengths, scale, partial_m, partial_l, partial_acc, tile, threads, amx, out)
+    decode_rows(q, k_layer, v_layer, slots, lengths, scale, partial_m, partial_l, partial_acc, tile, threads, bf16_path, out)
 
 
 def attention_decode_ref(q, k_layer, v_layer, fmt, slots, lengths, scale, out, partial_m, partial_l, partial_acc, tile):

@@ -438,7 +438,7 @@ def pair_keys(typingctx, v, t0, nk, vp):
                               align=2)
         return context.get_dummy_value()
 
-    return sig, cpu.compiled_for("bf16", codegen)
+    return sig, cpu.compiled_for(PATHS, codegen)
 
 
 @intrinsic
@@ -593,6 +593,69 @@ def exp_pairs(typingctx, s, m, total, p, cols):
         return context.get_dummy_value()
 
     return sig, cpu.compiled_for("bf16", codegen)
+
+
+def _across(builder, v, op):
+    """<16 x float> folded to one value by op (fadd, max) in a fixed tree: halves, quarters, ..."""
+    for width in (8, 4, 2, 1):
+        mask = ir.Constant(ir.VectorType(ir.IntType(32), _LANES), [(i + width) % _LANES for i in range(_LANES)])
+        v = op(v, builder.shuffle_vector(v, v, mask))
+    return builder.extract_element(v, ir.Constant(ir.IntType(32), 0))
+
+
+@intrinsic
+def exp_row(typingctx, s, m, p):
+    """p[j] = bf16(exp(s[j] - m)) and the sum of those bf16 values, j < len(s) (a multiple of 16),
+    16 at a time, summed as vectors then across lanes in a fixed order; the largest of s first
+    (row_max): a softmax row's probabilities as rows of bf16 (dpbf16.py's activations: pairs of
+    keys adjacent). s: 1-D float32, p: 1-D uint16 (len(s) values), C-contiguous."""
+    if not (isinstance(s, types.Array) and s.ndim == 1 and s.layout == "C" and s.dtype == types.float32
+            and isinstance(p, types.Array) and p.ndim == 1 and p.layout == "C" and p.dtype == types.uint16):
+        return None
+    sig = types.float32(s, types.float32, p)
+
+    def codegen(context, builder, signature, args):
+        s_a = context.make_array(signature.args[0])(context, builder, args[0])
+        p_p = context.make_array(signature.args[2])(context, builder, args[2]).data
+        (n,) = cgutils.unpack_tuple(builder, s_a.shape)
+        intp = context.get_value_type(types.intp)
+        bf16x16 = ir.VectorType(_BFloat(), _LANES)
+        mv = builder.shuffle_vector(builder.insert_element(ir.Constant(_F32X16, None), args[1], ir.Constant(ir.IntType(32), 0)),
+                                    ir.Constant(_F32X16, None), ir.Constant(_I32X16, [0] * _LANES))
+        acc = cgutils.alloca_once_value(builder, ir.Constant(_F32X16, [0.0] * _LANES))
+        with cgutils.for_range(builder, builder.udiv(n, ir.Constant(intp, _LANES))) as loop:
+            at = builder.mul(loop.index, ir.Constant(intp, _LANES))
+            b = builder.fptrunc(_exp16(builder, builder.fsub(builder.load(_vec_at(builder, s_a.data, at), align=4), mv)),
+                                bf16x16)
+            builder.store(b, builder.bitcast(builder.gep(p_p, [at]), bf16x16.as_pointer()), align=2)
+            builder.store(builder.fadd(builder.load(acc), builder.fpext(b, _F32X16)), acc)
+        return _across(builder, builder.load(acc), builder.fadd)
+
+    return sig, cpu.compiled_for(PATHS, codegen)
+
+
+@intrinsic
+def row_max(typingctx, s):
+    """The largest of s (1-D float32, C-contiguous, len(s) a multiple of 16), 16 at a time."""
+    if not (isinstance(s, types.Array) and s.ndim == 1 and s.layout == "C" and s.dtype == types.float32):
+        return None
+    sig = types.float32(s)
+
+    def codegen(context, builder, signature, args):
+        s_a = context.make_array(signature.args[0])(context, builder, args[0])
+        (n,) = cgutils.unpack_tuple(builder, s_a.shape)
+        intp = context.get_value_type(types.intp)
+
+        def larger(a, b):
+            return builder.select(builder.fcmp_ordered(">", a, b), a, b)
+
+        best = cgutils.alloca_once_value(builder, builder.load(_vec_at(builder, s_a.data, ir.Constant(intp, 0)), align=4))
+        with cgutils.for_range(builder, builder.udiv(n, ir.Constant(intp, _LANES))) as loop:
+            v = builder.load(_vec_at(builder, s_a.data, builder.mul(loop.index, ir.Constant(intp, _LANES))), align=4)
+            builder.store(larger(v, builder.load(best)), best)
+        return _across(builder, builder.load(best), larger)
+
+    return sig, codegen
 
 
 _amx_2 = _make_amx_block(2, False)

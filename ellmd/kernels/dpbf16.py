@@ -54,28 +54,32 @@ def _broadcast(builder, word):
 
 
 def make_block(row_tiles, tokens):
-    """An intrinsic block(w, j, xh, xl, nb, out, r0, q0, count): out[r0 + t, 16 (j + b) + r] (+)= the
-    pairs q0 .. q0 + count of weight row r of tile j + b . those of token t (xh + xl, xh alone where
-    xl has no rows), for t < nb, b < row_tiles; added to out's sums where q0 > 0 (a later pass over
-    the depths), else stored. The tokens run in blocks of `tokens` (xh, xl hold nb rounded up to
-    them; rows past nb are computed, not stored). w: bf16.PACKED; xh, xl: [>= nbp, k] uint16,
-    C-contiguous; out: float32 [.., >= 16 (j + row_tiles)], its values along a row adjacent."""
+    """An intrinsic block(w, j, xh, xl, nb, out, r0, q0, count, onto): out[r0 + t, 16 (j + b) + r] (+)=
+    the pairs q0 .. q0 + count of weight row r of tile j + b . those of token t (xh + xl, xh alone
+    where xl has no rows), for t < nb, b < row_tiles; added to out's sums where onto (a later pass
+    over the depths), else stored. The tokens run in blocks of `tokens` (xh, xl hold nb rounded up
+    to them; rows past nb are computed, not stored). w: bf16.PACKED, or pairs as uint16 [pairs,
+    2 width] (row p the pairs (x[2p, c], x[2p + 1, c]) of its width columns, tile j the columns
+    16 j..: tile_product's B operand, as attention lays out keys and values); xh, xl: [>= nbp, k]
+    uint16, C-contiguous; out: float32 [.., >= 16 (j + row_tiles)], its values along a row adjacent."""
 
     @intrinsic
-    def block(typingctx, w, j, xh, xl, nb, out, r0, q0, count):
+    def block(typingctx, w, j, xh, xl, nb, out, r0, q0, count, onto):
         u16 = types.uint16
-        if not (bf16.packed_type(w) and bf16._is_matrix(xh, u16) and bf16._is_matrix(xl, u16)
-                and isinstance(out, types.Array) and out.dtype == types.float32 and out.ndim == 2):
+        if not ((bf16.packed_type(w) or bf16._is_matrix(w, u16)) and bf16._is_matrix(xh, u16)
+                and bf16._is_matrix(xl, u16) and isinstance(out, types.Array) and out.dtype == types.float32
+                and out.ndim == 2):
             return None
         ip = types.intp
-        sig = types.void(w, ip, xh, xl, ip, out, ip, ip, ip)
+        sig = types.void(w, ip, xh, xl, ip, out, ip, ip, ip, types.boolean)
+        packed = bf16.packed_type(w)
 
         def codegen(context, builder, signature, args):
-            w_p, (_, steps), _ = bf16._data(context, builder, signature.args[0], args[0])
+            w_p, (_, w_cols), _ = bf16._data(context, builder, signature.args[0], args[0])
             h_p, (_, k), _ = bf16._data(context, builder, signature.args[2], args[2])
             l_p, l_shape, _ = bf16._data(context, builder, signature.args[3], args[3])
             o_p, _, (o_stride, _) = bf16._data(context, builder, signature.args[5], args[5])
-            _, j, _, _, nb, _, r0, q0, count = args
+            _, j, _, _, nb, _, r0, q0, count, onto = args
             intp = context.get_value_type(types.intp)
             dp = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_F32X16, [
                 _F32X16, bf16._BF16X32, bf16._BF16X32]), "llvm.x86.avx512bf16.dpbf16ps.512")  # acc, w pairs, x pairs
@@ -84,14 +88,17 @@ def make_block(row_tiles, tokens):
                 return ir.Constant(intp, v)
 
             lines = builder.bitcast(w_p, bf16._BF16X32.as_pointer())  # a line: one pair of a tile's 16 rows
-            tile_lines = builder.mul(steps, const(_LANES))
+            # lines from a tile to the next, and from a pair to the next: PACKED's 1 KiB steps (w_cols of
+            # them a tile), or a pairs matrix's rows of w_cols uint16 (a tile the next 64 bytes)
+            tile_lines, pair_lines = ((builder.mul(w_cols, const(_LANES)), const(1)) if packed
+                                      else (const(1), builder.udiv(w_cols, const(2 * _LANES))))
             x_words = [builder.bitcast(p, ir.IntType(32).as_pointer()) for p in (h_p, l_p)]
             ldx = builder.udiv(k, const(2))  # words of a token's row
             out_bytes = builder.bitcast(o_p, ir.IntType(8).as_pointer())
             accs = [[cgutils.alloca_once(builder, _F32X16) for _ in range(tokens)] for _ in range(row_tiles)]
             zero = ir.Constant(_F32X16, [0.0] * _LANES)
-            onto = builder.icmp_signed(">", q0, const(0))
-            w_at = [builder.add(builder.mul(builder.add(j, const(b)), tile_lines), q0) for b in range(row_tiles)]
+            w_at = [builder.add(builder.mul(builder.add(j, const(b)), tile_lines), builder.mul(q0, pair_lines))
+                    for b in range(row_tiles)]
             blocks = builder.udiv(builder.add(nb, const(tokens - 1)), const(tokens))
             with cgutils.for_range(builder, blocks) as block_loop:
                 t0 = builder.mul(block_loop.index, const(tokens))
@@ -113,7 +120,8 @@ def make_block(row_tiles, tokens):
                 def steps_loop(halves, _):
                     with cgutils.for_range(builder, count) as loop:
                         q = loop.index
-                        ws = [builder.load(builder.gep(lines, [builder.add(a, q)]), align=4) for a in w_at]
+                        step = builder.mul(q, pair_lines)
+                        ws = [builder.load(builder.gep(lines, [builder.add(a, step)]), align=4) for a in w_at]
                         for t in range(tokens):
                             xs = [_broadcast(builder, builder.load(builder.gep(words, [builder.add(x_at[t], q)])))
                                   for words in x_words[:halves]]
@@ -146,22 +154,22 @@ def token_rows(n):
 
 
 @numba.njit(cache=True, nogil=True, fastmath=True)
-def _product(w, xh, xl, nb, out, r0, j0, j1, q0, count):
+def product(w, xh, xl, nb, out, r0, j0, j1, q0, count, onto):
     """out[r0 .. r0 + nb, 16 j0 .. 16 j1] (+)= the nb tokens of xh, xl . weight tiles j0 .. j1, over
-    pairs q0 .. q0 + count (onto out's sums where q0 > 0)."""
+    pairs q0 .. q0 + count (onto out's sums where onto); operands as make_block's."""
     j = j0
     if nb == 1:
         while j + DECODE_ROW_TILES <= j1:
-            _block_8x1(w, j, xh, xl, nb, out, r0, q0, count)
+            _block_8x1(w, j, xh, xl, nb, out, r0, q0, count, onto)
             j += DECODE_ROW_TILES
         for j in range(j, j1):
-            _block_1x1(w, j, xh, xl, nb, out, r0, q0, count)
+            _block_1x1(w, j, xh, xl, nb, out, r0, q0, count, onto)
         return
     while j + ROW_TILES <= j1:
-        _block_4x6(w, j, xh, xl, nb, out, r0, q0, count)
+        _block_4x6(w, j, xh, xl, nb, out, r0, q0, count, onto)
         j += ROW_TILES
     for j in range(j, j1):
-        _block_1x6(w, j, xh, xl, nb, out, r0, q0, count)
+        _block_1x6(w, j, xh, xl, nb, out, r0, q0, count, onto)
 
 
 def scratch_floats(k):
@@ -188,7 +196,7 @@ def _gemm(x, w, out, scratch, workers, rounded):
         for wk in prange(workers):  # each a run of row tiles, in passes whose tokens stay in L2
             j0, j1 = wk * tiles // workers, (wk + 1) * tiles // workers
             for q0 in range(0, pairs, depth):
-                _product(w, xh, xl, nb, out, i0, j0, j1, q0, min(depth, pairs - q0))
+                product(w, xh, xl, nb, out, i0, j0, j1, q0, min(depth, pairs - q0), q0 > 0)
 
 
 def gemm(x, w, out, scratch, rounded):
@@ -203,7 +211,7 @@ def gemm(x, w, out, scratch, rounded):
 def rows(xh, xl, n, w, out, j0, j1):
     """out[:n, j0:j1] = x @ w.T for few tokens (decode), x packed by pack_tokens; j0 and j1 on tiles
     (multiples of 16, or j1 = m). A token's sums are gemm's, to the bit."""
-    _product(w, xh, xl, n, out, 0, j0 // bf16.TILE, (j1 + bf16.TILE - 1) // bf16.TILE, 0, xh.shape[1] // 2)
+    product(w, xh, xl, n, out, 0, j0 // bf16.TILE, (j1 + bf16.TILE - 1) // bf16.TILE, 0, xh.shape[1] // 2, False)
 
 
 @numba.njit(cache=True, nogil=True, fastmath=False)
@@ -222,7 +230,7 @@ def linear(x, w, out, workers, rounded):
     pack_tokens(x, xh, xl)
     tiles = w.shape[0]
     if n * tiles * bf16.TILE * k < 8 * PARALLEL_MIN:
-        _product(w, xh, xl, n, out, 0, 0, tiles, 0, k // 2)
+        product(w, xh, xl, n, out, 0, 0, tiles, 0, k // 2, False)
         return
     for wk in prange(workers):
-        _product(w, xh, xl, n, out, 0, wk * tiles // workers, (wk + 1) * tiles // workers, 0, k // 2)
+        product(w, xh, xl, n, out, 0, wk * tiles // workers, (wk + 1) * tiles // workers, 0, k // 2, False)

@@ -233,9 +233,9 @@ def _attend_compiled(q, k_layer, v_layer, slots, positions, lengths, scale, out,
         for i in range(n):
             lengths[i] = positions[i] + 1
         _, _, _, halves, _, threads, (partial_m, partial_l, partial_acc, tile), _ = run
-        amx = bf16_kv and on_tiles(halves) and q.shape[2] % 16 == 0  # attention.on_amx: with decode's tiles
+        products = _attention_products(halves, q.shape[2]) if bf16_kv else attention.ON_F32
         attention.decode_rows(q, k_layer, v_layer, slots, lengths[:n], scale, partial_m, partial_l, partial_acc,
-                              tile, threads, amx, out)
+                              tile, threads, products, out)
 
     return impl
 
@@ -294,16 +294,23 @@ def _parts_rows_overload(x, parts, out, j0, j1, acc, q8, halves, integer):
     return impl
 
 
-def on_tiles(halves):
-    """Whether halves (run's) are AMX's: bf16 weights decode on tiles (else on vdpbf16ps, or neither)."""
+def _attention_products(halves, hd):
+    """attention.products of bf16 KV, from run's halves: AMX tiles with decode's matmuls on them
+    (hd % 16 == 0), vdpbf16ps with theirs on it (hd % 32 == 0), else the f32 kernels."""
     raise NotImplementedError("numba only")
 
 
-@overload(on_tiles, jit_options={"fastmath": False})
-def _on_tiles_overload(halves):
+@overload(_attention_products, jit_options={"fastmath": False})
+def _attention_products_overload(halves, hd):
     if len(halves) == 0:
-        return lambda halves: False
-    return lambda halves: halves[2]
+        return lambda halves, hd: attention.ON_F32
+
+    def impl(halves, hd):
+        if halves[2]:
+            return attention.ON_AMX if hd % 16 == 0 else attention.ON_F32
+        return attention.ON_DPBF16 if hd % 32 == 0 else attention.ON_F32
+
+    return impl
 
 
 def _packed(x, parts, halves):
