@@ -215,15 +215,18 @@ def test_kernel_paths_detection_and_override():
     flags = open("/proc/cpuinfo").read()
     has_vnni, has_amx = " avx512_vnni" in flags, " amx_bf16" in flags and " amx_tile" in flags
     has_int16 = has_vnni or " avx2" in flags  # vpdpwssd, or vpmaddwd
+    has_dpbf16 = " avx512_bf16" in flags  # vdpbf16ps
     assert cpu.choose("portable") == frozenset()
     assert ("bf16" in cpu.choose("auto")) == has_amx and ("bf16-prefill" in cpu.choose("auto")) == has_amx
     assert ("vnni" in cpu.choose("auto")) == has_vnni and ("int16" in cpu.choose("auto")) == has_int16
+    assert ("dpbf16" in cpu.choose("auto")) == has_dpbf16
     assert cpu.choose("vnni") == (frozenset({"vnni"}) if has_vnni else frozenset())
     with pytest.raises(ValueError, match="avx2 unknown"):
         cpu.choose("vnni,avx2")
     code = "from ellmd.kernels import cpu; print(sorted(cpu.ENABLED))"
     vnni, int16 = ["vnni"] if has_vnni else [], ["int16"] if has_int16 else []
-    default = sorted(int16 + (["bf16"] if has_amx else []))  # AMX in prefill alone ("bf16-prefill") is opt-in
+    # AMX in prefill alone ("bf16-prefill") is opt-in; vdpbf16ps is on where the CPU has it
+    default = sorted(int16 + (["bf16"] if has_amx else []) + (["dpbf16"] if has_dpbf16 else []))
     for env, want in (({}, default), ({"ELLM_KERNELS": "vnni"}, vnni), ({"ELLM_KERNELS": "portable"}, []),
                       ({"ELLM_KERNELS": "x"}, [])):
         got = subprocess.run([sys.executable, "-c", code], env={"PATH": "", **env}, capture_output=True, text=True, check=True)
