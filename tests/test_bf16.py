@@ -46,11 +46,16 @@ def bf16_products(request, monkeypatch):
             pytest.skip("this CPU has no AMX-BF16 (tile instructions): the AMX kernels cannot run here")
         monkeypatch.setattr(cpu, "ENABLED", frozenset({"bf16", "bf16-prefill"}))
     else:
-        if "dpbf16" not in cpu.host_paths():
-            pytest.skip("this CPU has no AVX512-BF16 (vdpbf16ps): the dpbf16 kernels cannot run here")
-        monkeypatch.setattr(bf16, "AMX", False)
-        monkeypatch.setattr(cpu, "ENABLED", frozenset({"int16", "dpbf16"}))
+        use_dpbf16(monkeypatch)
     return request.param
+
+
+def use_dpbf16(monkeypatch):
+    """The "dpbf16" path alone (AMX off: "bf16" would win), or a skip where the CPU lacks it."""
+    if "dpbf16" not in cpu.host_paths():  # the instruction would trap (cpu.compiled_for)
+        pytest.skip("this CPU has no AVX512-BF16 (vdpbf16ps): the dpbf16 kernels cannot run here")
+    monkeypatch.setattr(bf16, "AMX", False)
+    monkeypatch.setattr(cpu, "ENABLED", frozenset({"int16", "dpbf16"}))
 
 
 @pytest.fixture(params=[False, True], ids=["halves", "rounded"])

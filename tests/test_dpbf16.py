@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 from llvmlite import binding
 
+from test_bf16 import _weights, use_dpbf16
 from test_quant import blocks
 
 from ellmd.engine import Engine
@@ -36,10 +37,7 @@ def rng():
 
 @pytest.fixture
 def dp(monkeypatch):
-    if "dpbf16" not in cpu.host_paths():  # the instruction would trap (cpu.compiled_for)
-        pytest.skip("this CPU has no AVX512-BF16 (vdpbf16ps): the dpbf16 kernels cannot run here")
-    monkeypatch.setattr(bf16, "AMX", False)  # where AMX is on, "bf16" would win: this path alone
-    monkeypatch.setattr(cpu, "ENABLED", frozenset({"int16", "dpbf16"}))
+    use_dpbf16(monkeypatch)
 
 
 @pytest.fixture(params=[False, True], ids=["halves", "rounded"])
@@ -48,10 +46,6 @@ def rounding(request, dp, monkeypatch):
     if request.param:
         monkeypatch.setattr(cpu, "ENABLED", cpu.ENABLED | {"bf16-round"})
     return request.param
-
-
-def _weights(rng, m, k):
-    return formats.to_storage(rng.standard_normal((m, k)).astype(np.float32), BF16)
 
 
 def _halves(x, rounded):
