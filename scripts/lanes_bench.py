@@ -9,6 +9,11 @@ GFLOP/s for n > 1; for n = 1 (decode) GB/s of the weights in their GGUF size (Q8
 
     NUMBA_NUM_THREADS=1 .venv/bin/python scripts/lanes_bench.py --rows 512 --format Q4_K
     NUMBA_NUM_THREADS=1 .venv/bin/python scripts/lanes_bench.py --rows 1 --repeats 20
+
+--from-memory times decode as a model's step meets it: one row, the weights streamed from memory
+(enough copies of each matrix, ~600 MB, rotated), on every kernel thread, wall time, lanes alone:
+
+    .venv/bin/python scripts/lanes_bench.py --from-memory --format Q4_K
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import sys
 import time
 from pathlib import Path
 
+import numba
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -71,23 +77,52 @@ def rates(n: int, k: int, m: int, block: str, repeats: int, rng) -> list[float]:
     return [size / s / 1e9 for size, s in zip((w.nbytes, w.nbytes, bf16.nbytes), best)]
 
 
+def memory_rate(k: int, m: int, block: str, repeats: int, rng) -> float:
+    """GB/s of weights (their GGUF size) of lanes decode, one row, the tiles streamed from memory."""
+    w = weights(block, m, k, rng)
+    copies = [lanes.repack(w)]
+    copies += [copies[0].copy() for _ in range(max(0, int(600e6 // copies[0].nbytes) - 1))]
+    x = rng.standard_normal((1, k)).astype(np.float32)
+    out = np.zeros((1, m), np.float32)
+    threads = numba.get_num_threads()
+    lanes.linear_lanes(x, copies[0], out, threads)  # compile
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for tiles in copies:
+            lanes.linear_lanes(x, tiles, out, threads)
+        best = min(best, (time.perf_counter() - start) / len(copies))
+    return w.nbytes / best / 1e9
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=512, help="input rows n (1: decode)")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per kernel and round")
     parser.add_argument("--format", choices=sorted(lanes.REPACK), default="Q8_0", help="the weights' GGUF block type")
+    parser.add_argument("--from-memory", action="store_true",
+                        help="decode (one row) of lanes alone with the weights streamed from memory, every thread")
     args = parser.parse_args()
     if "int16" not in cpu.host_paths():
         parser.error("the lanes kernel needs the int16 path (AVX512-VNNI+BW or AVX2)")
     from rich.console import Console
     from rich.table import Table
 
+    rng = np.random.default_rng(0)
+    depth = quant.BLOCK_SIZES[args.format]
+    if args.from_memory:
+        table = Table(title=f"{args.format}, decode from memory, {numba.get_num_threads()} threads, {cpu.CLASS}")
+        table.add_column("(k, m)", justify="right")
+        table.add_column("lanes GB/s of weights", justify="right")
+        for k, m in (shape for shape in SHAPES if shape[0] % depth == 0):
+            table.add_row(f"({k}, {m})", f"{memory_rate(k, m, args.format, args.repeats, rng):.1f}")
+        Console().print(table)
+        return
+
     unit = "GFLOP/s" if args.rows > 1 else "GB/s of weights"
     table = Table(title=f"{args.format}, {args.rows} input rows, one thread, {unit}, {cpu.CLASS}")
     for column in ("(k, m)", *KERNELS, "lanes / rows_vnni"):
         table.add_column(column, justify="right")
-    rng = np.random.default_rng(0)
-    depth = quant.BLOCK_SIZES[args.format]
     for k, m in (shape for shape in SHAPES if shape[0] % depth == 0):
         found = rates(args.rows, k, m, args.format, args.repeats, rng)
         table.add_row(f"({k}, {m})", *(f"{r:.1f}" for r in found), f"{found[0] / found[1]:.2f}x")

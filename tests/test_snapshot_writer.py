@@ -40,6 +40,9 @@ class Gate:
 
 
 def hold(rt, monkeypatch, session_id: str) -> Gate:
+    """Hold the session's writes queued from now on; those queued before run first (on a busy
+    machine the writer may not have reached them yet)."""
+    rt.residency.writer.wait(session_id)
     gate = Gate(rt.store, session_id)
     monkeypatch.setattr(rt.store, "snapshot", gate)
     return gate

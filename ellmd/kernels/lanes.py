@@ -112,6 +112,10 @@ TILE_DTYPES = {name: np.dtype([(name, np.uint8, (size,))]) for name, (_, size) i
 # rows' vpmaddwd there, so more rows share it (Zen 1, one thread, 512 rows: Q5_0 16-17 -> 23-24
 # GFLOP/s, Q4_K 21 -> 23.5, Q6_K 18 -> 21, Q8_0 17-28 -> 26-29 against 2 x 1)
 RB, SB = (4, 3) if WORDS_VNNI else (5, 1)
+# decode (one input row) streams its tiles one at a time, a single sequential stream of weights
+# (Zen 5, 2 threads, from memory: Q4_K at 6144 x 2048 48-50 GB/s against 31 with three tiles
+# interleaved; Qwen3-1.7B Q4_K_M 30.8 tok/s against 25.0)
+DECODE_SB = 1
 
 
 def is_tiles(w) -> bool:
@@ -640,13 +644,14 @@ def _k_emit(name, rows, count, context, builder, q, arrays, i0, t0):
         return [builder.sub(w, ir.Constant(w.type, [32] * w.type.count)) for w in f.words(code)]
 
     def group_sums(o, g, group_at):
-        """The int32 sums of group g's code products of one input row, a vector a part (Q6_K: such
-        sums per 16 values, each of its scale)."""
-        sums = [[f.zeros(f.part_sums)] * f.parts for _ in range(1 if k4 else 2)]
+        """The int32 sums of group g's code products of one input row per 16 values (Q6_K: each of
+        its scale; Q4_K: two chains, so that one tile's vpdpwssd do not all wait on each other), a
+        vector a part."""
+        sums = [[f.zeros(f.part_sums)] * f.parts for _ in range(2)]
         for run in range(8):
             for u in (0, 1):
                 pair = f.x_pair(0, builder.add(group_at, c(2 * (run + 8 * u))), f.part_sums.count)
-                half = sums[0 if k4 else u]
+                half = sums[u]
                 for h, words in enumerate(codes(o, g, run, u)):
                     half[h] = _dot_words(builder, half[h], builder.bitcast(words, f.part_sums), pair)
         return sums
@@ -655,7 +660,10 @@ def _k_emit(name, rows, count, context, builder, q, arrays, i0, t0):
         """acc + group g's products of one input row (decode), its scales applied to the int32 sums
         of the codes' products (vpmulld: one a scale of 16 rows), not to each pair's codes (vpmullw:
         16 a scale, on the port vpmaddwd needs); the same exact int32 sums as the prefill's."""
-        for h, half in enumerate(group_sums(o, g, group_at)):
+        sums = group_sums(o, g, group_at)
+        if k4:
+            sums = [[builder.add(a, b) for a, b in zip(*sums)]]
+        for h, half in enumerate(sums):
             acc = [builder.add(a, builder.mul(part, scale))
                    for a, part, scale in zip(acc, half, f.lanes_of(q.bytes(scale_at[h], LANES), signed=not k4))]
         return acc
@@ -890,7 +898,8 @@ BLOCKS = {name: _make_lanes_block(name, {types.int16: ("int16", _one_scale_emit 
 
 def lanes_rows(xq, xd, xs, tiles, out, t0, t1):
     """out[:, 16 t0 : 16 t1] (columns < m) = every quantized input row times the weight rows of
-    tiles [t0, t1), in register blocks of RB rows x SB tiles (a strip of SB tiles over all rows)."""
+    tiles [t0, t1), in register blocks of RB rows x SB tiles (a strip of SB tiles over all rows; one
+    input row: DECODE_SB tiles)."""
     raise NotImplementedError("numba only")
 
 
@@ -900,8 +909,9 @@ def _lanes_rows_overload(xq, xd, xs, tiles, out, t0, t1):
 
     def impl(xq, xd, xs, tiles, out, t0, t1):
         n = xq.shape[0]
-        for s0 in range(t0, t1, SB):
-            count = min(SB, t1 - s0)
+        sb = DECODE_SB if n == 1 else SB
+        for s0 in range(t0, t1, sb):
+            count = min(sb, t1 - s0)
             for i0 in range(0, n, RB):
                 block(xq, xd, xs, tiles, out, i0, min(RB, n - i0), s0, count)
 

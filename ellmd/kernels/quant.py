@@ -29,13 +29,15 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
+from ellmd.kernels import cpu
 from ellmd.kernels.formats import decode
 
 QK = 256  # weights per K-quant super-block
-# bytes ahead of the one in use that the kernels streaming weight rows ask for: this machine's hardware
-# prefetcher alone left Q4_K decode at 8 of the 19 Gw/s a core reaches with it (2,048 measured
-# best of 1-8 KiB); scripts/kernel_bench.py
-PREFETCH = 2048
+# bytes ahead of the one in use that the kernels streaming weight rows ask for: the hardware
+# prefetcher alone left Q4_K decode at 8 of the 19 Gw/s a core reaches with it (2,048 measured best
+# of 1-8 KiB, scripts/kernel_bench.py, before Zen 5); on Zen 5 (class avx512) 4,096 (lanes tiles'
+# decode from memory, 2 threads: Q6_K 40-45 against 29-30 GB/s, Q4_K 54 against 48-50)
+PREFETCH = 4096 if cpu.CLASS == "avx512" else 2048
 
 BLOCK_DTYPES = {
     "Q8_0": np.dtype([("d", "<u2"), ("qs", "i1", (32,))]),
