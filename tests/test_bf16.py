@@ -33,21 +33,21 @@ def rng():
 
 @pytest.fixture
 def amx(monkeypatch):
-    if not bf16.AMX:  # AMX instructions cannot run on this CPU: the tests of its kernels cannot either
-        pytest.skip("this CPU has no AMX-BF16 (tile instructions): the AMX kernels cannot run here")
-    monkeypatch.setattr(cpu, "ENABLED", frozenset({"bf16", "bf16-prefill"}))
+    use_amx(monkeypatch)
 
 
 @pytest.fixture(params=["amx", "dpbf16"])
 def bf16_products(request, monkeypatch):
     """The bf16 products of attention: AMX tiles ("bf16"), then vdpbf16ps ("dpbf16", AMX off)."""
-    if request.param == "amx":
-        if not bf16.AMX:
-            pytest.skip("this CPU has no AMX-BF16 (tile instructions): the AMX kernels cannot run here")
-        monkeypatch.setattr(cpu, "ENABLED", frozenset({"bf16", "bf16-prefill"}))
-    else:
-        use_dpbf16(monkeypatch)
+    (use_amx if request.param == "amx" else use_dpbf16)(monkeypatch)
     return request.param
+
+
+def use_amx(monkeypatch):
+    """The AMX paths, or a skip where the CPU lacks them (its instructions cannot run here)."""
+    if not bf16.AMX:
+        pytest.skip("this CPU has no AMX-BF16 (tile instructions): the AMX kernels cannot run here")
+    monkeypatch.setattr(cpu, "ENABLED", frozenset({"bf16", "bf16-prefill"}))
 
 
 def use_dpbf16(monkeypatch):
