@@ -9,7 +9,9 @@ exposes `main(argv=None) -> int`, which tests/test_alignment.py runs.
   incremental_prefill, kv_roundtrip           (checkpoints.py writes them)
   smollm2_greedy                            the real SmolLM2 GGUF: logits and identical greedy ids
   kv_dtype_report                           bf16 / f16 KV error figures (loose tolerance)
-  rounded_activations                       the "bf16-round" path, within transformers bf16's error
+  rounded_activations                       bf16 products of activations rounded once (the default),
+                                              within transformers bf16's error; the model checks above
+                                              run two halves (common.TOL)
   tokenizer_chat_template                   ellmd.text vs AutoTokenizer
 
 common.py holds the error report, the reference-model loaders and the engine factory.

@@ -34,6 +34,7 @@ def prefill_pieces(engine, slot: int, tokens, pieces) -> np.ndarray:
     return np.concatenate(out)
 
 
+@common.kernel_paths("two-halves")  # bf16 weights held to TOL: activations in two halves (common.TOL)
 def main(argv=None) -> int:
     args = common.parser(__doc__.splitlines()[0]).parse_args(argv)
     common.torch_setup()

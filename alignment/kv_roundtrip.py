@@ -25,6 +25,7 @@ PROMPT, SPLIT, STEPS = 30, 16, 4
 TOL_EXACT = 0.0  # same bytes, same arithmetic
 
 
+@common.kernel_paths("two-halves")  # bf16 weights held to TOL: activations in two halves (common.TOL)
 def main(argv=None) -> int:
     p = common.parser(__doc__.splitlines()[0])
     p.add_argument("--kv-dtype", action="append", choices=["f32", "bf16", "f16"], help="default: f32 and bf16")

@@ -25,6 +25,7 @@ ORDERS = ([0, 1, 2], [2, 0, 1], [2, 0])
 TOL_SAME = 1e-5  # batched vs separate decode in the engine: the same arithmetic per row
 
 
+@common.kernel_paths("two-halves")  # bf16 weights held to TOL: activations in two halves (common.TOL)
 def main(argv=None) -> int:
     args = common.parser(__doc__.splitlines()[0]).parse_args(argv)
     common.torch_setup()

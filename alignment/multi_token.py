@@ -41,6 +41,7 @@ def long_context(report, name, path, index) -> None:
     report.compare(f"{name}:   the short slot batched with it", steps[:, 1], ref_short[SHORT:])
 
 
+@common.kernel_paths("two-halves")  # bf16 weights held to TOL: activations in two halves (common.TOL)
 def main(argv=None) -> int:
     p = common.parser(__doc__.splitlines()[0])
     p.add_argument("--no-long", action="store_true", help="skip the 1100-token case")

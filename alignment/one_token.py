@@ -20,6 +20,7 @@ except ImportError:
     from alignment import common
 
 
+@common.kernel_paths("two-halves")  # bf16 weights held to TOL: activations in two halves (common.TOL)
 def main(argv=None) -> int:
     args = common.parser(__doc__.splitlines()[0]).parse_args(argv)
     common.torch_setup()

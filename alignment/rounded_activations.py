@@ -1,5 +1,5 @@
-"""Rounded activations: the "bf16-round" path (bf16 products of activations rounded once to bf16)
-vs transformers fp32, within the error of transformers' own bf16 forward on the same weights.
+"""Rounded activations: the "bf16-round" path (bf16 products of activations rounded once to bf16,
+the default) vs transformers fp32, within the error of transformers' own bf16 forward on the same weights.
 
 bf16 checkpoints, native bf16 weights, f32 KV: a prefill of matmul.PREFILL_MIN_ROWS tokens (64; logits
 at every position) in one chunk (the prefill GEMM), then 8 decode steps, as multi_token does. The two-halves
@@ -42,24 +42,16 @@ def bf16_reference_logits(path, tokens) -> np.ndarray:
     return common.reference_logits(model, tokens)
 
 
-def default_kernels() -> str:
-    """AMX's path with rounding where the CPU has AMX, else vdpbf16ps'."""
-    from ellmd.kernels import cpu
-
-    return "int16,bf16,bf16-round" if "bf16" in cpu.host_paths() else "int16,dpbf16,bf16-round"
-
-
 def main(argv=None) -> int:
     p = common.parser(__doc__.splitlines()[0], default_variants=VARIANTS)
-    p.add_argument("--kernels", help="ELLM_KERNELS value to check [default: int16,bf16,bf16-round with AMX, "
-                   "else int16,dpbf16,bf16-round]")
+    p.add_argument("--kernels", default="default", help="ELLM_KERNELS value to check, with bf16-round in it "
+                   "[default: the default paths: AMX's where the CPU has AMX, else vdpbf16ps']")
     args = p.parse_args(argv)
     common.torch_setup()
     from ellmd.kernels.matmul import PREFILL_MIN_ROWS as prompt
 
-    request = args.kernels or default_kernels()
-    report = common.Report(f"rounded activations ({request}) vs transformers fp32, within transformers bf16's error")
-    with common.kernel_paths(request):
+    report = common.Report(f"rounded activations ({args.kernels}) vs transformers fp32, within transformers bf16's error")
+    with common.kernel_paths(args.kernels):
         for index, name in enumerate(common.selected_variants(args)):
             path = common.checkpoint(args, name)
             engine = common.make_engine(path, weight_dtype=common.engine_dtype(name), sequence_length=prompt + STEPS,

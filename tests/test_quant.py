@@ -225,8 +225,10 @@ def test_kernel_paths_detection_and_override():
         cpu.choose("vnni,avx2")
     code = "from ellmd.kernels import cpu; print(sorted(cpu.ENABLED))"
     vnni, int16 = ["vnni"] if has_vnni else [], ["int16"] if has_int16 else []
-    # AMX in prefill alone ("bf16-prefill") is opt-in; vdpbf16ps is on where the CPU has it
-    default = sorted(int16 + (["bf16"] if has_amx else []) + (["dpbf16"] if has_dpbf16 else []))
+    # AMX in prefill alone ("bf16-prefill") is opt-in; vdpbf16ps is on where the CPU has it, and bf16
+    # products round activations once wherever one of the two bf16 paths runs
+    bf16_paths = (["bf16"] if has_amx else []) + (["dpbf16"] if has_dpbf16 else [])
+    default = sorted(int16 + bf16_paths + (["bf16-round"] if bf16_paths else []))
     for env, want in (({}, default), ({"ELLM_KERNELS": "vnni"}, vnni), ({"ELLM_KERNELS": "portable"}, []),
                       ({"ELLM_KERNELS": "x"}, [])):
         got = subprocess.run([sys.executable, "-c", code], env={"PATH": "", **env}, capture_output=True, text=True, check=True)
