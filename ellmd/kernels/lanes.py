@@ -618,65 +618,54 @@ def _one_scale_emit(name, rows, count, context, builder, q, arrays, i0, t0):
 def _k_emit(name, rows, count, context, builder, q, arrays, i0, t0):
     """IR of a K-quant's register block (Q4_K or Q6_K): rows input rows (from i0) times count tiles
     (from t0), every super-block, into out. Per pair of depths, a tile's 16 rows of codes are cut
-    from their bits and times their sub-block's scales in int16 (vpmullw; Q6_K's offset 32 taken off
-    first), shared by the input rows, then one vpdpwssd a row; per super-block, one conversion and
-    one FMA an output, and Q4_K's mins (times the activations' code sums) one more."""
+    from their bits (Q6_K's offset 32 taken off), shared by the input rows, then one vpdpwssd a row;
+    per sub-block, its scales times the int32 sums; per super-block, one conversion and one FMA an
+    output, and Q4_K's mins (times the activations' code sums) one more."""
     k4 = name == "Q4_K"
     scales_at, d_at = (K4_SCALES, K4_D) if k4 else (K6_SCALES, K6_D)
     f = _Frame(context, builder, q, arrays, i0, t0, rows, count, 256, TILE_BLOCKS[name][1])
     c = f.c
 
-    def scale_words(at):  # the 16 rows' scale bytes as words, row r's twice (as its pair of codes), a vector a part
-        raw = q.bytes(at, LANES)
-        return f.words(builder.shuffle_vector(raw, raw, ir.Constant(q.vec(q.i32, 2 * LANES), [l // 2 for l in range(2 * LANES)])),
-                       signed=not k4)
-
     def codes(o, g, run, u):
         """The 32 code bytes of pair run + 8 u of group g (values 32 g + 16 u + 2 run + h; g an IR
         value) as words, a vector a part (_Frame.words)."""
         at = builder.add(o, builder.add(builder.mul(g, c(8 * 2 * LANES)), c(run * 2 * LANES)))
-        code = q.field(q.bytes(builder.add(at, c(K4_CODES if k4 else K6_LOW)), 2 * LANES), 4 * u, 15, 0)
-        if k4:
-            return f.words(code)
+        if k4:  # widened, then cut: a run's two pairs (its low and high nibbles) share the widening
+            return [builder.lshr(w, ir.Constant(w.type, [4] * w.type.count)) if u else
+                    builder.and_(w, ir.Constant(w.type, [15] * w.type.count)) for w in f.words(q.bytes(builder.add(at, c(K4_CODES)), 2 * LANES))]
+        code = q.field(q.bytes(builder.add(at, c(K6_LOW)), 2 * LANES), 4 * u, 15, 0)
         at = builder.add(o, builder.add(builder.mul(g, c(4 * 2 * LANES)), c(run // 2 * 2 * LANES)))
         bits = q.bytes(builder.add(at, c(K6_HIGH)), 2 * LANES)
         code = builder.or_(code, q.field(bits, 4 * (run % 2) + 2 * u, 3, 4))
         return [builder.sub(w, ir.Constant(w.type, [32] * w.type.count)) for w in f.words(code)]
 
-    def group_sums(o, g, group_at):
-        """The int32 sums of group g's code products of one input row per 16 values (Q6_K: each of
-        its scale; Q4_K: two chains, so that one tile's vpdpwssd do not all wait on each other), a
-        vector a part."""
-        sums = [[f.zeros(f.part_sums)] * f.parts for _ in range(2)]
-        for run in range(8):
-            for u in (0, 1):
-                pair = f.x_pair(0, builder.add(group_at, c(2 * (run + 8 * u))), f.part_sums.count)
-                half = sums[u]
-                for h, words in enumerate(codes(o, g, run, u)):
-                    half[h] = _dot_words(builder, half[h], builder.bitcast(words, f.part_sums), pair)
-        return sums
-
-    def scaled_after(o, scale_at, g, group_at, acc):
-        """acc + group g's products of one input row (decode), its scales applied to the int32 sums
-        of the codes' products (vpmulld: one a scale of 16 rows), not to each pair's codes (vpmullw:
-        16 a scale, on the port vpmaddwd needs); the same exact int32 sums as the prefill's."""
-        sums = group_sums(o, g, group_at)
-        if k4:
-            sums = [[builder.add(a, b) for a, b in zip(*sums)]]
-        for h, half in enumerate(sums):
-            acc = [builder.add(a, builder.mul(part, scale))
-                   for a, part, scale in zip(acc, half, f.lanes_of(q.bytes(scale_at[h], LANES), signed=not k4))]
-        return acc
-
-    def products(total, at, group_at, g, run, u, scales):
-        """total + pair run + 8 u of group g's code products (times their scales, vpmullw) of every
-        input row (prefill)."""
-        words = [[builder.bitcast(builder.mul(w, scale), f.part_sums) for w, scale in zip(codes(o, g, run, u), sc[0 if k4 else u])]
-                 for o, sc in zip(at, scales)]  # shared by the rows
-        for r in range(rows):
-            pair = f.x_pair(r, builder.add(group_at, c(2 * (run + 8 * u))), f.part_sums.count)
+    def scaled_group(total, at, scale_at, g, group_at):
+        """total + group g's code products, every input row and tile: per pair of depths one
+        vpdpwssd a row and tile into int32 sums, a chain per half u of the group (Q6_K: a scale
+        each; Q4_K only for one row of one tile, so that its vpdpwssd do not all wait on each
+        other), then the sums times their sub-block scales (vpmulld, one a scale of 16 rows, where
+        scaling the codes took a vpmullw a pair and tile on the ports vpdpwssd needs): exact int32
+        sums, the same in prefill and decode."""
+        single = rows * count == 1
+        chains = 1 if k4 and not single else 2
+        sums = [[[[f.zeros(f.part_sums)] * f.parts for _ in range(count)] for _ in range(rows)] for _ in range(chains)]
+        # a run's two pairs in turn (one tile of one row alternates its chains), but for Q6_K's
+        # register blocks, which end one chain before the next (its second beside the first spilled)
+        pairs = [(run, u) for run in range(8) for u in (0, 1)] if single or k4 else [(run, u) for u in (0, 1) for run in range(8)]
+        for run, u in pairs:
+            words = [[builder.bitcast(w, f.part_sums) for w in codes(o, g, run, u)] for o in at]  # shared by the rows
+            chain = sums[u if chains == 2 else 0]
+            for r in range(rows):
+                pair = f.x_pair(r, builder.add(group_at, c(2 * (run + 8 * u))), f.part_sums.count)
+                for s in range(count):
+                    chain[r][s] = [_dot_words(builder, acc, w, pair) for acc, w in zip(chain[r][s], words[s])]
+        if k4 and chains == 2:  # one scale for both
+            sums = [[[[builder.add(a, b) for a, b in zip(x, y)] for x, y in zip(*row)] for row in zip(*sums)]]
+        for h, chain in enumerate(sums):
             for s in range(count):
-                total[r][s] = [_dot_words(builder, acc, w, pair) for acc, w in zip(total[r][s], words[s])]
+                scale = f.lanes_of(q.bytes(scale_at[s][h], LANES), signed=not k4)
+                for r in range(rows):
+                    total[r][s] = [builder.add(a, builder.mul(part, sc)) for a, part, sc in zip(total[r][s], chain[r][s], scale)]
         return total
 
     def add_up(sums, step):
@@ -704,18 +693,7 @@ def _k_emit(name, rows, count, context, builder, q, arrays, i0, t0):
                 scale_at = [[builder.add(o, builder.add(builder.mul(g, c(LANES if k4 else 2 * LANES)), c(scales_at + LANES * u)))
                              for u in ((0,) if k4 else (0, 1))] for o in at]
                 group_at = builder.add(builder.mul(blk, c(256)), builder.mul(g, c(32)))
-                if rows == 1:
-                    add_up(sums, lambda total: [[scaled_after(o, at_u, g, group_at, acc) for o, at_u, acc in zip(at, scale_at, total[0])]])
-                    continue
-                scales = [[scale_words(a) for a in at_u] for at_u in scale_at]
-
-                def group(total):
-                    for run in range(8):
-                        for u in (0, 1):
-                            total = products(total, at, group_at, g, run, u, scales)
-                    return total
-
-                add_up(sums, group)
+                add_up(sums, lambda total: scaled_group(total, at, scale_at, g, group_at))
         d = [f.f16s(builder.add(o, c(d_at))) for o in at]
         if k4:
             dmin = [builder.fneg(f.f16s(builder.add(o, c(K4_DMIN)))) for o in at]
