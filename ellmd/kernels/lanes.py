@@ -630,10 +630,9 @@ def _k_emit(name, rows, count, context, builder, q, arrays, i0, t0):
         """The 32 code bytes of pair run + 8 u of group g (values 32 g + 16 u + 2 run + h; g an IR
         value) as words, a vector a part (_Frame.words)."""
         at = builder.add(o, builder.add(builder.mul(g, c(8 * 2 * LANES)), c(run * 2 * LANES)))
-        if k4:  # widened, then cut: a run's two pairs (its low and high nibbles) share the widening
-            return [builder.lshr(w, ir.Constant(w.type, [4] * w.type.count)) if u else
-                    builder.and_(w, ir.Constant(w.type, [15] * w.type.count)) for w in f.words(q.bytes(builder.add(at, c(K4_CODES)), 2 * LANES))]
-        code = q.field(q.bytes(builder.add(at, c(K6_LOW)), 2 * LANES), 4 * u, 15, 0)
+        code = q.field(q.bytes(builder.add(at, c(K4_CODES if k4 else K6_LOW)), 2 * LANES), 4 * u, 15, 0)
+        if k4:
+            return f.words(code)
         at = builder.add(o, builder.add(builder.mul(g, c(4 * 2 * LANES)), c(run // 2 * 2 * LANES)))
         bits = q.bytes(builder.add(at, c(K6_HIGH)), 2 * LANES)
         code = builder.or_(code, q.field(bits, 4 * (run % 2) + 2 * u, 3, 4))
@@ -649,9 +648,9 @@ def _k_emit(name, rows, count, context, builder, q, arrays, i0, t0):
         single = rows * count == 1
         chains = 1 if k4 and not single else 2
         sums = [[[[f.zeros(f.part_sums)] * f.parts for _ in range(count)] for _ in range(rows)] for _ in range(chains)]
-        # a run's two pairs in turn (one tile of one row alternates its chains), but for Q6_K's
-        # register blocks, which end one chain before the next (its second beside the first spilled)
-        pairs = [(run, u) for run in range(8) for u in (0, 1)] if single or k4 else [(run, u) for u in (0, 1) for run in range(8)]
+        # one tile of one row alternates its chains; Q6_K's register blocks end one chain before the
+        # next (its second beside the first would spill)
+        pairs = [(run, u) for run in range(8) for u in (0, 1)] if chains == 1 or single else [(run, u) for u in (0, 1) for run in range(8)]
         for run, u in pairs:
             words = [[builder.bitcast(w, f.part_sums) for w in codes(o, g, run, u)] for o in at]  # shared by the rows
             chain = sums[u if chains == 2 else 0]
