@@ -137,6 +137,25 @@ def test_rmsnorm(rng, n, d):
     np.testing.assert_allclose(x, want, **TOL)
 
 
+@numba.njit
+def _sum_squares(row):
+    return norm.sum_squares(row)
+
+
+@pytest.mark.parametrize("d", [37, 128, 576, 2048])
+def test_the_order_of_a_sum_of_squares(rng, d):
+    """rmsnorm's sum of squares in its one order: 16 partial sums (value j in lane j % 16, an fma a
+    value), then the lanes in order, the same bits in every compiled copy."""
+    x = randn(rng, d, scale=3.0)
+    lanes = np.zeros(16, np.float32)
+    for j in range(d):  # fma in float32: the product is exact in float64, the sum rounded once
+        lanes[j % 16] = np.float32(np.float64(x[j]) * np.float64(x[j]) + np.float64(lanes[j % 16]))
+    want = lanes[0]
+    for lane in lanes[1:]:
+        want = np.float32(want + lane)
+    assert _sum_squares(x) == want
+
+
 def test_rmsnorm_per_head_view(rng):
     q = randn(rng, 5, 4, 64)  # [n, heads, hd]: Qwen3's q norm runs on a [n*heads, hd] view
     w = randn(rng, 64)

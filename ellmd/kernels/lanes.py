@@ -486,9 +486,15 @@ class _Frame:
         ptr = self.b.bitcast(self.q.ptr(at), self.q.vec(ir.HalfType(), LANES).as_pointer())
         return self.b.fpext(self.b.load(ptr, align=2), self.f32v)
 
-    def x_pair(self, r, at, lanes=LANES):
-        """Input row r's int16 pair at value offset `at` (an IR value), broadcast to `lanes` lanes."""
+    def x_pair(self, r, at, offset, lanes=LANES):
+        """Input row r's int16 pair at value offset at + offset (an IR value, a constant), broadcast
+        to `lanes` lanes; in a register block of one tile on AVX512-VNNI, where each pair meets one
+        vector of codes, its address for vpdpwssd to broadcast (_dot_words; Q4_K decode from memory
+        1.05x the GB/s of a broadcast instruction a pair, Zen 5, interleaved in one process)."""
         ptr = self.b.gep(self.x_rows[r], [self.b.mul(at, self.c(2))])
+        if self.count == 1 and not self.halves:
+            return ptr, 2 * offset
+        ptr = self.b.gep(ptr, [self.c(2 * offset)])
         return self.q.splat(self.b.load(self.b.bitcast(ptr, self.q.i32.as_pointer()), align=2), lanes)
 
     def x_pair8(self, r, at):
@@ -530,9 +536,10 @@ class _Frame:
         at = self.b.add(self.b.mul(self.rows_i[r], self.b.udiv(self.k, self.c(32))), self.b.mul(blk, self.c(per)))
         return self.b.load(self.b.gep(self.xd, [at]))
 
-    def xs_at(self, r, blk, count):
-        """Input row r's code sums per 16 values (exact) from block blk on, `count` of them."""
-        at = self.b.add(self.b.mul(self.rows_i[r], self.b.udiv(self.k, self.c(16))), self.b.mul(blk, self.c(count)))
+    def xs_at(self, r, at, count):
+        """Input row r's code sums per 16 values (exact) from value offset at (a multiple of 16) on,
+        `count` of them."""
+        at = self.b.add(self.b.mul(self.rows_i[r], self.b.udiv(self.k, self.c(16))), self.b.udiv(at, self.c(16)))
         return [self.b.load(self.b.gep(self.xs, [self.b.add(at, self.c(h))])) for h in range(count)]
 
     @contextlib.contextmanager
@@ -595,7 +602,7 @@ def _one_scale_emit(name, rows, count, context, builder, q, arrays, i0, t0):
         for p in (run + 8 * u for run in range(8) for u in (0, 1)):  # a nibble run's two pairs in turn (exact sums: any order)
             words = [[builder.bitcast(w, f.part_sums) for w in codes(o, p)] for o in at]  # shared by the rows
             for r in range(rows):
-                pair = f.x_pair(r, builder.add(builder.mul(blk, c(32)), c(2 * p)), f.part_sums.count)
+                pair = f.x_pair(r, builder.mul(blk, c(32)), 2 * p, f.part_sums.count)
                 for s in range(count):
                     sums[r][s] = [_dot_words(builder, acc, w, pair) for acc, w in zip(sums[r][s], words[s])]
         sums = [[f.joined(parts_sums) for parts_sums in row_sums] for row_sums in sums]
@@ -604,7 +611,7 @@ def _one_scale_emit(name, rows, count, context, builder, q, arrays, i0, t0):
         for r in range(rows):
             dx = f.dx(r, blk, 1)
             if name == "Q4_1":  # its min times the row's code sums of the block, times its scale: once
-                xs = q.splat(builder.fmul(builder.fadd(*f.xs_at(r, blk, 2)), dx), LANES)
+                xs = q.splat(builder.fmul(builder.fadd(*f.xs_at(r, builder.mul(blk, c(32)), 2)), dx), LANES)
             dx = q.splat(dx, LANES)
             for s in range(count):
                 step = builder.fmul(scales[s], dx)  # one float product, then one fma: each rounds once
@@ -618,9 +625,10 @@ def _one_scale_emit(name, rows, count, context, builder, q, arrays, i0, t0):
 def _k_emit(name, rows, count, context, builder, q, arrays, i0, t0):
     """IR of a K-quant's register block (Q4_K or Q6_K): rows input rows (from i0) times count tiles
     (from t0), every super-block, into out. Per pair of depths, a tile's 16 rows of codes are cut
-    from their bits (Q6_K's offset 32 taken off), shared by the input rows, then one vpdpwssd a row;
-    per sub-block, its scales times the int32 sums; per super-block, one conversion and one FMA an
-    output, and Q4_K's mins (times the activations' code sums) one more."""
+    from their bits, shared by the input rows, then one vpdpwssd a row; per sub-block, its scales
+    times the int32 sums (Q6_K's offset 32 taken off the sums, not off every code: prefill 1.11x,
+    decode 1.05-1.09x, Zen 5); per super-block, one conversion and one FMA an output, and Q4_K's
+    mins (times the activations' code sums) one more."""
     k4 = name == "Q4_K"
     scales_at, d_at = (K4_SCALES, K4_D) if k4 else (K6_SCALES, K6_D)
     f = _Frame(context, builder, q, arrays, i0, t0, rows, count, 256, TILE_BLOCKS[name][1])
@@ -631,36 +639,35 @@ def _k_emit(name, rows, count, context, builder, q, arrays, i0, t0):
         value) as words, a vector a part (_Frame.words)."""
         at = builder.add(o, builder.add(builder.mul(g, c(8 * 2 * LANES)), c(run * 2 * LANES)))
         code = q.field(q.bytes(builder.add(at, c(K4_CODES if k4 else K6_LOW)), 2 * LANES), 4 * u, 15, 0)
-        if k4:
-            return f.words(code)
-        at = builder.add(o, builder.add(builder.mul(g, c(4 * 2 * LANES)), c(run // 2 * 2 * LANES)))
-        bits = q.bytes(builder.add(at, c(K6_HIGH)), 2 * LANES)
-        code = builder.or_(code, q.field(bits, 4 * (run % 2) + 2 * u, 3, 4))
-        return [builder.sub(w, ir.Constant(w.type, [32] * w.type.count)) for w in f.words(code)]
+        if not k4:
+            at = builder.add(o, builder.add(builder.mul(g, c(4 * 2 * LANES)), c(run // 2 * 2 * LANES)))
+            code = builder.or_(code, q.field(q.bytes(builder.add(at, c(K6_HIGH)), 2 * LANES), 4 * (run % 2) + 2 * u, 3, 4))
+        return f.words(code)
 
     def scaled_group(total, at, scale_at, g, group_at):
         """total + group g's code products, every input row and tile: per pair of depths one
-        vpdpwssd a row and tile into int32 sums, a chain per half u of the group (Q6_K: a scale
-        each; Q4_K only for one row of one tile, so that its vpdpwssd do not all wait on each
-        other), then the sums times their sub-block scales (vpmulld, one a scale of 16 rows, where
-        scaling the codes took a vpmullw a pair and tile on the ports vpdpwssd needs): exact int32
-        sums, the same in prefill and decode."""
-        single = rows * count == 1
-        chains = 1 if k4 and not single else 2
-        sums = [[[[f.zeros(f.part_sums)] * f.parts for _ in range(count)] for _ in range(rows)] for _ in range(chains)]
-        # one tile of one row alternates its chains; Q6_K's register blocks end one chain before the
+        vpdpwssd a row and tile into int32 sums, a chain per scale (Q6_K: one per half u of the
+        group), then the sums, less Q6_K's offset (32 times the activations' code sum), times their
+        sub-block scales (vpmulld, one a scale of 16 rows, where scaling the codes took a vpmullw a
+        pair and tile on the ports vpdpwssd needs): exact int32 sums, the same in prefill and
+        decode (wrapped in between or not: the totals fit in int32)."""
+        sums = [[[[f.zeros(f.part_sums)] * f.parts for _ in range(count)] for _ in range(rows)] for _ in range(1 if k4 else 2)]
+        # one tile of one row alternates Q6_K's chains; its register blocks end one chain before the
         # next (its second beside the first would spill)
-        pairs = [(run, u) for run in range(8) for u in (0, 1)] if chains == 1 or single else [(run, u) for u in (0, 1) for run in range(8)]
+        pairs = [(run, u) for run in range(8) for u in (0, 1)] if k4 or rows * count == 1 else [(run, u) for u in (0, 1) for run in range(8)]
         for run, u in pairs:
             words = [[builder.bitcast(w, f.part_sums) for w in codes(o, g, run, u)] for o in at]  # shared by the rows
-            chain = sums[u if chains == 2 else 0]
+            chain = sums[0 if k4 else u]
             for r in range(rows):
-                pair = f.x_pair(r, builder.add(group_at, c(2 * (run + 8 * u))), f.part_sums.count)
+                pair = f.x_pair(r, group_at, 2 * (run + 8 * u), f.part_sums.count)
                 for s in range(count):
                     chain[r][s] = [_dot_words(builder, acc, w, pair) for acc, w in zip(chain[r][s], words[s])]
-        if k4 and chains == 2:  # one scale for both
-            sums = [[[[builder.add(a, b) for a, b in zip(x, y)] for x, y in zip(*row)] for row in zip(*sums)]]
         for h, chain in enumerate(sums):
+            if not k4:  # sum (code - 32) x = sum code x - 32 sum x
+                for r in range(rows):
+                    offset = builder.shl(builder.fptosi(f.xs_at(r, builder.add(group_at, c(16 * h)), 1)[0], q.i32), ir.Constant(q.i32, 5))
+                    offset = q.splat(offset, f.part_sums.count)
+                    chain[r] = [[builder.sub(part, offset) for part in parts] for parts in chain[r]]
             for s in range(count):
                 scale = f.lanes_of(q.bytes(scale_at[s][h], LANES), signed=not k4)
                 for r in range(rows):
@@ -701,7 +708,7 @@ def _k_emit(name, rows, count, context, builder, q, arrays, i0, t0):
         for r in range(rows):
             dx = q.splat(f.dx(r, blk, 8), LANES)  # one activation scale per 256 values (quant.activation_group)
             if k4:
-                xs = f.xs_at(r, blk, 16)
+                xs = f.xs_at(r, builder.mul(blk, c(256)), 16)
                 xs = [q.splat(builder.fadd(xs[2 * g], xs[2 * g + 1]), LANES) for g in range(8)]  # exact: < 2^21
             for s in range(count):
                 isum = f.joined([builder.load(slot) for slot in sums[r][s]])
@@ -811,7 +818,7 @@ def _int8_emit(name, rows, count, context, builder, q, arrays, i0, t0):
                              for u in (0, 1)] for a in scale_at]
             for r in range(rows):
                 dx = f.dx(r, group, 1)
-                xs = f.xs_at(r, group, 2)
+                xs = f.xs_at(r, group_at, 2)
                 for s in range(count):
                     acc = f.fma(builder.sitofp(f.joined(isums[r][s]), f.f32v), builder.fmul(d[s], q.splat(dx, LANES)),
                                 builder.load(f.accs[r][s]))
