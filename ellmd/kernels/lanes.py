@@ -79,7 +79,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
 from ellmd.kernels import cpu, quant
-from ellmd.kernels.quant_int import FASTMATH_IN_ORDER, WORDS_VNNI, _dot_words, _Ir
+from ellmd.kernels.quant_int import FASTMATH_IN_ORDER, WORDS_VNNI, _dot_words, _Ir, broadcasts_pairs
 
 LANES = 16  # weight rows of a tile: vpdpwssd's int32 lanes
 TILE_BLOCK = 2 * LANES + 16 * 2 * LANES  # bytes of a Q8_0 tile's block: 16 scales, 16 pairs of 16 x 2 codes
@@ -492,7 +492,7 @@ class _Frame:
         vector of codes, its address for vpdpwssd to broadcast (_dot_words; Q4_K decode from memory
         1.05x the GB/s of a broadcast instruction a pair, Zen 5, interleaved in one process)."""
         ptr = self.b.gep(self.x_rows[r], [self.b.mul(at, self.c(2))])
-        if self.count == 1 and not self.halves:
+        if self.count == 1 and broadcasts_pairs():
             return ptr, 2 * offset
         ptr = self.b.gep(ptr, [self.c(2 * offset)])
         return self.q.splat(self.b.load(self.b.bitcast(ptr, self.q.i32.as_pointer()), align=2), lanes)

@@ -45,7 +45,7 @@ from numba.extending import overload
 from ellmd.kernels import attention, bf16, dpbf16, lanes, moe, norm, quant
 from ellmd.kernels.activations import PARALLEL_MIN, silu_mul
 from ellmd.kernels.matmul import ROW_BLOCK, matmul, part_rows, path_rows
-from ellmd.kernels.norm import _rmsnorm_rows, qk_norm
+from ellmd.kernels.norm import _rmsnorm_heads_rows, _rmsnorm_rows
 from ellmd.kernels.rope import _rope_rows, rope
 
 JIT = {"fastmath": True, "nogil": True}
@@ -89,10 +89,11 @@ def layer(weights, ws, n, slots, positions, dims, run):
     rmsnorm(x, ln1, eps, h)
     linear(h, qkv_w, qkv, run)
     add_bias(qkv, bias)
-    if q_norm.shape[0]:  # Qwen3: an RMSNorm over each head of q and k
-        qk_norm(qkv, H, G, q_norm, k_norm, eps)
     heads = qkv.reshape((n, H + 2 * G, d))
     q, k, v = heads[:, :H], heads[:, H : H + G], heads[:, H + G :]
+    if q_norm.shape[0]:  # Qwen3: an RMSNorm over each head of q and k
+        rmsnorm_heads(q, q_norm, eps)
+        rmsnorm_heads(k, k_norm, eps)
     rotate(q, positions, cos, sin)
     rotate(k, positions, cos, sin)
     k_layer, v_layer = k_cache[index], v_cache[index]
@@ -155,6 +156,16 @@ def rmsnorm(x, weight, eps, out):
 @overload(rmsnorm, jit_options=JIT)
 def _rmsnorm_compiled(x, weight, eps, out):
     return lambda x, weight, eps, out: _rmsnorm_rows(x, weight, eps, out, 0, x.shape[0])
+
+
+def rmsnorm_heads(x, weight, eps):
+    """rmsnorm over each head of x [n, heads, d], in place (norm.rmsnorm_heads: rows in parallel when many)."""
+    norm.rmsnorm_heads(x, weight, eps)
+
+
+@overload(rmsnorm_heads, jit_options=JIT)
+def _rmsnorm_heads_compiled(x, weight, eps):
+    return lambda x, weight, eps: _rmsnorm_heads_rows(x, weight, eps, 0, x.shape[0])
 
 
 def linear(x, w, out, run):

@@ -10,7 +10,7 @@ import numpy as np
 from llvmlite import ir
 from numba import prange, types
 from numba.core import cgutils
-from numba.extending import intrinsic, overload
+from numba.extending import intrinsic
 
 from ellmd.kernels.activations import PARALLEL_MIN
 from ellmd.kernels.quant_int import FASTMATH_IN_ORDER
@@ -113,26 +113,6 @@ def rmsnorm_heads(x, weight, eps):
         return
     for i in prange(n):
         _rmsnorm_heads_rows(x, weight, eps, i, i + 1)
-
-
-def qk_norm(qkv, heads, kv_heads, q_norm, k_norm, eps):
-    """Qwen3's q and k norms on fused qkv rows [n, (H + 2G) * d] (q heads, k heads, v heads), in
-    place (rows in parallel when many)."""
-    d = q_norm.shape[0]
-    x = qkv.reshape((qkv.shape[0], heads + 2 * kv_heads, d))
-    rmsnorm_heads(x[:, :heads], q_norm, eps)
-    rmsnorm_heads(x[:, heads : heads + kv_heads], k_norm, eps)
-
-
-@overload(qk_norm, jit_options={"fastmath": True, "nogil": True})
-def _qk_norm_compiled(qkv, heads, kv_heads, q_norm, k_norm, eps):
-    def impl(qkv, heads, kv_heads, q_norm, k_norm, eps):
-        d = q_norm.shape[0]
-        x = qkv.reshape((qkv.shape[0], heads + 2 * kv_heads, d))
-        _rmsnorm_heads_rows(x[:, :heads], q_norm, eps, 0, x.shape[0])
-        _rmsnorm_heads_rows(x[:, heads : heads + kv_heads], k_norm, eps, 0, x.shape[0])
-
-    return impl
 
 
 def rmsnorm_heads_ref(x, weight, eps):

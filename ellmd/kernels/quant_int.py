@@ -222,20 +222,22 @@ def _k_words(name, q, o, g):
 WORDS_VNNI = bool(binding.get_host_cpu_features().get("avx512vnni"))  # else the int16 path runs on AVX2
 
 
+def broadcasts_pairs() -> bool:
+    """True where _dot_words takes a pair's address for vpdpwssd to broadcast (AVX512-VNNI): for a
+    pair that meets one vector of codes, a broadcast instruction less."""
+    return WORDS_VNNI
+
+
 def _dot_words(b, acc, a, x):
     """acc + the pairwise products of a and x (<16 x i32> each, as 32 int16; AVX2: or <8 x i32>),
     exact int32 sums. With AVX512-VNNI the instruction vpdpwssd itself (LLVM would otherwise split
     it into vpmaddwd and vpaddd: two uops); on AVX2, vpmaddwd and vpaddd on each 256-bit half.
-    x may also be (an i8 pointer, a constant byte offset) of one int32 to broadcast: by vpdpwssd
-    itself with AVX512-VNNI (for a pair that meets one vector of codes: a broadcast instruction less)."""
+    With AVX512-VNNI, x may also be (an i8 pointer, a constant byte offset) of one int32 that
+    vpdpwssd broadcasts itself (broadcasts_pairs)."""
     if isinstance(x, tuple):
         base, offset = x
-        if WORDS_VNNI:
-            return b.asm(ir.FunctionType(acc.type, [acc.type, acc.type, base.type]), f"vpdpwssd {offset}($3){{1to16}}, $2, $0",
-                         "=v,0,v,r", [acc, a, base], side_effect=False, name="dpwssd_from")
-        pair = b.load(b.bitcast(b.gep(base, [ir.Constant(ir.IntType(64), offset)]), ir.IntType(32).as_pointer()), align=2)
-        x = b.shuffle_vector(b.insert_element(ir.Constant(acc.type, ir.Undefined), pair, ir.Constant(ir.IntType(32), 0)),
-                             ir.Constant(acc.type, ir.Undefined), ir.Constant(ir.VectorType(ir.IntType(32), acc.type.count), [0] * acc.type.count))
+        return b.asm(ir.FunctionType(acc.type, [acc.type, acc.type, base.type]), f"vpdpwssd {offset}($3){{1to16}}, $2, $0",
+                     "=v,0,v,r", [acc, a, base], side_effect=False, name="dpwssd_from")
     if WORDS_VNNI:
         return b.asm(ir.FunctionType(acc.type, [acc.type] * 3), "vpdpwssd $3, $2, $0", "=v,0,v,v", [acc, a, x],
                      side_effect=False, name="dpwssd")
