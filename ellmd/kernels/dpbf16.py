@@ -14,8 +14,9 @@ token's pair of depths, one 32-bit word, is the other operand broadcast to the 1
 acc[token, 16 rows] += w pair . x pair per vdpbf16ps, per pair the hi product then the lo one.
 
 Register blocks: 4 row tiles x 6 tokens (24 accumulators, 4 weight registers, the broadcasts) for
-prefill and for decode steps of several tokens; 8 row tiles x 1 token for a decode step of one
-(8 weight streams from memory, a chain each). Every lane is one (token, weight row) and runs the
+prefill and for decode steps of several tokens; 4 row tiles x 2, 3 or 4 tokens for that many
+(attention's query rows of a decode step); 8 row tiles x 1 token for a decode step of one (8
+weight streams from memory, a chain each). Every lane is one (token, weight row) and runs the
 same chain of vdpbf16ps whatever the block, the tokens beside it, its lane or the depth passes (c
 keeps the f32 sums between passes): a token's numbers are the same to the bit in a prefill chunk
 of any size and alone in a decode step. Products of bf16 values are exact in f32; vdpbf16ps
@@ -143,8 +144,29 @@ def make_block(row_tiles, tokens):
     return block
 
 
-_block_4x6, _block_1x6 = make_block(ROW_TILES, BLOCK_TOKENS), make_block(1, BLOCK_TOKENS)
-_block_8x1, _block_1x1 = make_block(DECODE_ROW_TILES, 1), make_block(1, 1)
+def _row_tiles(wide, wide_tiles, narrow):
+    """A product over row tiles j0 .. j1 in blocks of `wide` (wide_tiles row tiles), the rest in
+    `narrow` (one): blocks of the same tokens, so the same chain in every lane."""
+
+    @numba.njit(nogil=True, fastmath=True)
+    def run(w, xh, xl, nb, out, r0, j0, j1, q0, count, onto):
+        j = j0
+        while j + wide_tiles <= j1:
+            wide(w, j, xh, xl, nb, out, r0, q0, count, onto)
+            j += wide_tiles
+        for j in range(j, j1):
+            narrow(w, j, xh, xl, nb, out, r0, q0, count, onto)
+
+    return run
+
+
+_one_token = _row_tiles(make_block(DECODE_ROW_TILES, 1), DECODE_ROW_TILES, make_block(1, 1))
+# a few tokens (attention's g query rows of a decode step, a small batch) in blocks of exactly
+# that many: padded to BLOCK_TOKENS, a decode step's 2 rows would compute 6
+_two_tokens = _row_tiles(make_block(ROW_TILES, 2), ROW_TILES, make_block(1, 2))
+_three_tokens = _row_tiles(make_block(ROW_TILES, 3), ROW_TILES, make_block(1, 3))
+_four_tokens = _row_tiles(make_block(ROW_TILES, 4), ROW_TILES, make_block(1, 4))
+_block_tokens = _row_tiles(make_block(ROW_TILES, BLOCK_TOKENS), ROW_TILES, make_block(1, BLOCK_TOKENS))
 
 
 @numba.njit(cache=True, nogil=True, fastmath=False)
@@ -157,19 +179,16 @@ def token_rows(n):
 def product(w, xh, xl, nb, out, r0, j0, j1, q0, count, onto):
     """out[r0 .. r0 + nb, 16 j0 .. 16 j1] (+)= the nb tokens of xh, xl . weight tiles j0 .. j1, over
     pairs q0 .. q0 + count (onto out's sums where onto); operands as make_block's."""
-    j = j0
     if nb == 1:
-        while j + DECODE_ROW_TILES <= j1:
-            _block_8x1(w, j, xh, xl, nb, out, r0, q0, count, onto)
-            j += DECODE_ROW_TILES
-        for j in range(j, j1):
-            _block_1x1(w, j, xh, xl, nb, out, r0, q0, count, onto)
-        return
-    while j + ROW_TILES <= j1:
-        _block_4x6(w, j, xh, xl, nb, out, r0, q0, count, onto)
-        j += ROW_TILES
-    for j in range(j, j1):
-        _block_1x6(w, j, xh, xl, nb, out, r0, q0, count, onto)
+        _one_token(w, xh, xl, nb, out, r0, j0, j1, q0, count, onto)
+    elif nb == 2:
+        _two_tokens(w, xh, xl, nb, out, r0, j0, j1, q0, count, onto)
+    elif nb == 3:
+        _three_tokens(w, xh, xl, nb, out, r0, j0, j1, q0, count, onto)
+    elif nb == 4:
+        _four_tokens(w, xh, xl, nb, out, r0, j0, j1, q0, count, onto)
+    else:
+        _block_tokens(w, xh, xl, nb, out, r0, j0, j1, q0, count, onto)
 
 
 def scratch_floats(k):
