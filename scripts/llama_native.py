@@ -134,4 +134,8 @@ def bench(root: Path, gguf: Path, *, threads: int, prompts: list[int], decode: i
 
 
 if __name__ == "__main__":
+    import argparse
+
+    argparse.ArgumentParser(description="Build native llama.cpp's benchmark binaries if missing (10-15 minutes on "
+                            "2 cores, needs PyPI), then print their folder ($LLAMA_NATIVE or the user cache).").parse_args()
     print(build(native_root(), log=lambda message: print(message, file=sys.stderr)))
