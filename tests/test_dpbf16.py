@@ -127,7 +127,7 @@ def test_block_matches_reference(rng, rounding, row_tiles, tokens, q0, count, nb
     assert np.array_equal(out[untouched], start[untouched])
 
 
-@pytest.mark.parametrize("rows_per_block", [(4, 6), (1, 6), (8, 1), (1, 1)])
+@pytest.mark.parametrize("rows_per_block", [(4, 6), (1, 6), (4, 4), (4, 3), (4, 2), (8, 1), (1, 1)])
 def test_a_token_has_the_same_bits_in_every_block(rng, rounding, rows_per_block):
     """One arithmetic: a token's outputs are the same bits in every block, at every place in it,
     whatever the tokens beside it, in one pass or two (out keeping the f32 sums between them)."""
