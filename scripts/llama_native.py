@@ -12,6 +12,7 @@ network access to PyPI; benchmarks only, never tests.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shutil
@@ -134,8 +135,5 @@ def bench(root: Path, gguf: Path, *, threads: int, prompts: list[int], decode: i
 
 
 if __name__ == "__main__":
-    import argparse
-
-    argparse.ArgumentParser(description="Build native llama.cpp's benchmark binaries if missing (10-15 minutes on "
-                            "2 cores, needs PyPI), then print their folder ($LLAMA_NATIVE or the user cache).").parse_args()
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     print(build(native_root(), log=lambda message: print(message, file=sys.stderr)))
