@@ -25,8 +25,9 @@ m are zero), a tile's block for tile t and block b:
        scales and 8 mins as bytes ([sub-block][row], 256), then each sub-block of 32 values as Q5_0's
        nibble runs (8 x 256 bytes).
   Q6_K (3,360 = 16 x 210): the f16 d, the 16 int8 scales ([sub-block][row], 256 bytes), the codes'
-       low 4 bits as Q4_K's, then their high 2 bits per 32 values in 4 runs of 32 bytes (run j, bits
-       4e + 2u: the nibble run 2j + e, its half u).
+       low 4 bits as Q4_K's, then their high 2 bits per 32 values in 2 runs of 64 bytes, run J's
+       half h2 at bits 4e + 2u: the nibble run 4e + 2J + h2, its half u (_k6_high; two adjacent
+       nibble runs then find their high bits at one shift in 64 adjacent bytes).
 Cutting codes from nibbles and bit runs costs a few byte-wise instructions a vector of 16 rows,
 shared by the input rows of a register block; a K-quant's sub-block scales multiply each
 sub-block's int32 sums (vpmulld, once a sub-block per input row and tile), in prefill as in decode
@@ -88,7 +89,7 @@ TILE_BLOCK = 2 * LANES + 16 * 2 * LANES  # bytes of a Q8_0 tile's block: 16 scal
 K4_D, K4_DMIN, K4_SCALES, K4_MINS, K4_CODES = 0, 2 * LANES, 4 * LANES, 12 * LANES, 20 * LANES
 K4_BLOCK = K4_CODES + 8 * 8 * 2 * LANES  # 2,368 bytes for the GGUF's 16 x 144
 # a Q6_K tile's super-block: the 16 rows' d (f16) and 16 scales (int8, [sub-block][row]), the codes'
-# low 4 bits as Q4_K's, then their high 2 bits per 32 values in 4 runs of 32 bytes (layout above)
+# low 4 bits as Q4_K's, then their high 2 bits per 32 values in 2 runs of 64 bytes (layout above)
 K6_D, K6_SCALES, K6_LOW = 0, 2 * LANES, 18 * LANES
 K6_HIGH = K6_LOW + 8 * 8 * 2 * LANES
 K6_BLOCK = K6_HIGH + 8 * 4 * 2 * LANES  # 3,360 bytes: the GGUF's 16 x 210
@@ -261,11 +262,18 @@ def _repack_q6_k(w):
     out[..., K6_SCALES:K6_LOW] = _by_tile(w["scales"], m).swapaxes(2, 3).view(np.uint8).reshape(tiles, nb, 16 * LANES)
     codes = _by_tile(k6_codes_ref(w), m)  # [T, nb, r, 256]
     out[..., K6_LOW:K6_HIGH] = _nibble_runs(codes, tiles, nb)
-    # the high 2 bits of nibble run c = 2 j + e, half u, in run j of byte 2 r + h at bit 4 e + 2 u
-    high = (codes >> 4).reshape(tiles, nb, LANES, 8, 2, 4, 2, 2)  # [T, nb, r, g, u, j, e, h]
-    bits = sum(high[:, :, :, :, u, :, e, :] << (4 * e + 2 * u) for u in (0, 1) for e in (0, 1))  # [T, nb, r, g, j, h]
-    out[..., K6_HIGH:] = bits.astype(np.uint8).transpose(0, 1, 3, 4, 2, 5).reshape(tiles, nb, 8 * 4 * 2 * LANES)
+    # the high 2 bits of nibble run c = 4 e + 2 J + h2, half u, in run J's half h2, byte 2 r + h, bit 4 e + 2 u
+    high = (codes >> 4).reshape(tiles, nb, LANES, 8, 2, 2, 2, 2, 2)  # [T, nb, r, g, u, e, J, h2, h]
+    bits = sum(high[:, :, :, :, u, e] << (4 * e + 2 * u) for u in (0, 1) for e in (0, 1))  # [T, nb, r, g, J, h2, h]
+    out[..., K6_HIGH:] = bits.astype(np.uint8).transpose(0, 1, 3, 4, 5, 2, 6).reshape(tiles, nb, 8 * 4 * 2 * LANES)
     return out
+
+
+def _k6_high(run):
+    """Where a Q6_K group's nibble run `run` (0-7) finds its high 2 bits: (the byte offset of its 32
+    bytes in the group's 128, the bit of its half u = 0; u = 1's is 2 higher). Runs 2P and 2P + 1 sit
+    in one run of 64 bytes at the same bit."""
+    return 64 * (run // 2 % 2) + 32 * (run % 2), 4 * (run // 4)
 
 
 def q5_codes_ref(w):
@@ -320,9 +328,9 @@ def k6_tile_fields_ref(tiles):
     d = rows(tiles[..., K6_D:K6_SCALES].copy().view(np.float16)).astype(np.float32)
     sc = rows(tiles[..., K6_SCALES:K6_LOW].view(np.int8).reshape(t, nb, 16, LANES).swapaxes(2, 3))
     low = _nibbles_ref(tiles[..., K6_LOW:K6_HIGH], t, nb)
-    bits = tiles[..., K6_HIGH:].reshape(t, nb, 8, 4, LANES, 2)  # [T, nb, g, j, r, h]
-    high = np.stack([np.stack([(bits >> (4 * e + 2 * u)) & 3 for e in (0, 1)], 4) for u in (0, 1)], 3)
-    high = high.reshape(t, nb, 8, 2, 8, LANES, 2)  # [T, nb, g, u, c, r, h]
+    bits = tiles[..., K6_HIGH:].reshape(t, nb, 8, 2, 2, LANES, 2)  # [T, nb, g, J, h2, r, h]
+    high = np.stack([np.stack([(bits >> (4 * e + 2 * u)) & 3 for e in (0, 1)], 3) for u in (0, 1)], 3)
+    high = high.reshape(t, nb, 8, 2, 8, LANES, 2)  # [T, nb, g, u, c = 4 e + 2 J + h2, r, h]
     high = rows(high.transpose(0, 1, 5, 2, 3, 4, 6)).reshape(t * LANES, nb, 256)
     return d, sc, low | (high << 4)
 
@@ -640,9 +648,24 @@ def _k_emit(name, rows, count, context, builder, q, arrays, i0, t0):
         at = builder.add(o, builder.add(builder.mul(g, c(8 * 2 * LANES)), c(run * 2 * LANES)))
         code = q.field(q.bytes(builder.add(at, c(K4_CODES if k4 else K6_LOW)), 2 * LANES), 4 * u, 15, 0)
         if not k4:
-            at = builder.add(o, builder.add(builder.mul(g, c(4 * 2 * LANES)), c(run // 2 * 2 * LANES)))
-            code = builder.or_(code, q.field(q.bytes(builder.add(at, c(K6_HIGH)), 2 * LANES), 4 * (run % 2) + 2 * u, 3, 4))
+            offset, bit = _k6_high(run)
+            at = builder.add(o, builder.add(builder.mul(g, c(4 * 2 * LANES)), c(K6_HIGH + offset)))
+            code = builder.or_(code, q.field(q.bytes(at, 2 * LANES), bit + 2 * u, 3, 4))
         return f.words(code)
+
+    def k6_run_pair(o, g, first, u):
+        """codes of Q6_K runs first and first + 1 (first even) at once, cut in 64 bytes: half the
+        byte-wise instructions, then each half widened (the decode of one tile)."""
+        wide = lambda value: ir.Constant(q.vec(q.i8, 4 * LANES), [value] * 4 * LANES)
+        at = builder.add(o, builder.add(builder.mul(g, c(8 * 2 * LANES)), c(K6_LOW + first * 2 * LANES)))
+        low = builder.and_(builder.lshr(q.bytes(at, 4 * LANES), wide(4 * u)), wide(15))
+        offset, bit = _k6_high(first)
+        at = builder.add(o, builder.add(builder.mul(g, c(4 * 2 * LANES)), c(K6_HIGH + offset)))
+        high = builder.shl(builder.and_(builder.lshr(q.bytes(at, 4 * LANES), wide(bit + 2 * u)), wide(3)), wide(4))
+        code = builder.or_(low, high)
+        halves = [builder.shuffle_vector(code, code, ir.Constant(q.vec(q.i32, 2 * LANES), list(range(h, h + 2 * LANES))))
+                  for h in (0, 2 * LANES)]
+        return [f.words(half) for half in halves]
 
     def scaled_group(total, at, scale_at, g, group_at):
         """total + group g's code products, every input row and tile: per pair of depths one
@@ -655,8 +678,13 @@ def _k_emit(name, rows, count, context, builder, q, arrays, i0, t0):
         # one tile of one row alternates Q6_K's chains; its register blocks end one chain before the
         # next (its second beside the first would spill)
         pairs = [(run, u) for run in range(8) for u in (0, 1)] if k4 or rows * count == 1 else [(run, u) for u in (0, 1) for run in range(8)]
+        wide = not k4 and not f.halves
+        run_pairs = {}  # u -> each tile's codes of the runs cut together
         for run, u in pairs:
-            words = [[builder.bitcast(w, f.part_sums) for w in codes(o, g, run, u)] for o in at]  # shared by the rows
+            if wide and run % 2 == 0:
+                run_pairs[u] = [k6_run_pair(o, g, run, u) for o in at]
+            words = [[builder.bitcast(w, f.part_sums) for w in (run_pairs[u][s][run % 2] if wide else codes(o, g, run, u))]
+                     for s, o in enumerate(at)]  # shared by the rows
             chain = sums[0 if k4 else u]
             for r in range(rows):
                 pair = f.x_pair(r, group_at, 2 * (run + 8 * u), f.part_sums.count)
@@ -762,8 +790,9 @@ def _int8_emit(name, rows, count, context, builder, q, arrays, i0, t0):
         at = builder.add(o, builder.add(builder.mul(g, c(8 * 2 * LANES)), c(low + run * 2 * LANES)))
         code = q.field(q.bytes(at, 2 * LANES), 4 * u, 15, 0)
         if name == "Q6_K":
-            at = builder.add(o, builder.add(builder.mul(g, c(4 * 2 * LANES)), c(K6_HIGH + run // 2 * 2 * LANES)))
-            return builder.or_(code, q.field(q.bytes(at, 2 * LANES), 4 * (run % 2) + 2 * u, 3, 4))
+            offset, bit = _k6_high(run)
+            at = builder.add(o, builder.add(builder.mul(g, c(4 * 2 * LANES)), c(K6_HIGH + offset)))
+            return builder.or_(code, q.field(q.bytes(at, 2 * LANES), bit + 2 * u, 3, 4))
         if name == "Q5_0":
             return builder.or_(code, q.field(q.bytes(builder.add(o, c(Q5_HIGH + 2 * LANES * (run // 4))), 2 * LANES),
                                              2 * (run % 4) + u, 1, 4))
