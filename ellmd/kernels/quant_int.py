@@ -122,8 +122,11 @@ class _Ir:
         return self.b.shl(bits, self.const8(4))
 
     def field(self, v, shift, mask, to):
-        """((v >> shift) & mask) << to, bytewise."""
-        return self.b.shl(self.b.and_(self.b.lshr(v, self.const8(shift)), self.const8(mask)), self.const8(to))
+        """((v >> shift) & mask) << to, bytewise (a vector of any count)."""
+
+        def splat(value):
+            return ir.Constant(v.type, [value] * v.type.count)
+        return self.b.shl(self.b.and_(self.b.lshr(v, splat(shift)), splat(mask)), splat(to))
 
 
 def _ir_scale_min_k4(q, s, j):
