@@ -642,6 +642,8 @@ def _k_emit(name, rows, count, context, builder, q, arrays, i0, t0):
     f = _Frame(context, builder, q, arrays, i0, t0, rows, count, 256, TILE_BLOCKS[name][1])
     c = f.c
 
+    widened = {}  # (tile offset, group, run) -> Q4_K's run widened to words (codes)
+
     def cut(o, g, run, u, runs=1):
         """The code bytes of pair half u of `runs` adjacent nibble runs from `run` on, 32 a run, of
         group g (an IR value): values 32 g + 16 u + 2 run + h."""
@@ -655,7 +657,17 @@ def _k_emit(name, rows, count, context, builder, q, arrays, i0, t0):
         return code
 
     def codes(o, g, run, u):
-        """Pair run + 8 u's 32 code bytes as words, a vector a part (_Frame.words)."""
+        """Pair run + 8 u's 32 code bytes as words, a vector a part (_Frame.words). Q4_K on AVX-512
+        cuts its nibbles from the widened run (one vpmovzxbw for both halves u, then vpandw or
+        vpsrlw: the words' high bytes are zero)."""
+        if k4 and not f.halves:
+            if (o, g, run) not in widened:  # opaque to LLVM, which would narrow the cut back to bytes
+                at = builder.add(o, builder.add(builder.mul(g, c(8 * 2 * LANES)), c(K4_CODES + run * 2 * LANES)))
+                widened[o, g, run] = builder.asm(ir.FunctionType(f.w16, [q.i8.as_pointer()]), "vpmovzxbw ($1), $0", "=v,r",
+                                                 [q.ptr(at)], side_effect=False, name="widen")
+            run_words = widened[o, g, run]
+            nibble = (builder.and_ if u == 0 else builder.lshr)(run_words, ir.Constant(f.w16, [15 if u == 0 else 4] * f.w16.count))
+            return [nibble]
         return f.words(cut(o, g, run, u))
 
     def k6_run_pair(o, g, first, u):
