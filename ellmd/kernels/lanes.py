@@ -658,8 +658,9 @@ def _k_emit(name, rows, count, context, builder, q, arrays, i0, t0):
 
     def codes(o, g, run, u):
         """Pair run + 8 u's 32 code bytes as words, a vector a part (_Frame.words). Q4_K on AVX-512
-        cuts its nibbles from the widened run (one vpmovzxbw for both halves u, then vpandw or
-        vpsrlw: the words' high bytes are zero)."""
+        cuts its nibbles from the widened run (one vpmovzxbw for both halves u, then vpandd or
+        vpsrlw: the words' high bytes are zero). Zen 5, decode one thread, tiles in cache: 31-37 ->
+        35-46 GB/s against a byte-wise cut and widening a half; from memory and prefill alike."""
         if k4 and not f.halves:
             if (o, g, run) not in widened:  # opaque to LLVM, which would narrow the cut back to bytes
                 at = builder.add(o, builder.add(builder.mul(g, c(8 * 2 * LANES)), c(K4_CODES + run * 2 * LANES)))
