@@ -644,12 +644,15 @@ def _k_emit(name, rows, count, context, builder, q, arrays, i0, t0):
 
     widened = {}  # (tile offset, group, run) -> Q4_K's run widened to words (codes)
 
+    def run_at(o, g, run):
+        """The byte offset of nibble run `run` of group g (an IR value) in the tile's block at o."""
+        return builder.add(o, builder.add(builder.mul(g, c(8 * 2 * LANES)), c((K4_CODES if k4 else K6_LOW) + run * 2 * LANES)))
+
     def cut(o, g, run, u, runs=1):
         """The code bytes of pair half u of `runs` adjacent nibble runs from `run` on, 32 a run, of
         group g (an IR value): values 32 g + 16 u + 2 run + h."""
         size = 2 * LANES * runs
-        at = builder.add(o, builder.add(builder.mul(g, c(8 * 2 * LANES)), c(run * 2 * LANES)))
-        code = q.field(q.bytes(builder.add(at, c(K4_CODES if k4 else K6_LOW)), size), 4 * u, 15, 0)
+        code = q.field(q.bytes(run_at(o, g, run), size), 4 * u, 15, 0)
         if not k4:
             offset, bit = _k6_high(run)
             at = builder.add(o, builder.add(builder.mul(g, c(4 * 2 * LANES)), c(K6_HIGH + offset)))
@@ -663,9 +666,8 @@ def _k_emit(name, rows, count, context, builder, q, arrays, i0, t0):
         35-46 GB/s against a byte-wise cut and widening a half; from memory and prefill alike."""
         if k4 and not f.halves:
             if (o, g, run) not in widened:  # opaque to LLVM, which would narrow the cut back to bytes
-                at = builder.add(o, builder.add(builder.mul(g, c(8 * 2 * LANES)), c(K4_CODES + run * 2 * LANES)))
                 widened[o, g, run] = builder.asm(ir.FunctionType(f.w16, [q.i8.as_pointer()]), "vpmovzxbw ($1), $0", "=v,r",
-                                                 [q.ptr(at)], side_effect=False, name="widen")
+                                                 [q.ptr(run_at(o, g, run))], side_effect=False, name="widen")
             run_words = widened[o, g, run]
             nibble = (builder.and_ if u == 0 else builder.lshr)(run_words, ir.Constant(f.w16, [15 if u == 0 else 4] * f.w16.count))
             return [nibble]
