@@ -13,20 +13,11 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # the alignment/ scripts are imported as a package from the repository root
     sys.path.insert(0, str(ROOT))
 
-# CI's two workers share two cores, each running 2-thread kernels (numba's OpenMP pool, torch's in
-# the alignment checks, the daemons the tests start): OpenMP threads that spin while waiting for
-# work take the core another process needs (decode measured 1.3-1.5x slower beside one busy
-# process). Read when OpenMP loads, so before any kernel runs; the daemons inherit it.
+# CI's two test processes share two cores, each running 2-thread kernels (numba's OpenMP pool,
+# torch's in the alignment checks, the daemons the tests start): OpenMP threads that spin while
+# waiting for work take the core another process needs (decode measured 1.3-1.5x slower beside
+# one busy process). Read when OpenMP loads, so before any kernel runs; the daemons inherit it.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
-
-# The files that take longest (20 daemon starts; transformers on SmolLM2; the MoE GGUF), run
-# first: with a file per worker (CI's -n 2 --dist loadfile), one that starts last ends the run alone.
-LONGEST_FIRST = ("test_alignment_smollm2.py", "test_alignment.py", "test_crash.py", "test_moe_gguf.py")
-
-
-def pytest_collection_modifyitems(items):
-    items.sort(key=lambda item: item.path.name not in LONGEST_FIRST)  # stable: the rest keep their order
 
 
 @pytest.fixture(scope="session")
