@@ -43,7 +43,7 @@ def main() -> int:
     argv = sys.argv[1:]
     split = argv.index("--") if "--" in argv else len(argv)
     options, pytest_args = parser.parse_args(argv[:split]), argv[split + 1:]  # after --: for every pytest run
-    files = options.files or sorted((ROOT / "tests").glob("test_*.py"))
+    files = [path.resolve() for path in options.files] or sorted((ROOT / "tests").glob("test_*.py"))
     files.sort(key=lambda path: path.name not in LONGEST_FIRST)  # stable: the rest keep their order
 
     start, totals, failed = time.monotonic(), dict.fromkeys(["passed", "failed", "errors", "skipped"], 0), []
