@@ -61,7 +61,7 @@ def main() -> int:
                 failed.append(path.name)
                 print(done.stdout + done.stderr, flush=True)
     minutes = (time.monotonic() - start) / 60
-    counts = ", ".join(f"{n} {outcome}" for outcome, n in totals.items() if n) or "no test ran"
+    counts = ", ".join(f"{n} {outcome}" for outcome, n in totals.items() if n) or "no counts in pytest's summaries"
     print(counts, f"in {minutes:.1f} min;",
           f"files that failed: {', '.join(failed)}" if failed else f"{len(files)} files, none failed")
     return 1 if failed else 0
