@@ -51,12 +51,12 @@ def main() -> int:
         runs = {pool.submit(run_file, path, pytest_args): path for path in files}
         for finished in as_completed(runs):
             path, (done, seconds) = runs[finished], finished.result()
-            summary = done.stdout.strip().splitlines()[-1:] or ["(no output)"]
-            for count, outcome in COUNTS.findall(summary[0]):
+            summary = (done.stdout.strip().splitlines() or ["(no output)"])[-1]
+            for count, outcome in COUNTS.findall(summary):
                 outcome = "errors" if outcome.startswith("error") else outcome
                 totals[outcome] = totals.get(outcome, 0) + int(count)
             ok = done.returncode in (0, NO_TESTS_COLLECTED)
-            print(f"{'ok  ' if ok else 'FAIL'} {path.name:32} {seconds:6.0f} s  {summary[0]}", flush=True)
+            print(f"{'ok  ' if ok else 'FAIL'} {path.name:32} {seconds:6.0f} s  {summary}", flush=True)
             if not ok:
                 failed.append(path.name)
                 print(done.stdout + done.stderr, flush=True)
